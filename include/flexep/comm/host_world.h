@@ -1,0 +1,61 @@
+// R simulated ranks in one process, one thread per rank, exchanging through shared memory. This
+// is the transport of the `host` backend: a rank publishes a pointer to its data, the ranks meet
+// at a barrier, and each reads what the others published. Every wait has a deadline: a rank
+// that never arrives makes the others fail with a TimeoutError naming the phase and that rank,
+// after which the world is broken and every later call fails at once.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "flexep/comm/process_group.h"
+
+namespace flexep {
+
+class HostWorld {
+ public:
+  explicit HostWorld(int size, double timeout_seconds = 300.0);
+  int size() const { return size_; }
+  double timeout_seconds() const { return timeout_seconds_; }
+  void set_timeout_seconds(double s) { timeout_seconds_ = s; }
+
+  // Blocks until all ranks arrived at this barrier (same call count on every rank).
+  void barrier(int rank, const std::string& phase);
+  // Every rank passes a pointer; returns all ranks' pointers, index = rank. The pointees must
+  // stay valid until the ranks have passed a later barrier.
+  std::vector<const void*> all_gather_ptr(int rank, const void* mine, const std::string& phase);
+  bool broken() const;
+
+ private:
+  const int size_;
+  double timeout_seconds_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::uint64_t generation_ = 0;
+  int arrived_ = 0;
+  std::vector<bool> present_;              // who arrived at the current barrier
+  std::vector<std::uint64_t> exchanges_;   // per-rank exchange count (slot parity)
+  std::vector<const void*> slots_[2];
+  std::string broken_reason_;
+};
+
+// ProcessGroup over a HostWorld (one object per rank).
+class HostProcessGroup : public ProcessGroup {
+ public:
+  HostProcessGroup(std::shared_ptr<HostWorld> world, int rank);
+  int rank() const override { return rank_; }
+  int size() const override { return world_->size(); }
+  void all_reduce_sum(const TensorView& t, const std::string& what) override;
+  void barrier(const std::string& what) override { world_->barrier(rank_, what); }
+  const std::shared_ptr<HostWorld>& world() const { return world_; }
+
+ private:
+  std::shared_ptr<HostWorld> world_;
+  int rank_;
+};
+
+}  // namespace flexep

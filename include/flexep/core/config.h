@@ -1,0 +1,108 @@
+// Configuration, mirroring NeMo Automodel's BackendConfig and MoEConfig field by field (names,
+// defaults and normalisation rules), so a config written for Automodel means the same here.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flexep/core/dtype.h"
+
+namespace flexep {
+
+// Communication backend of the token dispatcher. `torch` (Automodel's name) is our `alltoall`.
+enum class DispatcherKind { host, alltoall, deepep, hybridep };
+// Expert GEMM implementation. On our side every value runs our grouped experts; the value is kept
+// for Automodel compatibility and drives the normalisation rules.
+enum class ExpertsKind { torch, torch_mm, gmm, te };
+enum class ScoreFunc { softmax, softmax_with_bias, sigmoid };
+enum class Activation { swiglu, quick_geglu, relu2 };
+
+std::string_view to_string(DispatcherKind k);
+std::string_view to_string(ExpertsKind k);
+std::string_view to_string(ScoreFunc k);
+std::string_view to_string(Activation k);
+// Parsers throw ArgumentError naming `arg` and listing the allowed values.
+DispatcherKind parse_dispatcher(std::string_view s, const std::string& arg = "backend.dispatcher");
+ExpertsKind parse_experts(std::string_view s, const std::string& arg = "backend.experts");
+ScoreFunc parse_score_func(std::string_view s, const std::string& arg = "moe.score_func");
+Activation parse_activation(std::string_view s, const std::string& arg = "moe.expert_activation");
+
+// True for the dispatchers Automodel calls "EP dispatchers" (deepep, hybridep).
+inline bool is_ep_dispatcher(DispatcherKind k) { return k == DispatcherKind::deepep || k == DispatcherKind::hybridep; }
+
+struct BackendConfig {
+  DispatcherKind dispatcher = DispatcherKind::host;
+  ExpertsKind experts = ExpertsKind::torch_mm;
+  int dispatcher_num_sms = 20;
+  // Per-backend and per-phase SM counts; 0 means "use dispatcher_num_sms".
+  int deepep_num_sms = 0;
+  int hybridep_num_sms = 0;
+  int hybridep_dispatch_sms = 0;
+  int hybridep_combine_sms = 0;
+  int hybridep_preprocess_sms = 0;
+  bool fake_balanced_gate = false;
+  double fake_gate_noise = 0.0;  // [0, 1]
+  // Precision of the router (logits, softmax/sigmoid): f32 or f64; nullopt = input dtype.
+  std::optional<DType> gate_precision;
+
+  // Effective SM counts after the fallbacks above.
+  int dispatch_sms() const;
+  int combine_sms() const;
+  int preprocess_sms() const;
+};
+
+struct MoEConfig {
+  int n_routed_experts = 16;
+  int n_shared_experts = 0;
+  int n_activated_experts = 4;
+  int n_expert_groups = 1;
+  int n_limited_groups = 1;
+  bool train_gate = true;
+  double gate_bias_update_factor = 0.0;
+  double aux_loss_coeff = 0.0;
+  ScoreFunc score_func = ScoreFunc::softmax;
+  double route_scale = 1.0;
+  int dim = 64;
+  int inter_dim = 128;
+  int moe_inter_dim = 64;
+  bool norm_topk_prob = false;
+  bool router_bias = false;
+  bool expert_bias = false;
+  Activation expert_activation = Activation::swiglu;
+  double activation_alpha = 1.702;
+  double activation_limit = 7.0;
+  bool softmax_before_topk = false;
+  bool shared_expert_gate = false;
+  int shared_expert_inter_dim = 0;  // 0 = use moe_inter_dim
+  Activation shared_expert_activation = Activation::swiglu;
+  bool force_e_score_correction_bias = false;
+  DType dtype = DType::bf16;  // parameter dtype on the GPU path
+
+  bool has_correction_bias() const { return gate_bias_update_factor > 0 || force_e_score_correction_bias; }
+  bool grouped_routing() const { return n_expert_groups > 1; }
+  // Columns of gate_and_up_projs: 2*moe_inter_dim for gated activations, moe_inter_dim for relu2.
+  int up_dim() const { return expert_activation == Activation::relu2 ? moe_inter_dim : 2 * moe_inter_dim; }
+  int shared_inter() const {
+    return n_shared_experts * (shared_expert_inter_dim > 0 ? shared_expert_inter_dim : moe_inter_dim);
+  }
+};
+
+// Throws ArgumentError naming the first invalid field ("moe.n_activated_experts") and its range.
+void validate(const BackendConfig& c);
+void validate(const MoEConfig& c);
+// Checks what depends on the expert-parallel size (E divisible by ep_size).
+void validate_ep(const MoEConfig& c, int ep_size);
+
+// Automodel's silent rewrites, made visible: returns one message per change (callers log them).
+// - te/gmm experts without an EP dispatcher become torch_mm (and a deepep/hybridep-less
+//   dispatcher stays as it is);
+// - EP size 1 with an EP dispatcher falls back to the local path (`local_fallback` set).
+struct Normalization {
+  std::vector<std::string> messages;
+  bool local_fallback = false;
+};
+Normalization normalize(BackendConfig& c, int ep_size);
+
+}  // namespace flexep
