@@ -1,0 +1,68 @@
+#include "flexep/core/synthetic_routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "flexep/core/random.h"
+
+namespace flexep {
+
+RoutingKind parse_routing(std::string_view s, const std::string& arg) {
+  if (s == "uniform") return RoutingKind::uniform;
+  if (s == "zipf") return RoutingKind::zipf;
+  if (s == "hot") return RoutingKind::hot;
+  throw_argument_error(arg, "'", s, "' is not a routing; allowed: uniform, zipf, hot");
+}
+
+std::string_view to_string(RoutingKind k) {
+  switch (k) {
+    case RoutingKind::uniform: return "uniform";
+    case RoutingKind::zipf: return "zipf";
+    case RoutingKind::hot: return "hot";
+  }
+  return "?";
+}
+
+TopK synthetic_topk(std::int64_t tokens, int topk, int experts, const RoutingSpec& spec, std::uint64_t seed,
+                    int rank) {
+  FLEXEP_CHECK_ARG(tokens >= 0, "tokens", "must be >= 0, got ", tokens);
+  FLEXEP_CHECK_ARG(experts >= 1, "experts", "must be >= 1, got ", experts);
+  FLEXEP_CHECK_ARG(topk >= 1 && topk <= experts, "topk", topk, " is out of range; allowed: 1 <= topk <= ", experts);
+  FLEXEP_CHECK_ARG(spec.kind != RoutingKind::zipf || (spec.zipf_s >= 0 && std::isfinite(spec.zipf_s)), "zipf_s",
+                   "must be finite and >= 0, got ", spec.zipf_s);
+  FLEXEP_CHECK_ARG(spec.kind != RoutingKind::hot || (spec.hot_expert >= 0 && spec.hot_expert < experts),
+                   "hot_expert", spec.hot_expert, " is out of range [0, ", experts, ")");
+  TopK out{Tensor::empty({tokens, topk}, DType::i64), Tensor::empty({tokens, topk}, DType::f32)};
+  const std::uint64_t stream = splitmix64(stream_id("synthetic_routing") + static_cast<std::uint64_t>(rank));
+  std::vector<double> log_pop(static_cast<std::size_t>(experts), 0.0);
+  if (spec.kind == RoutingKind::zipf)
+    for (int e = 0; e < experts; ++e) log_pop[static_cast<std::size_t>(e)] = -spec.zipf_s * std::log(e + 1.0);
+  std::vector<std::pair<double, int>> keys(static_cast<std::size_t>(experts));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::uint64_t base = static_cast<std::uint64_t>(t) * static_cast<std::uint64_t>(experts + topk);
+    // Gumbel top-k: k distinct experts sampled proportionally to their popularity.
+    for (int e = 0; e < experts; ++e) {
+      const double u = uniform01(seed, stream, base + static_cast<std::uint64_t>(e)) + 1e-300;
+      double key = log_pop[static_cast<std::size_t>(e)] - std::log(-std::log(u));
+      if (spec.kind == RoutingKind::hot && e == spec.hot_expert) key = HUGE_VAL;
+      keys[static_cast<std::size_t>(e)] = {-key, e};
+    }
+    std::partial_sort(keys.begin(), keys.begin() + topk, keys.end());
+    double sum = 0;
+    std::vector<double> w(static_cast<std::size_t>(topk));
+    for (int j = 0; j < topk; ++j) {
+      w[static_cast<std::size_t>(j)] =
+          0.5 + uniform01(seed, stream, base + static_cast<std::uint64_t>(experts + j));
+      sum += w[static_cast<std::size_t>(j)];
+    }
+    for (int j = 0; j < topk; ++j) {
+      out.indices.data<std::int64_t>()[t * topk + j] = keys[static_cast<std::size_t>(j)].second;
+      out.weights.data<float>()[t * topk + j] = static_cast<float>(w[static_cast<std::size_t>(j)] / sum);
+    }
+  }
+  return out;
+}
+
+}  // namespace flexep

@@ -1,0 +1,102 @@
+// `flexep plan`: shows the dispatch plan of a synthetic routing: rows per rank, tokens per local
+// expert, padding, drops and the bytes a dispatch moves (own rank and remote), as text or JSON.
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "flexep/core/plan.h"
+#include "flexep/core/synthetic_routing.h"
+
+namespace flexep::tools {
+
+namespace {
+struct PlanArgs {
+  int ranks = 2, experts = 64, topk = 8, hidden = 7168;
+  long long tokens = 4096, pad_multiple = 1, budget = -1;
+  std::string routing = "uniform";
+  double zipf_s = 1.2;
+  bool drop = false, json = false;
+  long long seed = 1;
+};
+
+void run(const PlanArgs& a) {
+  RoutingSpec spec;
+  spec.kind = parse_routing(a.routing, "--routing");
+  spec.zipf_s = a.zipf_s;
+  PlanParams p;
+  p.ranks = a.ranks;
+  p.experts = a.experts;
+  p.pad_multiple = a.pad_multiple;
+  if (a.budget >= 0) p.budget_rows = a.budget;
+  p.overflow = a.drop ? OverflowPolicy::drop : OverflowPolicy::error;
+  validate(p);
+  std::vector<std::int64_t> counts;
+  std::vector<std::int64_t> unique_remote(static_cast<std::size_t>(a.ranks), 0), unique_all(unique_remote);
+  for (int s = 0; s < a.ranks; ++s) {
+    const TopK r = synthetic_topk(a.tokens, a.topk, a.experts, spec, static_cast<std::uint64_t>(a.seed), s);
+    const auto c = expert_counts(r.indices, a.experts);
+    counts.insert(counts.end(), c.begin(), c.end());
+    // (token, destination rank) pairs: what a deduplicating dispatch sends.
+    for (std::int64_t t = 0; t < a.tokens; ++t) {
+      std::vector<bool> hit(static_cast<std::size_t>(a.ranks), false);
+      for (int j = 0; j < a.topk; ++j) hit[static_cast<std::size_t>(p.owner(static_cast<int>(r.indices.data<std::int64_t>()[t * a.topk + j])))] = true;
+      for (int d = 0; d < a.ranks; ++d)
+        if (hit[static_cast<std::size_t>(d)]) {
+          ++unique_all[static_cast<std::size_t>(d)];
+          if (d != s) ++unique_remote[static_cast<std::size_t>(d)];
+        }
+    }
+  }
+  const DispatchPlan plan = DispatchPlan::build(counts, p);
+  nlohmann::json j;
+  j["ranks"] = a.ranks;
+  j["experts"] = a.experts;
+  j["topk"] = a.topk;
+  j["tokens_per_rank"] = a.tokens;
+  j["routing"] = a.routing;
+  for (int r = 0; r < a.ranks; ++r) {
+    const RankLayout& lay = plan.ranks[static_cast<std::size_t>(r)];
+    j["rank"][r] = {{"rows", lay.out_rows}, {"required_rows", lay.required_rows}, {"dropped", lay.dropped},
+                    {"tokens_per_expert", lay.tokens_per_expert},
+                    {"received_token_rows", unique_all[static_cast<std::size_t>(r)]},
+                    {"received_remote_token_rows", unique_remote[static_cast<std::size_t>(r)]}};
+  }
+  if (a.json) {
+    fmt::print("{}\n", j.dump(2));
+    return;
+  }
+  fmt::print("plan: {} ranks, {} experts ({} per rank), top-{}, {} tokens per rank, {} routing, pad {}{}\n",
+             a.ranks, a.experts, p.local_experts(), a.topk, a.tokens, a.routing, a.pad_multiple,
+             p.budget_rows ? fmt::format(", budget {} rows ({})", *p.budget_rows, a.drop ? "drop" : "error") : "");
+  const double row_mb = a.hidden * 2.0 / 1e6;
+  for (int r = 0; r < a.ranks; ++r) {
+    const RankLayout& lay = plan.ranks[static_cast<std::size_t>(r)];
+    std::int64_t mn = INT64_MAX, mx = 0;
+    for (auto c : lay.tokens_per_expert) mn = std::min(mn, c), mx = std::max(mx, c);
+    fmt::print("  rank {}: {} expert rows (needs {}), dropped {}, tokens/expert min {} max {}; receives {} token "
+               "rows ({} remote, {:.1f} MB at H={} bf16)\n",
+               r, lay.out_rows, lay.required_rows, lay.dropped, mn, mx, unique_all[static_cast<std::size_t>(r)],
+               unique_remote[static_cast<std::size_t>(r)], unique_remote[static_cast<std::size_t>(r)] * row_mb, a.hidden);
+  }
+}
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto a = std::make_shared<PlanArgs>();
+  CLI::App* cmd = app.add_subcommand("plan", "Show the dispatch plan of a synthetic routing");
+  cmd->add_option("--ranks", a->ranks, "Expert-parallel ranks")->check(CLI::Range(1, 1024));
+  cmd->add_option("--experts", a->experts, "Routed experts (divisible by ranks)")->check(CLI::PositiveNumber);
+  cmd->add_option("--topk", a->topk, "Experts per token")->check(CLI::PositiveNumber);
+  cmd->add_option("--tokens", a->tokens, "Tokens per rank")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--hidden", a->hidden, "Hidden size (for bytes)")->check(CLI::PositiveNumber);
+  cmd->add_option("--routing", a->routing, "uniform, zipf or hot");
+  cmd->add_option("--zipf-s", a->zipf_s, "Zipf exponent");
+  cmd->add_option("--pad-multiple", a->pad_multiple, "Pad each expert group to a multiple")->check(CLI::PositiveNumber);
+  cmd->add_option("--budget", a->budget, "Budget mode: output rows per rank");
+  cmd->add_flag("--drop", a->drop, "Drop rows over the budget instead of failing");
+  cmd->add_option("--seed", a->seed, "Routing seed");
+  cmd->add_flag("--json", a->json, "Print JSON");
+  cmd->callback([a] { run(*a); });
+}
+
+}  // namespace flexep::tools

@@ -1,0 +1,260 @@
+#include "train.h"
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "adam.h"
+#include "flexep/comm/host_world.h"
+#include "flexep/core/random.h"
+#include "flexep/dispatch/host.h"
+#include "flexep/layer/moe_layer.h"
+#include "progress.h"
+
+namespace flexep::tools {
+
+TrainOptions default_train_options() {
+  TrainOptions o;
+  MoEConfig& m = o.moe;
+  m.dim = 64;
+  m.n_routed_experts = 16;
+  m.n_activated_experts = 4;
+  m.moe_inter_dim = 64;
+  m.n_shared_experts = 1;
+  m.score_func = ScoreFunc::sigmoid;
+  m.norm_topk_prob = true;
+  m.route_scale = 1.0;
+  m.gate_bias_update_factor = 1e-3;
+  m.aux_loss_coeff = 0.0;
+  m.n_expert_groups = 1;
+  m.n_limited_groups = 1;
+  m.dtype = DType::f32;
+  o.backend.dispatcher = DispatcherKind::host;
+  return o;
+}
+
+void apply_train_json(TrainOptions& o, const std::string& json_text) {
+  const nlohmann::json j = nlohmann::json::parse(json_text);
+  for (const auto& [key, value] : j.items()) {
+    if (key == "ranks") o.ranks = value.get<int>();
+    else if (key == "steps") o.steps = value.get<int>();
+    else if (key == "tokens") o.tokens = value.get<int>();
+    else if (key == "seed") o.seed = value.get<std::uint64_t>();
+    else if (key == "lr") o.lr = value.get<double>();
+    else if (key == "teacher_std") o.teacher_std = value.get<double>();
+    else if (key == "padding_fraction") o.padding_fraction = value.get<double>();
+    else if (key == "device") o.device = value.get<std::string>();
+    else
+      throw_argument_error("train." + key, "is not a train option; known: ranks, steps, tokens, seed, lr, "
+                           "teacher_std, padding_fraction, device");
+  }
+}
+
+namespace {
+
+void validate(const TrainOptions& o) {
+  FLEXEP_CHECK_ARG(o.ranks >= 1 && o.ranks <= 64, "train.ranks", "must be in [1, 64], got ", o.ranks);
+  FLEXEP_CHECK_ARG(o.steps >= 1, "train.steps", "must be >= 1, got ", o.steps);
+  FLEXEP_CHECK_ARG(o.tokens >= o.ranks, "train.tokens", "must be >= train.ranks (", o.ranks, "), got ", o.tokens);
+  FLEXEP_CHECK_ARG(o.lr > 0 && std::isfinite(o.lr), "train.lr", "must be finite and > 0, got ", o.lr);
+  FLEXEP_CHECK_ARG(o.padding_fraction >= 0 && o.padding_fraction < 1, "train.padding_fraction",
+                   "must be in [0, 1), got ", o.padding_fraction);
+  FLEXEP_CHECK_ARG(o.device == "cpu", "train.device", "'", o.device,
+                   "' is not available in this build; allowed: cpu");
+  FLEXEP_CHECK_ARG(o.backend.dispatcher == DispatcherKind::host, "backend.dispatcher", "'",
+                   to_string(o.backend.dispatcher), "' needs GPUs; on the CPU the allowed value is host");
+  validate(o.moe);
+  validate(o.backend);
+  validate_ep(o.moe, o.ranks);
+}
+
+// Rows [begin, end) of the global batch owned by `rank`.
+std::pair<std::int64_t, std::int64_t> rank_rows(std::int64_t tokens, int ranks, int rank) {
+  return {tokens * rank / ranks, tokens * (rank + 1) / ranks};
+}
+
+struct Batch {
+  Tensor x;        // [T_r, dim]
+  Tensor padding;  // [T_r] bool
+  std::int64_t global_valid = 0;
+};
+
+Batch make_batch(const TrainOptions& o, int step, int rank, int ranks) {
+  const auto [b, e] = rank_rows(o.tokens, ranks, rank);
+  const std::int64_t dim = o.moe.dim;
+  Batch batch{Tensor::empty({e - b, dim}, DType::f32), Tensor::empty({e - b}, DType::b8)};
+  const std::uint64_t base = static_cast<std::uint64_t>(step) * static_cast<std::uint64_t>(o.tokens);
+  fill_normal(batch.x, o.seed, stream_id("train.x"), 0.0, 1.0, (base + static_cast<std::uint64_t>(b)) * dim);
+  for (std::int64_t t = 0; t < o.tokens; ++t) {
+    const bool pad = uniform01(o.seed, stream_id("train.padding"), base + static_cast<std::uint64_t>(t)) <
+                     o.padding_fraction;
+    if (!pad) ++batch.global_valid;
+    if (t >= b && t < e) batch.padding.data<bool>()[t - b] = pad;
+  }
+  return batch;
+}
+
+// One rank of the job: student, teacher and optimiser.
+struct Rank {
+  Rank(const TrainOptions& o, std::shared_ptr<HostWorld> world, int rank)
+      : group(world, rank), adam(o.lr) {
+    MoELayerOptions so;
+    so.seed = o.seed;
+    so.init_std = 0.02;
+    auto dispatcher = std::shared_ptr<TokenDispatcher>(make_host_dispatcher(world, rank, o.moe.n_routed_experts));
+    student = std::make_unique<MoELayer>(o.moe, o.backend, world->size() > 1 ? dispatcher : nullptr, so);
+    MoEConfig tc = o.moe;
+    tc.gate_bias_update_factor = 0;  // the teacher is fixed
+    MoELayerOptions to;
+    to.seed = o.seed + 1000;
+    to.init_std = o.teacher_std;
+    teacher = std::make_unique<MoELayer>(tc, o.backend, nullptr, to);
+  }
+
+  // Forward + backward of one step; returns this rank's sum of squared errors. Gradients of
+  // replicated parameters are all-reduced, so afterwards every rank holds the full gradient.
+  double forward_backward(const Batch& batch, std::int64_t dim) {
+    const Tensor target = teacher->forward(batch.x, batch.padding, false).out;
+    student->zero_grad();
+    MoEOutput out = student->forward(batch.x, batch.padding, true);
+    const std::int64_t T = batch.x.size(0);
+    Tensor grad = Tensor::zeros({T, dim}, DType::f32);
+    double sq = 0;
+    const double scale = 2.0 / (static_cast<double>(std::max<std::int64_t>(batch.global_valid, 1)) * dim);
+    for (std::int64_t t = 0; t < T; ++t) {
+      if (batch.padding.data<bool>()[t]) continue;
+      for (std::int64_t h = 0; h < dim; ++h) {
+        const double d = static_cast<double>(out.out.data<float>()[t * dim + h]) - target.data<float>()[t * dim + h];
+        sq += d * d;
+        grad.data<float>()[t * dim + h] = static_cast<float>(scale * d);
+      }
+    }
+    student->backward(out, grad);
+    for (Parameter* p : student->replicated_parameters())
+      if (p->grad.defined()) group.all_reduce_sum(p->grad, "gradient all-reduce of " + p->name);
+    return sq;
+  }
+
+  HostProcessGroup group;
+  std::unique_ptr<MoELayer> student, teacher;
+  Adam adam;
+};
+
+// Runs fn(rank) on one thread per rank; rethrows the most informative failure.
+template <class Fn>
+void run_ranks(int ranks, Fn fn) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::exception_ptr timeout;
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError&) {
+      if (!timeout) timeout = e;
+    } catch (...) {
+      std::rethrow_exception(e);  // a real error beats the timeouts it caused on the other ranks
+    }
+  }
+  if (timeout) std::rethrow_exception(timeout);
+}
+
+// Gradients of one step on `ranks` ranks, by full parameter name; expert tensors concatenated over
+// ranks in expert order so they compare with the single-rank ones.
+std::map<std::string, std::vector<double>> step_gradients(const TrainOptions& o, int ranks) {
+  TrainOptions oc = o;
+  oc.moe.aux_loss_coeff = 0;  // per-rank aux loss differs by design with the rank count (docs/training.md)
+  auto world = std::make_shared<HostWorld>(ranks);
+  std::vector<std::map<std::string, std::vector<double>>> per_rank(static_cast<std::size_t>(ranks));
+  run_ranks(ranks, [&](int r) {
+    Rank rank(oc, world, r);
+    rank.forward_backward(make_batch(oc, 0, r, ranks), oc.moe.dim);
+    for (Parameter* p : rank.student->parameters()) {
+      auto& v = per_rank[static_cast<std::size_t>(r)][p->name];
+      for (std::int64_t i = 0; i < p->value.numel(); ++i)
+        v.push_back(p->grad.defined() ? read_as_double(p->grad, i) : 0.0);
+    }
+  });
+  std::map<std::string, std::vector<double>> merged = per_rank[0];
+  for (auto& [name, values] : merged)
+    if (name.rfind("experts.", 0) == 0)
+      for (int r = 1; r < ranks; ++r) {
+        const auto& more = per_rank[static_cast<std::size_t>(r)][name];
+        values.insert(values.end(), more.begin(), more.end());
+      }
+  return merged;
+}
+
+}  // namespace
+
+TrainReport run_training(const TrainOptions& o) {
+  validate(o);
+  TrainReport report;
+
+  // Check 2 first (fresh parameters): R ranks vs 1 rank on the first batch.
+  const auto g_many = step_gradients(o, o.ranks);
+  const auto g_one = step_gradients(o, 1);
+  for (const auto& [name, ref] : g_one) {
+    const auto& got = g_many.at(name);
+    double max_ref = 0, max_diff = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      max_ref = std::max(max_ref, std::fabs(ref[i]));
+      max_diff = std::max(max_diff, std::fabs(ref[i] - got[i]));
+    }
+    const double rel = max_ref > 0 ? max_diff / max_ref : max_diff;
+    if (rel >= report.max_grad_rel_diff) {
+      report.max_grad_rel_diff = rel;
+      report.worst_parameter = name;
+    }
+  }
+  report.rank_check = report.max_grad_rel_diff < 1e-5;
+
+  // Training.
+  auto world = std::make_shared<HostWorld>(o.ranks);
+  std::vector<double> losses(static_cast<std::size_t>(o.steps));
+  Progress progress(o.steps, fmt::format("train ({} ranks, {})", o.ranks, to_string(o.backend.dispatcher)));
+  run_ranks(o.ranks, [&](int r) {
+    Rank rank(o, world, r);
+    Tensor loss = Tensor::zeros({1}, DType::f64);
+    for (int step = 0; step < o.steps; ++step) {
+      const Batch batch = make_batch(o, step, r, o.ranks);
+      loss.data<double>()[0] = rank.forward_backward(batch, o.moe.dim);
+      rank.group.all_reduce_sum(loss, "loss all-reduce");
+      rank.adam.step(rank.student->parameters());
+      if (Gate* g = rank.student->gate(); g && o.moe.gate_bias_update_factor > 0) g->update_bias(&rank.group);
+      if (r == 0) {
+        const double mse = loss.data<double>()[0] / (static_cast<double>(std::max<std::int64_t>(batch.global_valid, 1)) *
+                                                     o.moe.dim);
+        losses[static_cast<std::size_t>(step)] = mse;
+        if (!o.quiet) progress.update(step + 1, fmt::format("loss {:.4e}", mse));
+      }
+    }
+  });
+  report.losses = losses;
+  // Average the first and last few steps: single batches are noisy.
+  const int w = std::max(1, std::min(5, o.steps / 10));
+  for (int i = 0; i < w; ++i) {
+    report.first_loss += losses[static_cast<std::size_t>(i)] / w;
+    report.last_loss += losses[static_cast<std::size_t>(o.steps - 1 - i)] / w;
+  }
+  report.loss_check = report.last_loss < 0.25 * report.first_loss;
+  return report;
+}
+
+}  // namespace flexep::tools
