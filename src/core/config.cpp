@@ -48,9 +48,8 @@ constexpr NameTable<ExpertsKind, 4> kExperts{{{{"torch", ExpertsKind::torch},
 constexpr NameTable<ScoreFunc, 3> kScoreFuncs{{{{"softmax", ScoreFunc::softmax},
                                                 {"softmax_with_bias", ScoreFunc::softmax_with_bias},
                                                 {"sigmoid", ScoreFunc::sigmoid}}}};
-constexpr NameTable<Activation, 3> kActivations{{{{"swiglu", Activation::swiglu},
-                                                  {"quick_geglu", Activation::quick_geglu},
-                                                  {"relu2", Activation::relu2}}}};
+constexpr NameTable<Activation, 3> kActivations{
+    {{{"swiglu", Activation::swiglu}, {"quick_geglu", Activation::quick_geglu}, {"relu2", Activation::relu2}}}};
 
 constexpr int kMaxSms = 1024;
 
@@ -80,7 +79,9 @@ Activation parse_activation(std::string_view s, const std::string& arg) { return
 
 // The hybridep_*_sms phase overrides win whatever the dispatcher, so a backend built directly from a
 // config (tests, benchmarks) sees them even when `dispatcher` was left at its default.
-int BackendConfig::dispatch_sms() const { return hybridep_dispatch_sms > 0 ? hybridep_dispatch_sms : backend_sms(*this); }
+int BackendConfig::dispatch_sms() const {
+  return hybridep_dispatch_sms > 0 ? hybridep_dispatch_sms : backend_sms(*this);
+}
 int BackendConfig::combine_sms() const { return hybridep_combine_sms > 0 ? hybridep_combine_sms : backend_sms(*this); }
 int BackendConfig::preprocess_sms() const {
   return hybridep_preprocess_sms > 0 ? hybridep_preprocess_sms : backend_sms(*this);
@@ -118,16 +119,16 @@ void validate(const MoEConfig& c) {
     FLEXEP_CHECK_ARG(c.n_limited_groups >= 1 && c.n_limited_groups <= G, "moe.n_limited_groups", "is ",
                      c.n_limited_groups, "; allowed: 1 <= value <= n_expert_groups (", G, ")");
     const int group_size = E / G;
-    FLEXEP_CHECK_ARG(k <= c.n_limited_groups * group_size, "moe.n_activated_experts", "is ", k,
-                     " but only n_limited_groups * (n_routed_experts / n_expert_groups) = ", c.n_limited_groups, " * ",
-                     group_size, " = ", c.n_limited_groups * group_size, " experts are selectable; allowed: 1 <= value <= ",
-                     c.n_limited_groups * group_size);
     const bool top2_group_score =
         c.score_func == ScoreFunc::softmax_with_bias || (c.score_func == ScoreFunc::sigmoid && c.has_correction_bias());
     FLEXEP_CHECK_ARG(!top2_group_score || group_size >= 2, "moe.n_expert_groups", "is ", G, ", leaving ", group_size,
                      " expert per group, but the group score is the sum of the top-2 experts; allowed: "
                      "n_expert_groups <= n_routed_experts / 2 (",
                      E / 2, ")");
+    FLEXEP_CHECK_ARG(k <= c.n_limited_groups * group_size, "moe.n_activated_experts", "is ", k,
+                     " but only n_limited_groups * (n_routed_experts / n_expert_groups) = ", c.n_limited_groups, " * ",
+                     group_size, " = ", c.n_limited_groups * group_size,
+                     " experts are selectable; allowed: 1 <= value <= ", c.n_limited_groups * group_size);
   }
   FLEXEP_CHECK_ARG(std::isfinite(c.gate_bias_update_factor) && c.gate_bias_update_factor >= 0,
                    "moe.gate_bias_update_factor", "is ", c.gate_bias_update_factor, "; allowed: finite and >= 0");

@@ -44,8 +44,10 @@ Tensor multihot_backward(const TensorView& grad_probs, const TensorView& indices
   for (std::int64_t t = 0; t < T; ++t)
     for (std::int64_t j = 0; j < k; ++j) {
       const std::int64_t e = index_at(indices, t * k + j);
-      if (e < 0) continue;
-      FLEXEP_CHECK_ARG(e < E, "indices", "value ", e, " at [", t, ", ", j, "] is out of range; allowed: -1 <= id < ", E);
+      if (e == -1) continue;
+      // Other negatives are corrupt ids, not padding: skipping them would zero a real gradient.
+      FLEXEP_CHECK_ARG(e >= 0 && e < E, "indices", "value ", e, " at [", t, ", ", j,
+                       "] is out of range; allowed: -1 <= id < ", E);
       write_from_double(g, t * k + j, read_as_double(grad_probs, t * E + e));
     }
   return g;
@@ -77,14 +79,16 @@ TopK multihot_to_topk(const TensorView& routing_map, const TensorView& probs) {
 }
 
 std::vector<std::int64_t> expert_counts(const TensorView& indices, int num_experts) {
+  FLEXEP_CHECK_ARG(num_experts >= 1, "num_experts", "must be >= 1, got ", num_experts);
   check::rank(indices, 2, "indices");
   check::dtype(indices, {DType::i32, DType::i64}, "indices");
   std::vector<std::int64_t> c(static_cast<std::size_t>(num_experts), 0);
   const std::int64_t n = indices.numel();
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t e = index_at(indices, i);
-    if (e < 0) continue;
-    FLEXEP_CHECK_ARG(e < num_experts, "indices", "value ", e, " is out of range; allowed: -1 <= id < ", num_experts);
+    if (e == -1) continue;
+    FLEXEP_CHECK_ARG(e >= 0 && e < num_experts, "indices", "value ", e, " is out of range; allowed: -1 <= id < ",
+                     num_experts);
     ++c[static_cast<std::size_t>(e)];
   }
   return c;
