@@ -8,6 +8,7 @@
 // fused CUDA kernels.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 #include "flexep/core/config.h"
