@@ -97,6 +97,7 @@ std::vector<std::int64_t> slot_rows(const DispatchPlan& plan, int source, const 
   const PlanParams& p = plan.params;
   check::rank(indices, 2, "indices");
   check::dtype(indices, {DType::i32, DType::i64}, "indices");
+  check::device(indices, Device::cpu(), "indices");  // read here on the host
   FLEXEP_CHECK_ARG(source >= 0 && source < p.ranks, "source", source, " is out of range [0, ", p.ranks, ")");
   const std::int64_t T = indices.size(0), k = indices.size(1);
   const int R = p.ranks, L = p.local_experts();
@@ -110,8 +111,9 @@ std::vector<std::int64_t> slot_rows(const DispatchPlan& plan, int source, const 
   for (std::int64_t t = 0; t < T; ++t) {
     for (std::int64_t j = 0; j < k; ++j) {
       const std::int64_t e = index_at(indices, t * k + j);
-      if (e < 0) continue;
-      FLEXEP_CHECK_ARG(e < p.experts, "indices", "value ", e, " at [", t, ", ", j,
+      if (e == -1) continue;
+      // Only -1 means "no expert"; other negatives are corrupt ids, not padding.
+      FLEXEP_CHECK_ARG(e >= 0 && e < p.experts, "indices", "value ", e, " at [", t, ", ", j,
                        "] is out of range; allowed: -1 (no expert) <= id < ", p.experts);
       const std::int64_t row = next[static_cast<std::size_t>(e)]++;
       const RankLayout& lay = plan.ranks[static_cast<std::size_t>(p.owner(static_cast<int>(e)))];
@@ -146,7 +148,12 @@ void permute(const TensorView& x, const TensorView& weights, const std::vector<s
   FLEXEP_CHECK_ARG(out_tokens.dtype == x.dtype && out_tokens.size(1) == x.size(1), "out_tokens",
                    "must have the hidden size and dtype of 'hidden'");
   const std::int64_t T = x.size(0), H = x.size(1), N = out_tokens.size(0);
-  const std::int64_t k = T ? static_cast<std::int64_t>(rows.size()) / T : 0;
+  // rows and weights are indexed t*k + j below: a mismatch would read out of bounds.
+  check::shape(weights, {T, -1}, "weights");
+  const std::int64_t k = weights.size(1);
+  FLEXEP_CHECK_ARG(static_cast<std::int64_t>(rows.size()) == T * k, "rows", "has ", rows.size(),
+                   " entries, expected tokens*k = ", T * k);
+  check::shape(out_probs, {N}, "out_probs");
   const std::size_t row_bytes = static_cast<std::size_t>(H) * element_size(x.dtype);
   std::memset(out_tokens.data, 0, out_tokens.nbytes());
   std::memset(out_probs.data, 0, out_probs.nbytes());
@@ -165,7 +172,11 @@ void unpermute(const TensorView& expert_rows, const TensorView& indices, const s
                const TensorView& out) {
   check::rank(expert_rows, 2, "expert_out");
   check::rank(out, 2, "out");
+  check::rank(indices, 2, "indices");
   const std::int64_t T = out.size(0), H = out.size(1), k = indices.size(1);
+  check::shape(indices, {T, k}, "indices");
+  FLEXEP_CHECK_ARG(static_cast<std::int64_t>(rows.size()) == T * k, "rows", "has ", rows.size(),
+                   " entries, expected tokens*k = ", T * k);
   FLEXEP_CHECK_ARG(expert_rows.size(1) == H, "expert_out", "has hidden size ", expert_rows.size(1), ", expected ", H);
   std::vector<double> acc64(static_cast<std::size_t>(H));
   std::vector<float> acc32(static_cast<std::size_t>(H));

@@ -41,6 +41,9 @@ class HostWorld {
   std::vector<std::uint64_t> exchanges_;   // per-rank exchange count (slot parity)
   std::vector<const void*> slots_[2];
   std::string broken_reason_;
+  std::string phase_;          // phase of the barrier being filled (a mismatch is a protocol error)
+  std::string broken_phase_;   // set when a timeout broke the world: ranks waiting in that barrier
+  int broken_peer_ = -1;       // get the TimeoutError, later callers a plain Error
 };
 
 // ProcessGroup over a HostWorld (one object per rank).

@@ -86,9 +86,13 @@ class TokenDispatcher {
   virtual Tensor combine_backward(const Handle& handle, const TensorView& grad_out) = 0;
 
  protected:
-  // Common handle validation: the handle exists, came from this dispatcher, and (for `arg`)
-  // `t` has `rows` rows of width `cols`. Throws ArgumentError naming the argument.
+  // Common handle validation: the handle is not empty and was made by this dispatcher object
+  // (HandleState::owner). Throws ArgumentError naming "handle".
   void check_handle(const Handle& handle) const;
+  // An argument of combine or a backward must match what the handle recorded: shape [rows, cols]
+  // (cols < 0: a 1-D tensor [rows]) and `dtype`. Throws ArgumentError naming `arg`.
+  static void check_handle_tensor(const TensorView& t, std::int64_t rows, std::int64_t cols, DType dtype,
+                                  const std::string& arg);
 };
 
 }  // namespace flexep
