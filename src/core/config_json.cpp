@@ -223,10 +223,10 @@ MoEConfig moe_config_from_json(const std::string& text, const std::string& where
   return c;
 }
 
-ConfigFile parse_config(const std::string& text, const std::string& where) {
+ConfigFile parse_config(const std::string& text, const std::string& where, const ConfigFile& base) {
   const json doc = parse_text(text, where);
   if (!doc.is_object()) wrong_type(doc, where, "a JSON object with sections moe, backend, train, bench");
-  ConfigFile f;
+  ConfigFile f = base;
   for (const auto& [key, value] : doc.items()) {
     if (key == "moe") {
       apply_object(f.moe, moe_fields(), value, "moe");
@@ -242,12 +242,12 @@ ConfigFile parse_config(const std::string& text, const std::string& where) {
   return f;
 }
 
-ConfigFile load_config_file(const std::string& path) {
+ConfigFile load_config_file(const std::string& path, const ConfigFile& base) {
   std::ifstream in(path, std::ios::binary);
   FLEXEP_CHECK_ARG(in.good(), "config_file", "cannot open '", path, "' for reading");
   std::ostringstream text;
   text << in.rdbuf();
-  return parse_config(text.str(), path);
+  return parse_config(text.str(), path, base);
 }
 
 void apply_override(MoEConfig& moe, BackendConfig& backend, const std::string& assignment) {

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
 #include "flexep/core/checks.h"
 #include "flexep/dispatch/host.h"
 
@@ -51,6 +53,11 @@ MoELayer::MoELayer(const MoEConfig& config, const BackendConfig& backend, std::s
                      config_.n_routed_experts);
   }
   validate_ep(config_, ep_size_);
+  // Automodel's rewrites (te/gmm experts without an EP dispatcher; EP dispatcher at EP size 1),
+  // logged rather than silent.
+  const Normalization norm = normalize(backend_, ep_size_);
+  for (const std::string& m : norm.messages) spdlog::warn("flexep: {}", m);
+  if (norm.local_fallback) dispatcher_.reset();
   if (!dispatcher_) {
     // EP size 1: the local path is the host backend over a world of one rank (same plan code).
     dispatcher_ = make_host_dispatcher(std::make_shared<HostWorld>(1), 0, config_.n_routed_experts);

@@ -57,6 +57,13 @@ void apply_train_json(TrainOptions& o, const std::string& json_text) {
   }
 }
 
+std::string train_json(const TrainOptions& o) {
+  nlohmann::json j = {{"ranks", o.ranks}, {"steps", o.steps}, {"tokens", o.tokens}, {"seed", o.seed},
+                      {"lr", o.lr}, {"teacher_std", o.teacher_std}, {"padding_fraction", o.padding_fraction},
+                      {"device", o.device}};
+  return j.dump(2);
+}
+
 namespace {
 
 void validate(const TrainOptions& o) {
@@ -112,10 +119,18 @@ struct Rank {
     student = std::make_unique<MoELayer>(o.moe, o.backend, world->size() > 1 ? dispatcher : nullptr, so);
     MoEConfig tc = o.moe;
     tc.gate_bias_update_factor = 0;  // the teacher is fixed
+    // A narrower teacher: an over-parameterised student fits it, so the check measures the
+    // machinery (routing, dispatch, gradients), not the hardness of teacher-student regression.
+    tc.moe_inter_dim = std::max(1, o.moe.moe_inter_dim / 4);
+    tc.shared_expert_inter_dim = std::max(1, (o.moe.shared_expert_inter_dim ? o.moe.shared_expert_inter_dim : o.moe.moe_inter_dim) / 4);
     MoELayerOptions to;
     to.seed = o.seed + 1000;
     to.init_std = o.teacher_std;
     teacher = std::make_unique<MoELayer>(tc, o.backend, nullptr, to);
+    // The teacher routes like the student's initial router: its experts are what there is to learn.
+    // (With an unrelated random router the routed part is barely learnable from the weights'
+    // gradient alone; docs/training.md.)
+    if (Gate* tg = teacher->gate()) tg->weight().value = student->gate()->weight().value.clone();
   }
 
   // Forward + backward of one step; returns this rank's sum of squared errors. Gradients of

@@ -16,7 +16,7 @@ struct TrainOptions {
   MoEConfig moe;
   BackendConfig backend;
   int ranks = 4;
-  int steps = 150;
+  int steps = 800;
   int tokens = 256;  // global tokens per step, split across ranks (ragged when not divisible)
   std::uint64_t seed = 7;
   double lr = 3e-3;
@@ -38,6 +38,7 @@ struct TrainReport {
 TrainOptions default_train_options();
 // Parses the "train" section of a config file (JSON text) onto `o`.
 void apply_train_json(TrainOptions& o, const std::string& json_text);
+std::string train_json(const TrainOptions& o);  // the "train" section
 
 TrainReport run_training(const TrainOptions& options);
 

@@ -20,13 +20,16 @@ struct TrainArgs {
   long long seed = -1;
   double lr = 0;
   std::string backend, device;
-  bool quiet = false;
+  bool quiet = false, print_config = false;
 };
 
 void run(const TrainArgs& a) {
   TrainOptions o = default_train_options();
   if (!a.config_file.empty()) {
-    ConfigFile f = load_config_file(a.config_file);
+    ConfigFile base;
+    base.moe = o.moe;
+    base.backend = o.backend;
+    const ConfigFile f = load_config_file(a.config_file, base);
     o.moe = f.moe;
     o.backend = f.backend;
     apply_train_json(o, f.extra_json);
@@ -43,6 +46,11 @@ void run(const TrainArgs& a) {
   if (!a.backend.empty()) o.backend.dispatcher = parse_dispatcher(a.backend, "--backend");
   if (!a.device.empty()) o.device = a.device;
   o.quiet = a.quiet;
+  if (a.print_config) {
+    fmt::print("{{\n\"moe\": {},\n\"backend\": {},\n\"train\": {}\n}}\n", to_json(o.moe), to_json(o.backend),
+               train_json(o));
+    return;
+  }
 
   fmt::print("flexep train: dim {}, {} experts (top-{}), {} shared, moe_inter {}, {} ranks, backend {}, "
              "device {}, {} steps x {} tokens\n",
@@ -76,6 +84,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--backend", args->backend, "Dispatcher: host, alltoall (torch), hybridep, deepep");
   cmd->add_option("--device", args->device, "cpu or cuda");
   cmd->add_flag("--quiet", args->quiet, "No progress bar");
+  cmd->add_flag("--print-config", args->print_config, "Print the configuration as JSON and exit");
   cmd->callback([args] { run(*args); });
 }
 

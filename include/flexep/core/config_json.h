@@ -27,9 +27,10 @@ struct ConfigFile {
   std::string extra_json = "{}";  // the "train" object, raw (compact JSON)
   std::string bench_json = "{}";  // the "bench" object, raw (compact JSON)
 };
-// `where` names the document in syntax errors (a path, "<command line>").
-ConfigFile parse_config(const std::string& text, const std::string& where);
-ConfigFile load_config_file(const std::string& path);
+// `where` names the document in syntax errors (a path, "<command line>"). The keys found are
+// applied on top of `base` (the library defaults unless a program has its own).
+ConfigFile parse_config(const std::string& text, const std::string& where, const ConfigFile& base = {});
+ConfigFile load_config_file(const std::string& path, const ConfigFile& base = {});
 
 // One command-line assignment, "moe.n_activated_experts=8" or "backend.dispatcher=hybridep". The
 // value is parsed as JSON when it is valid JSON, else taken as a string.
