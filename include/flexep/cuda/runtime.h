@@ -1,0 +1,64 @@
+// CUDA runtime glue for the library: error checking, the device allocator (stream-ordered pool,
+// registered with the core so Tensor::empty works on Device::cuda), the current stream of a thread,
+// and host<->device copies. Included only by code built with FLEXEP_WITH_CUDA.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flexep/core/tensor.h"
+
+#define FLEXEP_CUDA_CHECK(expr)                                                          \
+  do {                                                                                   \
+    const cudaError_t flexep_err_ = (expr);                                              \
+    if (flexep_err_ != cudaSuccess) ::flexep::cuda::throw_cuda_error(flexep_err_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+// After a kernel launch: reports launch-configuration errors at the call site.
+#define FLEXEP_CUDA_CHECK_LAUNCH(name) FLEXEP_CUDA_CHECK(cudaPeekAtLastError())
+
+namespace flexep::cuda {
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line);
+
+// Number of visible GPUs; 0 when there is no driver or no device (never throws).
+int device_count();
+// Registers the device allocator (idempotent, thread-safe). Called by every entry point that
+// creates device tensors.
+void init();
+
+// The stream device allocations of this thread are ordered on (default: the legacy stream 0).
+// Memory is allocated with cudaMallocAsync on it and freed with cudaFreeAsync on the same stream,
+// so a tensor may be released as soon as the last kernel using it has been *enqueued* there. Work on
+// other streams that uses the tensor must be joined back to it first.
+cudaStream_t current_stream();
+class StreamGuard {
+ public:
+  explicit StreamGuard(cudaStream_t s);
+  ~StreamGuard();
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+
+ private:
+  cudaStream_t previous_;
+};
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_;
+};
+
+Tensor to_device(const TensorView& host, int device, cudaStream_t stream);
+Tensor to_host(const TensorView& device_tensor, cudaStream_t stream);  // synchronises the stream
+void copy_async(const TensorView& dst, const TensorView& src, cudaStream_t stream);
+void zero_async(const TensorView& t, cudaStream_t stream);
+
+// Streaming multiprocessors of a device (cached).
+int sm_count(int device);
+
+}  // namespace flexep::cuda

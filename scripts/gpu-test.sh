@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine (see docs/gpu.md): builds against the NCCL that PyTorch's
+# wheel ships (the library PyTorch loads), runs the GPU tests (ctest label gpu, which includes
+# multigpu), runs the benchmark cases of bench/device-cases.txt, and copies logs and JSON to $OUT.
+#   FLEXEP_GPU_TESTS=0      skip the tests     FLEXEP_BENCH=0   skip the benchmarks
+#   FLEXEP_CTEST_ARGS=...   extra ctest arguments (e.g. -R Permute)
+#   FLEXEP_SANITIZER=memcheck|racecheck   run the GPU test binary under compute-sanitizer instead
+set -uo pipefail
+# NVLink multicast can take the host's GPUs out of service: never let anything enable it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${OUT:-$root/gpu-out}"
+build="${FLEXEP_BUILD_DIR:-$root/build-gpu}"
+mkdir -p "$out"
+status=0
+step() { echo "== $*" | tee -a "$out/summary.txt"; }
+
+step "machine"
+{ nvidia-smi; nvidia-smi topo -m; } > "$out/machine.txt" 2>&1 || true
+nccl_root="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)"
+echo "NCCL (PyTorch wheel): ${nccl_root:-not found}" | tee -a "$out/summary.txt"
+
+step "build"
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXEP_CUDA=ON \
+  ${nccl_root:+-DFLEXEP_NCCL_ROOT=$nccl_root} > "$out/configure.log" 2>&1 || { cat "$out/configure.log"; exit 1; }
+if ! cmake --build "$build" -j "${FLEXEP_JOBS:-32}" > "$out/build.log" 2>&1; then
+  grep -E "error|Error" "$out/build.log" | head -40
+  exit 1
+fi
+export LD_LIBRARY_PATH="${nccl_root:+$nccl_root/lib:}${LD_LIBRARY_PATH:-}"
+
+if [ "${FLEXEP_SANITIZER:-}" != "" ]; then
+  step "compute-sanitizer --tool ${FLEXEP_SANITIZER}"
+  compute-sanitizer --tool "$FLEXEP_SANITIZER" --error-exitcode 3 "$build/tests/flexep_gpu_tests" \
+    ${FLEXEP_GTEST_FILTER:+--gtest_filter=$FLEXEP_GTEST_FILTER} > "$out/sanitizer-${FLEXEP_SANITIZER}.log" 2>&1
+  rc=$?; tail -5 "$out/sanitizer-${FLEXEP_SANITIZER}.log"; [ $rc = 0 ] || status=$rc
+fi
+
+if [ "${FLEXEP_GPU_TESTS:-1}" = 1 ]; then
+  step "GPU tests"
+  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 ${FLEXEP_CTEST_ARGS:-} > "$out/ctest-gpu.log" 2>&1
+  rc=$?; grep -E "tests passed|tests failed|\*\*\*Failed|Failed|Timeout" "$out/ctest-gpu.log" | tail -30; [ $rc = 0 ] || status=$rc
+fi
+
+if [ "${FLEXEP_BENCH:-1}" = 1 ] && [ -f "$root/bench/device-cases.txt" ]; then
+  step "benchmarks"
+  mkdir -p "$root/bench/results"
+  while IFS= read -r line; do
+    case "$line" in ''|'#'*) continue ;; esac
+    echo "-- flexep bench $line" | tee -a "$out/bench.log"
+    # shellcheck disable=SC2086
+    "$build/flexep" bench $line --out "$root/bench/results" >> "$out/bench.log" 2>&1 || { status=1; echo "   FAILED" | tee -a "$out/bench.log"; }
+  done < "$root/bench/device-cases.txt"
+  tail -40 "$out/bench.log"
+  # Results come back as one archive (the device tool returns at most 8 files).
+  tar -C "$root/bench/results" -czf "$out/bench-results.tgz" . 2>/dev/null || true
+fi
+
+step "done (status $status)"
+exit $status

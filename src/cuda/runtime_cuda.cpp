@@ -1,0 +1,117 @@
+#include "flexep/cuda/runtime.h"
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace flexep::cuda {
+
+void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line) {
+  throw_error("CUDA error ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ") in ", expr, " at ", file, ":",
+              line);
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return n;
+}
+
+namespace {
+thread_local cudaStream_t t_stream = nullptr;
+
+class PoolAllocator final : public Allocator {
+ public:
+  void* allocate(std::size_t bytes, Device device) override {
+    DeviceGuard guard(device.index);
+    void* p = nullptr;
+    FLEXEP_CUDA_CHECK(cudaMallocAsync(&p, bytes, t_stream));
+    return p;
+  }
+  void deallocate(void* p, Device device) noexcept override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device.index);
+    cudaFreeAsync(p, t_stream);
+    cudaSetDevice(previous);
+  }
+  void memset_zero(void* p, std::size_t bytes, Device device) override {
+    DeviceGuard guard(device.index);
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, t_stream));
+  }
+};
+
+// Keep freed memory in the pool instead of returning it to the driver at each sync: training and
+// benchmark loops allocate the same sizes every step.
+void keep_pool_memory(int device) {
+  cudaMemPool_t pool;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t threshold = UINT64_MAX;
+  FLEXEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+}
+}  // namespace
+
+void init() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static PoolAllocator allocator;
+    for (int d = 0; d < device_count(); ++d) keep_pool_memory(d);
+    register_allocator(DeviceKind::cuda, &allocator);
+  });
+}
+
+cudaStream_t current_stream() { return t_stream; }
+
+StreamGuard::StreamGuard(cudaStream_t s) : previous_(t_stream) { t_stream = s; }
+StreamGuard::~StreamGuard() { t_stream = previous_; }
+
+DeviceGuard::DeviceGuard(int device) {
+  FLEXEP_CUDA_CHECK(cudaGetDevice(&previous_));
+  if (device != previous_) FLEXEP_CUDA_CHECK(cudaSetDevice(device));
+}
+DeviceGuard::~DeviceGuard() { cudaSetDevice(previous_); }
+
+Tensor to_device(const TensorView& host, int device, cudaStream_t stream) {
+  FLEXEP_CHECK(host.device.is_cpu(), "to_device: the source must be a CPU tensor");
+  init();
+  StreamGuard sg(stream);
+  Tensor t = Tensor::empty(host.shape, host.dtype, Device::cuda(device));
+  if (host.nbytes()) FLEXEP_CUDA_CHECK(cudaMemcpyAsync(t.raw(), host.data, host.nbytes(), cudaMemcpyHostToDevice, stream));
+  // The source is pageable host memory the caller may free right after: finish the copy.
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return t;
+}
+
+Tensor to_host(const TensorView& d, cudaStream_t stream) {
+  FLEXEP_CHECK(d.device.is_cuda(), "to_host: the source must be a CUDA tensor");
+  Tensor t = Tensor::empty(d.shape, d.dtype);
+  if (d.nbytes()) FLEXEP_CUDA_CHECK(cudaMemcpyAsync(t.raw(), d.data, d.nbytes(), cudaMemcpyDeviceToHost, stream));
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return t;
+}
+
+void copy_async(const TensorView& dst, const TensorView& src, cudaStream_t stream) {
+  FLEXEP_CHECK(dst.nbytes() == src.nbytes(), "copy_async: ", dst.nbytes(), " != ", src.nbytes(), " bytes");
+  if (src.nbytes()) FLEXEP_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDefault, stream));
+}
+
+void zero_async(const TensorView& t, cudaStream_t stream) {
+  if (t.nbytes()) FLEXEP_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), stream));
+}
+
+int sm_count(int device) {
+  static std::mutex m;
+  static std::vector<int> cache;
+  std::lock_guard<std::mutex> lock(m);
+  if (cache.empty()) cache.assign(static_cast<std::size_t>(std::max(device_count(), 1)), 0);
+  FLEXEP_CHECK(device >= 0 && device < static_cast<int>(cache.size()), "sm_count: no device ", device);
+  int& n = cache[static_cast<std::size_t>(device)];
+  if (!n) FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
+}  // namespace flexep::cuda

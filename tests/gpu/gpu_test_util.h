@@ -1,0 +1,23 @@
+// Shared helpers of the GPU tests. These tests run only on the device machine (ctest label gpu);
+// without enough GPUs they fail with a clear message rather than skip, so a misconfigured run is
+// never reported as a pass.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::testing {
+
+// Use as: if (!require_gpus(2)) return;
+inline bool require_gpus(int n) {
+  const int have = cuda::device_count();
+  if (have < n) {
+    ADD_FAILURE() << "this test needs " << n << " GPU(s), found " << have;
+    return false;
+  }
+  cuda::init();
+  return true;
+}
+
+}  // namespace flexep::testing
