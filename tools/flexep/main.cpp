@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   flexep::tools::add_train_command(app);
   flexep::tools::add_plan_command(app);
+  flexep::tools::add_bench_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

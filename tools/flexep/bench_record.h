@@ -1,0 +1,42 @@
+// Benchmark results in the JSON form of DESIGN §5: one file per run in bench/results/, with the run's
+// device, date and commit, and one record per (case, routing, backend, phase, timing, sms).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace flexep::tools {
+
+struct TimeStats {
+  double min = 0, median = 0, max = 0;  // microseconds
+};
+
+struct BenchRecord {
+  std::string case_name, routing = "uniform", backend, phase, timing = "call";
+  std::optional<int> sms;
+  long long tokens_per_rank = 0;
+  int hidden = 0, topk = 0, experts = 0;
+  std::string dtype = "bf16";
+  TimeStats time_us;
+  std::optional<double> algo_gbps, nvlink_gbps, tflops, hbm_gbps;
+  std::string note;  // free text: what exactly was timed
+};
+
+struct BenchRun {
+  std::string run_id, date, commit, device;
+  int gpus = 0;
+  std::vector<BenchRecord> records;
+};
+
+// Fills run_id/date/commit (commit: FLEXEP_COMMIT env, else the build's git hash, else "unknown").
+BenchRun new_bench_run(const std::string& device, int gpus);
+std::string to_json(const BenchRun& run);
+// Writes <dir>/<run_id>.json and returns the path.
+std::string write_bench_run(const BenchRun& run, const std::string& dir);
+// A fixed-width table of the records for the terminal.
+std::string format_table(const std::vector<BenchRecord>& records);
+
+TimeStats stats_of(std::vector<double> samples_us);
+
+}  // namespace flexep::tools
