@@ -16,6 +16,12 @@ if(FLEXEP_WITH_CUDA)
   # adds no other target.
   set(CMAKE_CUDA_ARCHITECTURES OFF)
   enable_language(CUDA)
+  # CMake 3.25 does not know nvcc 13's C++20 flag; tell it (newer CMake knows it already).
+  if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+    list(APPEND CMAKE_CUDA_COMPILE_FEATURES cuda_std_20)
+  endif()
   set(CMAKE_CUDA_STANDARD 20)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   string(APPEND CMAKE_CUDA_FLAGS " -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo")
