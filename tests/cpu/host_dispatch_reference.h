@@ -183,6 +183,13 @@ inline Reference reference_dispatch(const std::vector<RankInput>& in, int E, con
 
 // Combine of rows[r] ([N_r, H] per rank) back to source s: ascending expert id, fp32 accumulation
 // (fp64 for f64), cast to the rows' dtype at the end.
+// `v` after a round trip through dtype `dt` (bf16/f16 rounding; identity for f32).
+inline double round_to_dtype(float v, DType dt) {
+  Tensor one = Tensor::empty({1}, dt);
+  write_from_double(one, 0, v);
+  return read_as_double(one, 0);
+}
+
 inline Tensor reference_combine(const std::vector<RankInput>& in, const Reference& ref, const std::vector<Tensor>& rows,
                                 int s) {
   const RankInput& src = in[static_cast<std::size_t>(s)];
@@ -198,14 +205,31 @@ inline Tensor reference_combine(const std::vector<RankInput>& in, const Referenc
     std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     for (std::int64_t h = 0; h < H; ++h) {
       if (dt == DType::f64) {
-        double acc = 0.0;
-        for (const auto& [e, d] : order) acc += rows[static_cast<std::size_t>(d.owner)].data<double>()[d.row * H + h];
-        out.data<double>()[t * H + h] = acc;
+        double total = 0.0, part = 0.0;  // two levels, as below (no rounding in f64)
+        int owner = -1;
+        for (const auto& [e, d] : order) {
+          if (d.owner != owner) {
+            total += part;
+            part = 0.0;
+            owner = d.owner;
+          }
+          part += rows[static_cast<std::size_t>(d.owner)].data<double>()[d.row * H + h];
+        }
+        out.data<double>()[t * H + h] = total + part;
       } else {
-        float acc = 0.0f;
-        for (const auto& [e, d] : order)
-          acc += static_cast<float>(read_as_double(rows[static_cast<std::size_t>(d.owner)], d.row * H + h));
-        write_from_double(out, t * H + h, acc);
+        // Two-level sum: per owner rank in fp32, rounded to the row dtype (the wire), then over ranks.
+        float total = 0.0f, part = 0.0f;
+        int owner = -1;
+        for (const auto& [e, d] : order) {
+          if (d.owner != owner) {
+            if (owner >= 0) total += static_cast<float>(round_to_dtype(part, dt));
+            owner = d.owner;
+            part = 0.0f;
+          }
+          part += static_cast<float>(read_as_double(rows[static_cast<std::size_t>(d.owner)], d.row * H + h));
+        }
+        if (owner >= 0) total += static_cast<float>(round_to_dtype(part, dt));
+        write_from_double(out, t * H + h, total);
       }
     }
   }

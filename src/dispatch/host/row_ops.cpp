@@ -40,11 +40,26 @@ float widen(Elem v) {
     return v.to_float();
 }
 
+// The value of `v` after a round trip through the wire dtype Elem.
+template <class Elem, class Acc>
+Acc round_to(Acc v) {
+  if constexpr (std::is_same_v<Elem, bf16>)
+    return bf16::from_float(v).to_float();
+  else if constexpr (std::is_same_v<Elem, f16>)
+    return f16::from_float(v).to_float();
+  else
+    return v;
+}
+
+// Two-level sum (docs/semantics.md, "Combine"): per owner rank, the token's rows summed in fp32 over
+// ascending local experts and rounded to the hidden dtype (what crosses the wire), then these partials
+// summed in fp32 over ascending owner rank and rounded. GPU backends do exactly these operations, so
+// they agree with this reference bit for bit.
 template <class Acc, class Elem>
 void sum_typed(int local_experts, const std::int64_t* indices, const std::int64_t* slot_rows, std::int64_t slots,
                const std::vector<TensorView>& rows, const TensorView& out) {
   const std::int64_t T = out.size(0), H = out.size(1);
-  std::vector<Acc> acc(static_cast<std::size_t>(H));
+  std::vector<Acc> part(static_cast<std::size_t>(H)), total(static_cast<std::size_t>(H));
   std::vector<std::pair<std::int64_t, std::int64_t>> order;  // (expert, row)
   Elem* dst = static_cast<Elem*>(out.data);
   for (std::int64_t t = 0; t < T; ++t) {
@@ -53,27 +68,39 @@ void sum_typed(int local_experts, const std::int64_t* indices, const std::int64_
       const std::int64_t i = t * slots + j;
       if (indices[i] >= 0 && slot_rows[i] >= 0) order.emplace_back(indices[i], slot_rows[i]);
     }
-    std::sort(order.begin(), order.end());  // ascending expert id: the fixed summation order
-    std::fill(acc.begin(), acc.end(), Acc(0));
+    std::sort(order.begin(), order.end());  // ascending expert id: ascending owner, then local expert
+    std::fill(total.begin(), total.end(), Acc(0));
+    std::fill(part.begin(), part.end(), Acc(0));
+    std::int64_t owner = -1;
+    auto flush = [&] {
+      for (std::int64_t h = 0; h < H; ++h) {
+        total[static_cast<std::size_t>(h)] += round_to<Elem>(part[static_cast<std::size_t>(h)]);
+        part[static_cast<std::size_t>(h)] = Acc(0);
+      }
+    };
     for (const auto& [e, row] : order) {
-      const TensorView& src = rows[static_cast<std::size_t>(e / local_experts)];
-      FLEXEP_CHECK(row < src.size(0), "host combine: row ", row, " outside the ", src.size(0), " rows of rank ",
-                   e / local_experts);
+      if (e / local_experts != owner) {
+        if (owner >= 0) flush();
+        owner = e / local_experts;
+      }
+      const TensorView& src = rows[static_cast<std::size_t>(owner)];
+      FLEXEP_CHECK(row < src.size(0), "host combine: row ", row, " outside the ", src.size(0), " rows of rank ", owner);
       const Elem* r = static_cast<const Elem*>(src.data) + row * H;
       for (std::int64_t h = 0; h < H; ++h) {
         if constexpr (std::is_same_v<Acc, double>)
-          acc[static_cast<std::size_t>(h)] += r[h];
+          part[static_cast<std::size_t>(h)] += r[h];
         else
-          acc[static_cast<std::size_t>(h)] += widen(r[h]);
+          part[static_cast<std::size_t>(h)] += widen(r[h]);
       }
     }
+    if (owner >= 0) flush();
     for (std::int64_t h = 0; h < H; ++h) {
       if constexpr (std::is_same_v<Elem, bf16>)
-        dst[t * H + h] = bf16::from_float(acc[static_cast<std::size_t>(h)]);
+        dst[t * H + h] = bf16::from_float(total[static_cast<std::size_t>(h)]);
       else if constexpr (std::is_same_v<Elem, f16>)
-        dst[t * H + h] = f16::from_float(acc[static_cast<std::size_t>(h)]);
+        dst[t * H + h] = f16::from_float(total[static_cast<std::size_t>(h)]);
       else
-        dst[t * H + h] = acc[static_cast<std::size_t>(h)];
+        dst[t * H + h] = total[static_cast<std::size_t>(h)];
     }
   }
 }
