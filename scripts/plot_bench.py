@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Charts of flexep benchmark results (bench/results/*.json, DESIGN §5) as PNG files.
+
+  bandwidth_vs_sms.png   algorithm GB/s of dispatch and combine against the SM count, per backend,
+                         with the NVLink copy-engine line (393 GB/s one way on the 2-H200 machine)
+  phase_times.png        median time of each phase by backend and case
+"""
+import argparse
+import json
+import os
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COPY_ENGINE_GBPS = 393.0
+
+
+def load(paths):
+    records = []
+    for p in paths:
+        with open(p) as f:
+            run = json.load(f)
+        for r in run["records"]:
+            r["_run"] = run["run_id"]
+            r["_device"] = run["device"]
+            records.append(r)
+    return records
+
+
+def bandwidth_vs_sms(records, out):
+    series = defaultdict(list)
+    flat = defaultdict(list)
+    for r in records:
+        if r["phase"] not in ("dispatch", "combine") or r.get("algo_gbps") is None:
+            continue
+        key = (r["case"], r["routing"], r["backend"], r["phase"], r["timing"])
+        if r["sms"] is None:
+            flat[key].append(r["algo_gbps"])
+        else:
+            series[key].append((r["sms"], r["algo_gbps"]))
+    if not series and not flat:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
+    for key, vals in sorted(flat.items()):
+        ax.axhline(max(vals), linestyle=":", label=" ".join(key) + " (no SM setting)")
+    ax.axhline(COPY_ENGINE_GBPS, color="black", linestyle="--", label="NVLink copy engine, one way")
+    ax.set_xlabel("SMs")
+    ax.set_ylabel("algorithm bandwidth (GB/s)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    path = os.path.join(out, "bandwidth_vs_sms.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def phase_times(records, out):
+    rows = defaultdict(dict)
+    for r in records:
+        if r["timing"] != "call":
+            continue
+        rows[(r["case"], r["routing"], r["phase"])][r["backend"]] = r["time_us"]["median"]
+    if not rows:
+        return None
+    keys = sorted(rows)
+    backends = sorted({b for v in rows.values() for b in v})
+    fig, ax = plt.subplots(figsize=(max(8, len(keys) * 0.9), 5))
+    width = 0.8 / max(1, len(backends))
+    for i, b in enumerate(backends):
+        xs = [k + i * width for k in range(len(keys))]
+        ax.bar(xs, [rows[k].get(b, 0) for k in keys], width, label=b)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
+    ax.set_xticklabels(["\n".join(k) for k in keys], fontsize=7)
+    ax.set_ylabel("median time (us)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    path = os.path.join(out, "phase_times.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--out", default="docs/img")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    records = load(a.files)
+    for p in (bandwidth_vs_sms(records, a.out), phase_times(records, a.out)):
+        if p:
+            print("wrote", p)
+
+
+if __name__ == "__main__":
+    main()
