@@ -1,0 +1,105 @@
+// Grouped experts on one GPU: the CUDA counterpart of GroupedExperts (grouped_experts.h), same
+// constructor arguments, parameter names and shapes, forward and backward. For row n of expert e
+// with prob p:
+//   h = x W_gu[e];  a_p = act(h + b_gu[e]) * p;  y = a_p W_down[e] + b_down[e] * p
+// Parameters are bf16 device tensors, their gradients f32 device tensors (allocated zero on the
+// first backward, then accumulated). Tokens and grad_out are bf16, probs f32; all on `device`.
+// Blocking mode: tokens_per_expert is on the host. Rows past sum(tokens_per_expert) produce zero
+// output and zero gradients. Built only with CUDA.
+//
+// Streams: forward/backward are asynchronous on the given stream; the saved state is released on the
+// stream of the last call that used it (backward's, once run). Backward must be ordered after its
+// forward (same stream, or joined). Parameters are allocated at construction on the legacy default
+// stream (construction synchronises it); release the module only when its work is done.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "flexep/core/activation.h"
+#include "flexep/core/config.h"
+#include "flexep/core/tensor.h"
+
+namespace flexep {
+
+class GroupedExperts;
+class CudaGroupedExperts;
+
+// What backward needs (device tensors, covering only the rows of an expert).
+struct CudaExpertsSaved {
+  const CudaGroupedExperts* owner = nullptr;
+  std::vector<std::int64_t> tokens_per_expert;
+  std::int64_t rows = 0;    // N, including the ignored tail
+  std::int64_t active = 0;  // sum(tokens_per_expert)
+  Tensor x;                 // [>= active, dim] bf16: the caller's tokens (Tensor overload) or a copy
+  Tensor p;                 // [active] f32
+  Tensor offsets;           // [E + 1] i64, row -> expert
+  Tensor h;                 // [active, up] bf16, x W_gu before the bias
+  Tensor ap;                // [active, inter] bf16, act(h + b) * p
+  mutable cudaStream_t stream = nullptr;  // where the tensors above are freed
+  CudaExpertsSaved() = default;
+  CudaExpertsSaved(const CudaExpertsSaved&) = delete;
+  CudaExpertsSaved& operator=(const CudaExpertsSaved&) = delete;
+  ~CudaExpertsSaved();
+};
+
+struct CudaExpertsOutput {
+  Tensor out;  // [N, dim] bf16
+  std::shared_ptr<const CudaExpertsSaved> saved;
+};
+
+struct CudaExpertsGrads {
+  Tensor tokens;  // [N, dim] bf16
+  Tensor probs;   // [N] f32
+};
+
+class CudaGroupedExperts {
+ public:
+  // Like GroupedExperts (first_expert = global id of local expert 0), on CUDA device `device`.
+  // moe.dtype must be bf16. Parameters start at zero.
+  CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device);
+
+  // Draws exactly the numbers GroupedExperts::init draws (same streams and offsets, in f32), rounds
+  // them to bf16 and uploads them; biases zero. Blocking.
+  void init(std::uint64_t seed, double init_std, cudaStream_t stream);
+  // Uploads the values of a CPU module of the same shape (rounded to bf16). Blocking.
+  void load_from(GroupedExperts& cpu, cudaStream_t stream);
+  // Writes the (bf16) values into a CPU module of the same shape. Blocking.
+  void copy_values_to(GroupedExperts& cpu, cudaStream_t stream);
+
+  // tokens [N, dim] bf16, probs [N] f32, tokens_per_expert: one count per local expert, sum <= N.
+  // The TensorView overload copies the active token rows for backward; the Tensor overload keeps a
+  // reference instead (do not modify the tokens before backward).
+  CudaExpertsOutput forward(const TensorView& tokens, const TensorView& probs,
+                            const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
+  CudaExpertsOutput forward(const Tensor& tokens, const TensorView& probs,
+                            const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
+  // grad_out [N, dim] bf16. Accumulates the parameter grads; returns grads of tokens and probs.
+  CudaExpertsGrads backward(const CudaExpertsOutput& forward_output, const TensorView& grad_out,
+                            cudaStream_t stream);
+  void zero_grad(cudaStream_t stream);
+
+  Parameter& gate_and_up_projs() { return gate_and_up_; }  // [E_local, dim, up_dim]
+  Parameter& down_projs() { return down_; }                // [E_local, inter, dim]
+  Parameter& gate_up_proj_bias() { return gate_up_bias_; }  // [E_local, up_dim]; undefined without expert_bias
+  Parameter& down_proj_bias() { return down_bias_; }        // [E_local, dim]; undefined without expert_bias
+  std::vector<Parameter*> parameters();
+  int num_local_experts() const { return local_; }
+  int first_expert() const { return first_; }
+  int device() const { return device_; }
+  const ActivationParams& activation() const { return act_; }
+
+ private:
+  CudaExpertsOutput forward_impl(const TensorView& tokens, const Tensor* keep, const TensorView& probs,
+                                 const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
+
+  MoEConfig config_;
+  int local_, first_, device_;
+  ActivationParams act_;
+  Parameter gate_and_up_, down_, gate_up_bias_, down_bias_;
+};
+
+}  // namespace flexep

@@ -1,0 +1,303 @@
+// Fused expert activation kernels: bias add, activation, prob multiply (forward) and their backward.
+// One warp per row; each lane handles V consecutive outputs at a time (V = 8: 16-byte accesses).
+#include "flexep/cuda/expert_activation.h"
+
+#include <cmath>
+
+#include "expert_rows.cuh"
+#include "flexep/cuda/expert_bias.h"
+
+namespace flexep::cuda {
+namespace {
+
+using detail::bf16_t;
+using detail::kRowThreads;
+using detail::kWarpsPerBlock;
+using detail::load_bf16;
+using detail::store_bf16;
+
+enum ActKind : int { kSwiglu = 0, kQuickGeglu = 1, kRelu2 = 2 };
+
+struct Act {
+  int kind;
+  float alpha, limit;
+};
+
+__device__ inline float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+
+// The pre-activation values behind outputs [i, i + V) of one row, bias added: g = gate (swiglu,
+// quick_geglu) or the input (relu2), u = up (gated only; 0 for relu2). h and b point at the row.
+template <int V>
+__device__ inline void load_pre(const Act& act, const bf16_t* h, const bf16_t* b, std::int64_t inter, std::int64_t i,
+                                float (&g)[V], float (&u)[V]) {
+  if (act.kind == kQuickGeglu) {  // interleaved: gate = even columns, up = odd columns
+    float x[2 * V];
+    load_bf16<2 * V>(h + 2 * i, x);
+    if (b) {
+      float y[2 * V];
+      load_bf16<2 * V>(b + 2 * i, y);
+#pragma unroll
+      for (int j = 0; j < 2 * V; ++j) x[j] += y[j];
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      g[j] = x[2 * j];
+      u[j] = x[2 * j + 1];
+    }
+    return;
+  }
+  load_bf16<V>(h + i, g);
+  if (b) {
+    float y[V];
+    load_bf16<V>(b + i, y);
+#pragma unroll
+    for (int j = 0; j < V; ++j) g[j] += y[j];
+  }
+  if (act.kind == kSwiglu) {  // halves: gate = [0, inter), up = [inter, 2 inter)
+    load_bf16<V>(h + inter + i, u);
+    if (b) {
+      float y[V];
+      load_bf16<V>(b + inter + i, y);
+#pragma unroll
+      for (int j = 0; j < V; ++j) u[j] += y[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) u[j] = 0.f;
+  }
+}
+
+// Clamps written as core/activation.h's std::min / std::max (same NaN behaviour).
+__device__ inline float clamp_gate(float g, float limit) { return limit < g ? limit : g; }
+__device__ inline float clamp_up(float u, float limit) {
+  const float lo = u < -limit ? -limit : u;
+  return limit < lo ? limit : lo;
+}
+
+__device__ inline float act_forward(const Act& act, float g, float u) {
+  if (act.kind == kSwiglu) return g * sigmoid_f(g) * u;
+  if (act.kind == kQuickGeglu) {
+    const float gc = clamp_gate(g, act.limit), uc = clamp_up(u, act.limit);
+    return gc * sigmoid_f(act.alpha * gc) * (uc + 1.f);
+  }
+  const float x = g > 0.f ? g : 0.f;
+  return x * x;
+}
+
+// Backward of one output: grad_a is the gradient reaching act (already times p). Returns the
+// activation value in `a` (for grad_probs) and the gradients of the (biased) gate and up inputs.
+__device__ inline void act_backward(const Act& act, float g, float u, float grad_a, float& dg, float& du, float& a) {
+  if (act.kind == kSwiglu) {
+    const float s = sigmoid_f(g), silu = g * s;
+    a = silu * u;
+    dg = grad_a * u * (s + g * s * (1.f - s));
+    du = grad_a * silu;
+  } else if (act.kind == kQuickGeglu) {
+    const float lim = act.limit;
+    const float gc = clamp_gate(g, lim), uc = clamp_up(u, lim);
+    const float s = sigmoid_f(act.alpha * gc);
+    const float glu = gc * s;
+    const float dglu = s + act.alpha * gc * s * (1.f - s);
+    a = glu * (uc + 1.f);
+    dg = g <= lim ? grad_a * (uc + 1.f) * dglu : 0.f;
+    du = (u >= -lim && u <= lim) ? grad_a * glu : 0.f;
+  } else {
+    const float x = g > 0.f ? g : 0.f;
+    a = x * x;
+    dg = g > 0.f ? grad_a * 2.f * g : 0.f;
+    du = 0.f;
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kRowThreads)
+    activation_forward_kernel(Act act, const bf16_t* h, const bf16_t* bias, const float* probs,
+                              const std::int64_t* offsets, int num_experts, std::int64_t rows, std::int64_t inter,
+                              bf16_t* out) {
+  const std::int64_t up = act.kind == kRelu2 ? inter : 2 * inter;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t active = detail::active_rows(offsets, num_experts, rows);
+  const std::int64_t nwarps = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32; row < rows;
+       row += nwarps) {
+    bf16_t* o = out + row * inter;
+    if (row >= active) {
+      const float zero[V] = {};
+      for (std::int64_t i = static_cast<std::int64_t>(lane) * V; i < inter; i += 32 * V) store_bf16<V>(o + i, zero);
+      continue;
+    }
+    const float p = probs ? probs[row] : 1.f;
+    const bf16_t* hr = h + row * up;
+    const std::int64_t e = offsets ? detail::find_expert(offsets, num_experts, row) : 0;
+    const bf16_t* br = bias ? bias + e * up : nullptr;
+    for (std::int64_t i = static_cast<std::int64_t>(lane) * V; i < inter; i += 32 * V) {
+      float g[V], u[V], a[V];
+      load_pre<V>(act, hr, br, inter, i, g, u);
+#pragma unroll
+      for (int j = 0; j < V; ++j) a[j] = act_forward(act, g[j], u[j]) * p;
+      store_bf16<V>(o + i, a);
+    }
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kRowThreads)
+    activation_backward_kernel(Act act, const bf16_t* h, const bf16_t* bias, const float* probs,
+                               const std::int64_t* offsets, int num_experts, std::int64_t rows, std::int64_t inter,
+                               const bf16_t* grad_ap, bf16_t* grad_h, float* grad_probs) {
+  const std::int64_t up = act.kind == kRelu2 ? inter : 2 * inter;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t active = detail::active_rows(offsets, num_experts, rows);
+  const std::int64_t nwarps = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock;
+  // The row loop is uniform per warp, so every lane reaches warp_sum.
+  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32; row < rows;
+       row += nwarps) {
+    bf16_t* gh = grad_h + row * up;
+    if (row >= active) {
+      const float zero[V] = {};
+      for (std::int64_t c = static_cast<std::int64_t>(lane) * V; c < up; c += 32 * V) store_bf16<V>(gh + c, zero);
+      if (grad_probs && lane == 0) grad_probs[row] = 0.f;
+      continue;
+    }
+    const float p = probs ? probs[row] : 1.f;
+    const bf16_t* hr = h + row * up;
+    const bf16_t* gar = grad_ap + row * inter;
+    const std::int64_t e = offsets ? detail::find_expert(offsets, num_experts, row) : 0;
+    const bf16_t* br = bias ? bias + e * up : nullptr;
+    float dot = 0.f;
+    for (std::int64_t i = static_cast<std::int64_t>(lane) * V; i < inter; i += 32 * V) {
+      float g[V], u[V], ga[V], dg[V], du[V];
+      load_pre<V>(act, hr, br, inter, i, g, u);
+      load_bf16<V>(gar + i, ga);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        float a;
+        act_backward(act, g[j], u[j], ga[j] * p, dg[j], du[j], a);
+        dot += ga[j] * a;
+      }
+      if (act.kind == kQuickGeglu) {
+        float x[2 * V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          x[2 * j] = dg[j];
+          x[2 * j + 1] = du[j];
+        }
+        store_bf16<2 * V>(gh + 2 * i, x);
+      } else {
+        store_bf16<V>(gh + i, dg);
+        if (act.kind == kSwiglu) store_bf16<V>(gh + inter + i, du);
+      }
+    }
+    dot = detail::warp_sum(dot);
+    if (grad_probs && lane == 0) grad_probs[row] = dot;
+  }
+}
+
+Act make_act(const ActivationParams& p) {
+  Act a{};
+  switch (p.kind) {
+    case Activation::swiglu: a.kind = kSwiglu; break;
+    case Activation::quick_geglu: a.kind = kQuickGeglu; break;
+    case Activation::relu2: a.kind = kRelu2; break;
+    default: throw_argument_error("act", "unknown activation kind ", static_cast<int>(p.kind));
+  }
+  FLEXEP_CHECK_ARG(std::isfinite(p.alpha) && std::isfinite(p.limit), "act", "alpha and limit must be finite, got ",
+                   p.alpha, " and ", p.limit);
+  a.alpha = static_cast<float>(p.alpha);
+  a.limit = static_cast<float>(p.limit);
+  return a;
+}
+
+template <class T>
+const T* ptr_or_null(const TensorView& t) {
+  return t.defined() ? static_cast<const T*>(t.data) : nullptr;
+}
+
+// Checks what forward and backward share; returns E.
+int check_common(const Act& act, const TensorView& h, const TensorView& gate_up_bias, const TensorView& probs,
+                 const TensorView& expert_offsets, std::int64_t rows, std::int64_t inter) {
+  FLEXEP_CHECK_ARG(inter >= 1, "out", "needs at least one column (inter >= 1), got ", inter);
+  const std::int64_t up = act.kind == kRelu2 ? inter : 2 * inter;
+  detail::check_matrix(h, rows, up, DType::bf16, "h");
+  const int E = detail::check_rows_args(probs, expert_offsets, rows, h.device);
+  if (gate_up_bias.defined()) {
+    detail::check_matrix(gate_up_bias, E, up, DType::bf16, "gate_up_bias");
+    check::device(gate_up_bias, h.device, "gate_up_bias");
+  }
+  return E;
+}
+
+}  // namespace
+
+void activation_forward(const ActivationParams& params, const TensorView& h, const TensorView& gate_up_bias,
+                        const TensorView& probs, const TensorView& expert_offsets, const TensorView& out,
+                        cudaStream_t stream) {
+  const Act act = make_act(params);
+  check::rank(out, 2, "out");
+  const std::int64_t rows = out.size(0), inter = out.size(1);
+  const int E = check_common(act, h, gate_up_bias, probs, expert_offsets, rows, inter);
+  detail::check_matrix(out, rows, inter, DType::bf16, "out");
+  check::device(out, h.device, "out");
+  if (rows == 0) return;
+  DeviceGuard guard(h.device.index);
+  const bool vec = inter % 8 == 0 && detail::aligned16(h) && detail::aligned16(gate_up_bias) && detail::aligned16(out);
+  const int blocks = detail::row_blocks(rows, h.device.index);
+  auto* hp = static_cast<const bf16_t*>(h.data);
+  auto* bp = ptr_or_null<bf16_t>(gate_up_bias);
+  auto* pp = ptr_or_null<float>(probs);
+  auto* op = ptr_or_null<std::int64_t>(expert_offsets);
+  auto* outp = static_cast<bf16_t*>(out.data);
+  if (vec)
+    activation_forward_kernel<8><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, outp);
+  else
+    activation_forward_kernel<1><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, outp);
+  FLEXEP_CUDA_CHECK_LAUNCH("activation_forward");
+}
+
+void activation_backward(const ActivationParams& params, const TensorView& h, const TensorView& gate_up_bias,
+                         const TensorView& probs, const TensorView& expert_offsets, const TensorView& grad_ap,
+                         const TensorView& grad_h, const TensorView& grad_probs, const TensorView& grad_gate_up_bias,
+                         cudaStream_t stream) {
+  const Act act = make_act(params);
+  check::rank(grad_ap, 2, "grad_ap");
+  const std::int64_t rows = grad_ap.size(0), inter = grad_ap.size(1);
+  const std::int64_t up = act.kind == kRelu2 ? inter : 2 * inter;
+  FLEXEP_CHECK_ARG(inter >= 1, "grad_ap", "needs at least one column (inter >= 1), got ", inter);
+  const int E = check_common(act, h, gate_up_bias, probs, expert_offsets, rows, inter);
+  detail::check_matrix(grad_ap, rows, inter, DType::bf16, "grad_ap");
+  check::device(grad_ap, h.device, "grad_ap");
+  detail::check_matrix(grad_h, rows, up, DType::bf16, "grad_h");
+  check::device(grad_h, h.device, "grad_h");
+  if (grad_probs.defined()) {
+    check::shape(grad_probs, {rows}, "grad_probs");
+    check::dtype(grad_probs, {DType::f32}, "grad_probs");
+    check::device(grad_probs, h.device, "grad_probs");
+  }
+  if (grad_gate_up_bias.defined()) {
+    detail::check_matrix(grad_gate_up_bias, E, up, DType::f32, "grad_gate_up_bias");
+    check::device(grad_gate_up_bias, h.device, "grad_gate_up_bias");
+  }
+  if (rows == 0) return;
+  DeviceGuard guard(h.device.index);
+  const bool vec = inter % 8 == 0 && detail::aligned16(h) && detail::aligned16(gate_up_bias) &&
+                   detail::aligned16(grad_ap) && detail::aligned16(grad_h);
+  const int blocks = detail::row_blocks(rows, h.device.index);
+  auto* hp = static_cast<const bf16_t*>(h.data);
+  auto* bp = ptr_or_null<bf16_t>(gate_up_bias);
+  auto* pp = ptr_or_null<float>(probs);
+  auto* op = ptr_or_null<std::int64_t>(expert_offsets);
+  auto* gap = static_cast<const bf16_t*>(grad_ap.data);
+  auto* ghp = static_cast<bf16_t*>(grad_h.data);
+  auto* gpp = grad_probs.defined() ? static_cast<float*>(grad_probs.data) : nullptr;
+  if (vec)
+    activation_backward_kernel<8><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, gap, ghp,
+                                                                      gpp);
+  else
+    activation_backward_kernel<1><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, gap, ghp,
+                                                                      gpp);
+  FLEXEP_CUDA_CHECK_LAUNCH("activation_backward");
+  // The bias gradient is the per-expert column sum of grad_h as stored (what a bf16 autograd graph sums).
+  if (grad_gate_up_bias.defined()) expert_column_sum(grad_h, TensorView(), expert_offsets, grad_gate_up_bias, stream);
+}
+
+}  // namespace flexep::cuda

@@ -1,0 +1,284 @@
+#include "flexep/layer/cuda_grouped_experts.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "flexep/core/checks.h"
+#include "flexep/core/random.h"
+#include "flexep/cuda/expert_activation.h"
+#include "flexep/cuda/expert_bias.h"
+#include "flexep/cuda/grouped_gemm.h"
+#include "flexep/cuda/runtime.h"
+#include "flexep/layer/grouped_experts.h"
+
+namespace flexep {
+
+CudaExpertsSaved::~CudaExpertsSaved() {
+  // Device tensors are freed on the calling thread's current stream: make that the stream of their
+  // last use, so the frees are ordered after the kernels that read them.
+  cuda::StreamGuard guard(stream);
+  x = Tensor();
+  p = Tensor();
+  offsets = Tensor();
+  h = Tensor();
+  ap = Tensor();
+}
+
+namespace {
+
+// Stream names as in GroupedExperts::init (fixed there too: values must not depend on renames).
+constexpr const char* kGateUp = "gate_and_up_projs";
+constexpr const char* kDown = "down_projs";
+constexpr const char* kGateUpBias = "gate_up_proj_bias";
+constexpr const char* kDownBias = "down_proj_bias";
+
+void check_cuda_tensor(const TensorView& t, std::initializer_list<std::int64_t> shape, DType dtype, int device,
+                       const char* arg) {
+  check::shape(t, shape, arg);
+  check::dtype(t, {dtype}, arg);
+  check::device(t, Device::cuda(device), arg);
+}
+
+// The gradient of p (f32, same shape), zero-allocated on first use; undefined when p has no value or
+// does not require grad.
+TensorView grad_of(Parameter& p) {
+  if (!p.value.defined() || !p.requires_grad) return TensorView();
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), DType::f32, p.value.device());
+  FLEXEP_CHECK(p.grad.shape() == p.value.shape() && p.grad.dtype() == DType::f32 && p.grad.device() == p.value.device(),
+               "gradient of '", p.name, "' has shape ", p.grad.shape().str(), " ", dtype_name(p.grad.dtype()), " on ",
+               p.grad.device().str(), ", expected ", p.value.shape().str(), " f32 on ", p.value.device().str());
+  return p.grad.view();
+}
+
+TensorView value_or_undefined(const Parameter& p) { return p.value.defined() ? p.value.view() : TensorView(); }
+
+// Uploads a host tensor (any floating dtype, same element count) into a bf16 device tensor.
+void upload_as_bf16(const Tensor& host, const TensorView& dst, cudaStream_t stream) {
+  const Tensor b = host.dtype() == DType::bf16 ? host : host.to(DType::bf16);
+  cuda::copy_async(dst, b.view(), stream);
+  // The source is pageable and dies with this scope: finish the copy.
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace
+
+CudaGroupedExperts::CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device)
+    : config_(config), local_(num_local_experts), first_(first_expert), device_(device) {
+  FLEXEP_CHECK_ARG(config.dtype == DType::bf16, "moe.dtype", "the CUDA grouped experts hold bf16 parameters, got ",
+                   dtype_name(config.dtype));
+  FLEXEP_CHECK_ARG(config.dim >= 1, "moe.dim", "must be >= 1, got ", config.dim);
+  FLEXEP_CHECK_ARG(config.moe_inter_dim >= 1, "moe.moe_inter_dim", "must be >= 1, got ", config.moe_inter_dim);
+  FLEXEP_CHECK_ARG(num_local_experts >= 1 && num_local_experts <= config.n_routed_experts, "num_local_experts",
+                   "must be in [1, moe.n_routed_experts = ", config.n_routed_experts, "], got ", num_local_experts);
+  FLEXEP_CHECK_ARG(first_expert >= 0 && first_expert + num_local_experts <= config.n_routed_experts, "first_expert",
+                   "local experts [", first_expert, ", ", first_expert + num_local_experts,
+                   ") must lie in [0, moe.n_routed_experts = ", config.n_routed_experts, ")");
+  const int devices = cuda::device_count();
+  FLEXEP_CHECK_ARG(device >= 0 && device < devices, "device", "must be in [0, ", devices, "), got ", device);
+  act_.kind = config.expert_activation;
+  act_.alpha = config.activation_alpha;
+  act_.limit = config.activation_limit;
+  cuda::init();
+  cuda::DeviceGuard dg(device_);
+  cuda::StreamGuard sg(nullptr);
+  const Device dev = Device::cuda(device_);
+  const std::int64_t E = local_, dim = config.dim, up = config.up_dim(), inter = config.moe_inter_dim;
+  gate_and_up_ = {kGateUp, Tensor::zeros({E, dim, up}, DType::bf16, dev), Tensor(), true};
+  down_ = {kDown, Tensor::zeros({E, inter, dim}, DType::bf16, dev), Tensor(), true};
+  gate_up_bias_.name = kGateUpBias;
+  down_bias_.name = kDownBias;
+  if (config.expert_bias) {
+    gate_up_bias_.value = Tensor::zeros({E, up}, DType::bf16, dev);
+    down_bias_.value = Tensor::zeros({E, dim}, DType::bf16, dev);
+  }
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+}
+
+void CudaGroupedExperts::init(std::uint64_t seed, double init_std, cudaStream_t stream) {
+  FLEXEP_CHECK_ARG(init_std >= 0 && std::isfinite(init_std), "init_std", "must be finite and >= 0, got ", init_std);
+  cuda::DeviceGuard dg(device_);
+  // One expert at a time, f32 first, exactly as GroupedExperts::init fills each expert's slice.
+  auto fill = [&](Parameter& p, const char* name) {
+    const std::int64_t per_expert = p.value.numel() / local_;
+    const Shape s = p.value.shape();
+    const Shape one = s.rank() == 3 ? Shape{1, s[1], s[2]} : Shape{1, s[1]};
+    for (int e = 0; e < local_; ++e) {
+      Tensor host = Tensor::empty(one, DType::f32);
+      fill_normal(host, seed, stream_id(name), 0.0, init_std, static_cast<std::uint64_t>((first_ + e) * per_expert));
+      upload_as_bf16(host, p.value.view().rows(e, e + 1), stream);
+    }
+  };
+  fill(gate_and_up_, kGateUp);
+  fill(down_, kDown);
+  if (gate_up_bias_.value.defined()) cuda::zero_async(gate_up_bias_.value, stream);
+  if (down_bias_.value.defined()) cuda::zero_async(down_bias_.value, stream);
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void CudaGroupedExperts::load_from(GroupedExperts& cpu, cudaStream_t stream) {
+  FLEXEP_CHECK_ARG(cpu.num_local_experts() == local_ && cpu.first_expert() == first_, "cpu", "holds experts [",
+                   cpu.first_expert(), ", ", cpu.first_expert() + cpu.num_local_experts(), "), this module [", first_,
+                   ", ", first_ + local_, ")");
+  cuda::DeviceGuard dg(device_);
+  auto load = [&](Parameter& dst, Parameter& src) {
+    FLEXEP_CHECK_ARG(dst.value.defined() == src.value.defined(), "cpu", "parameter '", src.name, "' is ",
+                     src.value.defined() ? "present" : "absent", " on the CPU module but not on this one");
+    if (!dst.value.defined()) return;
+    FLEXEP_CHECK_ARG(src.value.shape() == dst.value.shape(), "cpu", "parameter '", src.name, "' has shape ",
+                     src.value.shape().str(), ", expected ", dst.value.shape().str());
+    upload_as_bf16(src.value, dst.value, stream);
+  };
+  load(gate_and_up_, cpu.gate_and_up_projs());
+  load(down_, cpu.down_projs());
+  load(gate_up_bias_, cpu.gate_up_proj_bias());
+  load(down_bias_, cpu.down_proj_bias());
+}
+
+void CudaGroupedExperts::copy_values_to(GroupedExperts& cpu, cudaStream_t stream) {
+  FLEXEP_CHECK_ARG(cpu.num_local_experts() == local_, "cpu", "has ", cpu.num_local_experts(),
+                   " local experts, this module ", local_);
+  cuda::DeviceGuard dg(device_);
+  auto store = [&](Parameter& src, Parameter& dst) {
+    FLEXEP_CHECK_ARG(dst.value.defined() == src.value.defined(), "cpu", "parameter '", src.name,
+                     "' presence differs between the two modules");
+    if (!src.value.defined()) return;
+    FLEXEP_CHECK_ARG(src.value.shape() == dst.value.shape(), "cpu", "parameter '", dst.name, "' has shape ",
+                     dst.value.shape().str(), ", expected ", src.value.shape().str());
+    const Tensor host = cuda::to_host(src.value, stream).to(dst.value.dtype());
+    std::memcpy(dst.value.raw(), host.raw(), host.nbytes());
+  };
+  store(gate_and_up_, cpu.gate_and_up_projs());
+  store(down_, cpu.down_projs());
+  store(gate_up_bias_, cpu.gate_up_proj_bias());
+  store(down_bias_, cpu.down_proj_bias());
+}
+
+CudaExpertsOutput CudaGroupedExperts::forward(const TensorView& tokens, const TensorView& probs,
+                                              const std::vector<std::int64_t>& tokens_per_expert,
+                                              cudaStream_t stream) {
+  return forward_impl(tokens, nullptr, probs, tokens_per_expert, stream);
+}
+
+CudaExpertsOutput CudaGroupedExperts::forward(const Tensor& tokens, const TensorView& probs,
+                                              const std::vector<std::int64_t>& tokens_per_expert,
+                                              cudaStream_t stream) {
+  return forward_impl(tokens.view(), &tokens, probs, tokens_per_expert, stream);
+}
+
+CudaExpertsOutput CudaGroupedExperts::forward_impl(const TensorView& tokens, const Tensor* keep,
+                                                   const TensorView& probs,
+                                                   const std::vector<std::int64_t>& tokens_per_expert,
+                                                   cudaStream_t stream) {
+  check_cuda_tensor(tokens, {-1, config_.dim}, DType::bf16, device_, "tokens");
+  const std::int64_t N = tokens.size(0);
+  check_cuda_tensor(probs, {N}, DType::f32, device_, "probs");
+  FLEXEP_CHECK_ARG(tokens_per_expert.size() == static_cast<std::size_t>(local_), "tokens_per_expert", "has ",
+                   tokens_per_expert.size(), " entries, expected one per local expert (", local_, ")");
+  std::int64_t active = 0;
+  for (std::size_t e = 0; e < tokens_per_expert.size(); ++e) {
+    FLEXEP_CHECK_ARG(tokens_per_expert[e] >= 0, "tokens_per_expert", "entry ", e, " is ", tokens_per_expert[e],
+                     "; counts must be >= 0");
+    FLEXEP_CHECK_ARG(tokens_per_expert[e] <= N - active, "tokens_per_expert", "sums past ", N,
+                     " but tokens has only ", N, " rows; the sum must be <= the number of rows");
+    active += tokens_per_expert[e];
+  }
+  cuda::DeviceGuard dg(device_);
+  cuda::StreamGuard sg(stream);  // every tensor below is allocated on `stream`
+  const Device dev = Device::cuda(device_);
+  const std::int64_t dim = config_.dim, up = config_.up_dim(), inter = config_.moe_inter_dim;
+  const std::vector<std::int64_t>& counts = tokens_per_expert;
+
+  auto saved = std::make_shared<CudaExpertsSaved>();
+  saved->owner = this;
+  saved->tokens_per_expert = counts;
+  saved->rows = N;
+  saved->active = active;
+  saved->stream = stream;
+  if (keep) {
+    saved->x = *keep;
+  } else {
+    saved->x = Tensor::empty({active, dim}, DType::bf16, dev);
+    cuda::copy_async(saved->x, tokens.rows(0, active), stream);
+  }
+  saved->p = Tensor::empty({active}, DType::f32, dev);
+  cuda::copy_async(saved->p, probs.rows(0, active), stream);
+  saved->offsets = cuda::expert_offsets(counts, device_, stream);
+  saved->h = Tensor::empty({active, up}, DType::bf16, dev);
+  saved->ap = Tensor::empty({active, inter}, DType::bf16, dev);
+  const TensorView x = tokens.rows(0, active);
+
+  Tensor y = Tensor::empty({N, dim}, DType::bf16, dev);
+  cuda::zero_async(y.view().rows(active, N), stream);
+  const TensorView y_active = y.view().rows(0, active);
+  cuda::grouped_gemm_forward(x, gate_and_up_.value, counts, saved->h, stream);
+  cuda::activation_forward(act_, saved->h, value_or_undefined(gate_up_bias_), saved->p, saved->offsets, saved->ap,
+                           stream);
+  cuda::grouped_gemm_forward(saved->ap, down_.value, counts, y_active, stream);
+  if (down_bias_.value.defined()) cuda::down_bias_forward(y_active, down_bias_.value, saved->p, saved->offsets, stream);
+
+  CudaExpertsOutput out;
+  out.out = std::move(y);
+  out.saved = std::move(saved);
+  return out;
+}
+
+CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_output, const TensorView& grad_out,
+                                              cudaStream_t stream) {
+  FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
+  const CudaExpertsSaved& s = *forward_output.saved;
+  FLEXEP_CHECK_ARG(s.owner == this, "forward_output", "was produced by a different CudaGroupedExperts module");
+  check_cuda_tensor(grad_out, {s.rows, config_.dim}, DType::bf16, device_, "grad_out");
+  cuda::DeviceGuard dg(device_);
+  cuda::StreamGuard sg(stream);
+  s.stream = stream;  // from now on, release the saved tensors after this call's kernels
+  const Device dev = Device::cuda(device_);
+  const std::int64_t N = s.rows, A = s.active;
+  const std::int64_t dim = config_.dim, up = config_.up_dim(), inter = config_.moe_inter_dim;
+  const std::vector<std::int64_t>& counts = s.tokens_per_expert;
+
+  const TensorView g_wgu = grad_of(gate_and_up_), g_wd = grad_of(down_);
+  const TensorView g_bgu = grad_of(gate_up_bias_), g_bd = grad_of(down_bias_);
+
+  Tensor gx = Tensor::empty({N, dim}, DType::bf16, dev);
+  Tensor gp = Tensor::empty({N}, DType::f32, dev);
+  cuda::zero_async(gx.view().rows(A, N), stream);
+  cuda::zero_async(gp.view().rows(A, N), stream);
+  const TensorView g = grad_out.rows(0, A);
+  const TensorView gp_active = gp.view().rows(0, A);
+
+  // Down projection: the gradient reaching a_p, and W_down's gradient.
+  Tensor gap = Tensor::empty({A, inter}, DType::bf16, dev);
+  cuda::grouped_gemm_dgrad(g, down_.value, counts, gap, stream);
+  if (g_wd.defined()) cuda::grouped_gemm_wgrad(s.ap, g, counts, g_wd, stream);
+  // Activation (writes grad_probs), then the down bias (adds to grad_probs).
+  Tensor gh = Tensor::empty({A, up}, DType::bf16, dev);
+  cuda::activation_backward(act_, s.h, value_or_undefined(gate_up_bias_), s.p, s.offsets, gap, gh, gp_active, g_bgu,
+                            stream);
+  if (down_bias_.value.defined())
+    cuda::down_bias_backward(g, down_bias_.value, s.p, s.offsets, g_bd, gp_active, stream);
+  // Gate/up projection.
+  const TensorView x = s.x.view().rows(0, A);
+  if (g_wgu.defined()) cuda::grouped_gemm_wgrad(x, gh, counts, g_wgu, stream);
+  cuda::grouped_gemm_dgrad(gh, gate_and_up_.value, counts, gx.view().rows(0, A), stream);
+
+  CudaExpertsGrads out;
+  out.tokens = std::move(gx);
+  out.probs = std::move(gp);
+  return out;
+}
+
+void CudaGroupedExperts::zero_grad(cudaStream_t stream) {
+  cuda::DeviceGuard dg(device_);
+  for (Parameter* p : parameters())
+    if (p->grad.defined()) cuda::zero_async(p->grad, stream);
+}
+
+std::vector<Parameter*> CudaGroupedExperts::parameters() {
+  std::vector<Parameter*> out = {&gate_and_up_, &down_};
+  if (gate_up_bias_.value.defined()) out.push_back(&gate_up_bias_);
+  if (down_bias_.value.defined()) out.push_back(&down_bias_);
+  return out;
+}
+
+}  // namespace flexep

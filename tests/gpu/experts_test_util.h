@@ -1,0 +1,72 @@
+// Helpers of the expert GPU tests (grouped GEMM, activation/bias kernels, CudaGroupedExperts): random
+// bf16-exact data, uploads, NaN poisoning, error norms.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "flexep/core/random.h"
+#include "flexep/core/tensor.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::testing {
+
+// An f32 host tensor of N(mean, std) values already rounded to bf16, so that the bf16 device copy
+// holds exactly the numbers the CPU reference sees.
+inline Tensor bf16_exact(Shape shape, std::uint64_t seed, double std = 1.0, double mean = 0.0) {
+  Tensor t = Tensor::empty(shape, DType::f32);
+  fill_normal(t, seed, 4242, mean, std);
+  return t.to(DType::bf16).to(DType::f32);
+}
+
+inline Tensor to_gpu_bf16(const Tensor& host) { return cuda::to_device(host.to(DType::bf16), 0, nullptr); }
+inline Tensor to_gpu(const Tensor& host) { return cuda::to_device(host, 0, nullptr); }
+inline Tensor to_cpu_f32(const TensorView& d) { return cuda::to_host(d, nullptr).to(DType::f32); }
+
+// 0xFF bytes are a NaN in bf16 and in f32: anything a call forgets to write stays NaN.
+inline void poison(const TensorView& t) {
+  if (t.nbytes()) FLEXEP_CUDA_CHECK(cudaMemset(t.data, 0xFF, t.nbytes()));
+}
+inline Tensor poisoned(Shape shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, Device::cuda(0));
+  poison(t);
+  return t;
+}
+inline bool is_poison_bf16(const Tensor& host_bf16, std::int64_t i) { return host_bf16.data<bf16>()[i].bits == 0xFFFF; }
+
+// ||a - b|| / ||b|| over all elements (same shape, any floating dtype); +inf when a has a NaN/Inf.
+// With ||b|| = 0 it returns ||a||.
+inline double rel_error(const TensorView& a, const TensorView& b) {
+  EXPECT_EQ(a.shape, b.shape);
+  if (a.shape != b.shape) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const double x = read_as_double(a, i), y = read_as_double(b, i);
+    if (!std::isfinite(x)) return std::numeric_limits<double>::infinity();
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Element i of rows [begin, end) of a 2-D host tensor are all exactly v.
+inline bool rows_equal(const TensorView& t, std::int64_t begin, std::int64_t end, double v) {
+  const std::int64_t cols = t.dim() == 2 ? t.size(1) : 1;
+  for (std::int64_t i = begin * cols; i < end * cols; ++i)
+    if (read_as_double(t, i) != v) return false;
+  return true;
+}
+
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+// A view of nothing on cuda:0, for argument-validation tests (never dereferenced).
+inline TensorView fake_cuda(Shape shape, DType dtype) { return TensorView(nullptr, dtype, shape, Device::cuda(0)); }
+
+}  // namespace flexep::testing

@@ -1,0 +1,281 @@
+// CudaGroupedExperts against the CPU GroupedExperts (f32) holding the same bf16-rounded weights, on
+// the same bf16-rounded tokens. Tolerance: relative error norm < 1e-2 for outputs and every gradient
+// (bf16 intermediates h, a*p, grad a*p, grad h); tail rows exactly zero, padding rows (x = 0, p = 0)
+// exactly zero output, experts without rows exactly zero weight gradients.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "experts_test_util.h"
+#include "flexep/layer/cuda_grouped_experts.h"
+#include "flexep/layer/grouped_experts.h"
+#include "gpu_test_util.h"
+
+namespace flexep {
+namespace {
+
+using testing::bf16_exact;
+using testing::rel_error;
+
+constexpr int kRoutedExperts = 8;
+
+MoEConfig make_config(Activation act, bool bias, int dim, int inter) {
+  MoEConfig c;
+  c.n_routed_experts = kRoutedExperts;
+  c.dim = dim;
+  c.moe_inter_dim = inter;
+  c.expert_bias = bias;
+  c.expert_activation = act;
+  c.dtype = DType::bf16;
+  return c;
+}
+
+// Initialises the CPU module, rounds its weights to bf16 (kept in f32) and gives the biases random
+// bf16 values (init leaves them zero, which would test nothing).
+void prepare_cpu(GroupedExperts& cpu, std::uint64_t seed) {
+  cpu.init(seed, 0.1);
+  std::uint64_t s = seed;
+  for (Parameter* p : cpu.parameters()) {
+    if (p->name == "gate_up_proj_bias" || p->name == "down_proj_bias")
+      p->value = bf16_exact(p->value.shape(), ++s, 0.5);
+    else
+      p->value = p->value.to(DType::bf16).to(DType::f32);
+  }
+}
+
+Tensor host_f32(const TensorView& d, cudaStream_t s) { return cuda::to_host(d, s).to(DType::f32); }
+
+Tensor uniform_probs(std::int64_t n, std::uint64_t seed) {
+  Tensor p = Tensor::empty({n}, DType::f32);
+  fill_uniform(p, seed, 98, 0.1, 1.0);
+  return p;
+}
+
+// A stream that outlives everything allocated on it inside a test body.
+class TestStream {
+ public:
+  TestStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s_)); }
+  ~TestStream() {
+    cudaStreamSynchronize(s_);
+    cudaStreamDestroy(s_);
+  }
+  operator cudaStream_t() const { return s_; }  // NOLINT
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// Expert e's slice of a per-expert gradient is exactly zero.
+bool expert_slice_zero(const Tensor& grad, std::int64_t e) {
+  const Tensor slice = Tensor::wrap(grad.view().rows(e, e + 1)).clone();
+  for (std::int64_t i = 0; i < slice.numel(); ++i)
+    if (read_as_double(slice, i) != 0.0) return false;
+  return true;
+}
+
+void check_case(Activation act, bool bias, int dim, int inter, const std::vector<std::int64_t>& counts,
+                std::int64_t N, bool keep_tokens) {
+  SCOPED_TRACE(std::string(to_string(act)) + (bias ? " bias" : " no bias") + " dim " + std::to_string(dim) +
+               " inter " + std::to_string(inter) + " N " + std::to_string(N) + (keep_tokens ? " Tensor" : " view"));
+  const int local = static_cast<int>(counts.size()), first = kRoutedExperts - local;
+  const MoEConfig cfg = make_config(act, bias, dim, inter);
+  const std::int64_t active = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
+  ASSERT_LE(active, N);
+  TestStream stream;
+  GroupedExperts cpu(cfg, local, first, DType::f32);
+  prepare_cpu(cpu, 7);
+  CudaGroupedExperts gpu(cfg, local, first, 0);
+  gpu.load_from(cpu, stream);
+
+  Tensor x = bf16_exact({N, dim}, 71);
+  Tensor probs = uniform_probs(N, 72);
+  const std::int64_t pad_row = active > 2 ? 1 : -1;  // a padding row inside expert-major rows
+  if (pad_row >= 0) {
+    for (std::int64_t c = 0; c < dim; ++c) x.data<float>()[pad_row * dim + c] = 0.f;
+    probs.data<float>()[pad_row] = 0.f;
+  }
+  const Tensor x_d = testing::to_gpu_bf16(x), probs_d = testing::to_gpu(probs);
+
+  // Forward.
+  const CudaExpertsOutput fo =
+      keep_tokens ? gpu.forward(x_d, probs_d, counts, stream) : gpu.forward(x_d.view(), probs_d, counts, stream);
+  const ExpertsOutput co = cpu.forward(x, probs, counts);
+  ASSERT_EQ(fo.out.shape(), Shape({N, static_cast<std::int64_t>(dim)}));
+  const Tensor out = host_f32(fo.out, stream);
+  EXPECT_LT(rel_error(out, co.out), 1e-2);
+  EXPECT_TRUE(testing::rows_equal(out, active, N, 0.0)) << "rows past the counts must be zero";
+  if (pad_row >= 0) {
+    EXPECT_TRUE(testing::rows_equal(out, pad_row, pad_row + 1, 0.0)) << "padding row must be zero";
+  }
+
+  // Backward.
+  const Tensor g = bf16_exact({N, dim}, 73);
+  const CudaExpertsGrads gg = gpu.backward(fo, testing::to_gpu_bf16(g), stream);
+  const ExpertsGrads cg = cpu.backward(co, g);
+  ASSERT_EQ(gg.tokens.shape(), Shape({N, static_cast<std::int64_t>(dim)}));
+  ASSERT_EQ(gg.probs.shape(), Shape({N}));
+  const Tensor gx = host_f32(gg.tokens, stream), gp = host_f32(gg.probs, stream);
+  EXPECT_LT(rel_error(gx, cg.tokens), 1e-2);
+  EXPECT_LT(rel_error(gp, cg.probs), 1e-2);
+  EXPECT_TRUE(testing::rows_equal(gx, active, N, 0.0));
+  EXPECT_TRUE(testing::rows_equal(gp, active, N, 0.0));
+
+  const std::vector<Parameter*> gpu_params = gpu.parameters(), cpu_params = cpu.parameters();
+  ASSERT_EQ(gpu_params.size(), cpu_params.size());
+  for (std::size_t i = 0; i < gpu_params.size(); ++i) {
+    SCOPED_TRACE(gpu_params[i]->name);
+    EXPECT_EQ(gpu_params[i]->name, cpu_params[i]->name);
+    ASSERT_TRUE(gpu_params[i]->grad.defined());
+    ASSERT_EQ(gpu_params[i]->grad.shape(), gpu_params[i]->value.shape());
+    ASSERT_EQ(gpu_params[i]->grad.dtype(), DType::f32);
+    const Tensor grad = cuda::to_host(gpu_params[i]->grad, stream);
+    EXPECT_LT(rel_error(grad, cpu_params[i]->grad), 1e-2);
+    for (int e = 0; e < local; ++e) {
+      if (counts[static_cast<std::size_t>(e)] == 0) {
+        EXPECT_TRUE(expert_slice_zero(grad, e)) << "expert " << e;
+      }
+    }
+  }
+}
+
+TEST(CudaGroupedExperts, Swiglu) {
+  if (!testing::require_gpus(1)) return;
+  for (bool bias : {false, true}) check_case(Activation::swiglu, bias, 64, 32, {7, 0, 12, 3}, 25, false);
+}
+
+TEST(CudaGroupedExperts, QuickGeglu) {
+  if (!testing::require_gpus(1)) return;
+  for (bool bias : {false, true}) check_case(Activation::quick_geglu, bias, 64, 32, {7, 0, 12, 3}, 25, false);
+}
+
+TEST(CudaGroupedExperts, Relu2) {
+  if (!testing::require_gpus(1)) return;
+  for (bool bias : {false, true}) check_case(Activation::relu2, bias, 64, 32, {7, 0, 12, 3}, 25, true);
+}
+
+TEST(CudaGroupedExperts, OddShapesScalarKernels) {
+  if (!testing::require_gpus(1)) return;
+  check_case(Activation::swiglu, true, 20, 12, {5, 0, 4}, 10, false);
+  check_case(Activation::quick_geglu, true, 20, 12, {5, 4}, 9, true);
+}
+
+TEST(CudaGroupedExperts, OneExpertAndLargerCounts) {
+  if (!testing::require_gpus(1)) return;
+  check_case(Activation::swiglu, true, 64, 32, {16}, 16, true);
+  check_case(Activation::swiglu, false, 128, 64, {300, 5, 0, 211, 1}, 520, false);
+}
+
+TEST(CudaGroupedExperts, ZeroRows) {
+  if (!testing::require_gpus(1)) return;
+  check_case(Activation::swiglu, true, 64, 32, {0, 0, 0}, 0, false);
+}
+
+TEST(CudaGroupedExperts, AllCountsZero) {
+  if (!testing::require_gpus(1)) return;
+  check_case(Activation::relu2, true, 64, 32, {0, 0}, 5, true);
+}
+
+// The Tensor overload (tokens kept by reference) and the view overload (tokens copied) compute the
+// same thing bit for bit; gradients accumulate over calls and zero_grad clears them.
+TEST(CudaGroupedExperts, OverloadsAgreeAndGradsAccumulate) {
+  if (!testing::require_gpus(1)) return;
+  TestStream stream;
+  const MoEConfig cfg = make_config(Activation::swiglu, true, 64, 32);
+  const std::vector<std::int64_t> counts = {9, 0, 14};
+  const std::int64_t N = 24;
+  GroupedExperts cpu(cfg, 3, 0, DType::f32);
+  prepare_cpu(cpu, 11);
+  CudaGroupedExperts gpu(cfg, 3, 0, 0);
+  gpu.load_from(cpu, stream);
+  const Tensor x_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 81));
+  const Tensor p_d = testing::to_gpu(uniform_probs(N, 82));
+  const Tensor g_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 83));
+
+  auto grads_now = [&] {
+    std::vector<Tensor> out;
+    for (Parameter* p : gpu.parameters()) out.push_back(cuda::to_host(p->grad, stream));
+    return out;
+  };
+  const CudaExpertsOutput a = gpu.forward(x_d, p_d, counts, stream);
+  const CudaExpertsGrads ga = gpu.backward(a, g_d, stream);
+  const std::vector<Tensor> once = grads_now();
+  const CudaExpertsOutput b = gpu.forward(x_d.view(), p_d, counts, stream);
+  const CudaExpertsGrads gb = gpu.backward(b, g_d, stream);
+  const std::vector<Tensor> twice = grads_now();
+
+  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(a.out, stream), cuda::to_host(b.out, stream)));
+  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.tokens, stream), cuda::to_host(gb.tokens, stream)));
+  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.probs, stream), cuda::to_host(gb.probs, stream)));
+  for (std::size_t i = 0; i < once.size(); ++i) {
+    Tensor doubled = once[i].clone();
+    for (std::int64_t j = 0; j < doubled.numel(); ++j) doubled.data<float>()[j] *= 2.f;
+    EXPECT_LT(rel_error(twice[i], doubled), 1e-6) << gpu.parameters()[i]->name;
+  }
+  gpu.zero_grad(stream);
+  for (const Tensor& t : grads_now()) EXPECT_TRUE(testing::rows_equal(t, 0, t.size(0), 0.0));
+}
+
+// init draws GroupedExperts::init's numbers (rounded to bf16); copy_values_to brings them back.
+TEST(CudaGroupedExperts, InitMatchesCpuInit) {
+  if (!testing::require_gpus(1)) return;
+  TestStream stream;
+  for (Activation act : {Activation::swiglu, Activation::relu2}) {
+    const MoEConfig cfg = make_config(act, true, 24, 16);
+    GroupedExperts cpu(cfg, 3, 2, DType::f32), back(cfg, 3, 2, DType::f32);
+    cpu.init(1234, 0.02);
+    CudaGroupedExperts gpu(cfg, 3, 2, 0);
+    gpu.init(1234, 0.02, stream);
+    gpu.copy_values_to(back, stream);
+    const std::vector<Parameter*> want = cpu.parameters(), got = back.parameters();
+    ASSERT_EQ(want.size(), got.size());
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(testing::bitwise_equal(got[i]->value, want[i]->value.to(DType::bf16).to(DType::f32)))
+          << want[i]->name;
+  }
+}
+
+template <class F>
+void expect_arg_error(F&& f, const std::string& arg) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an ArgumentError naming '" << arg << "'";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(e.argument(), arg) << e.what();
+  }
+}
+
+TEST(CudaGroupedExperts, BadArguments) {
+  if (!testing::require_gpus(1)) return;
+  using testing::fake_cuda;
+  const MoEConfig cfg = make_config(Activation::swiglu, false, 16, 8);
+  CudaGroupedExperts gpu(cfg, 2, 0, 0), other(cfg, 2, 0, 0);
+  const auto x = fake_cuda({10, 16}, DType::bf16), p = fake_cuda({10}, DType::f32);
+  expect_arg_error([&] { gpu.forward(fake_cuda({10, 16}, DType::f32), p, {5, 5}, nullptr); }, "tokens");
+  expect_arg_error([&] { gpu.forward(fake_cuda({10, 17}, DType::bf16), p, {5, 5}, nullptr); }, "tokens");
+  expect_arg_error([&] { gpu.forward(TensorView(nullptr, DType::bf16, Shape{10, 16}), p, {5, 5}, nullptr); },
+                   "tokens");
+  expect_arg_error([&] { gpu.forward(x, fake_cuda({11}, DType::f32), {5, 5}, nullptr); }, "probs");
+  expect_arg_error([&] { gpu.forward(x, p, {6, 5}, nullptr); }, "tokens_per_expert");
+  expect_arg_error([&] { gpu.forward(x, p, {5, 5, 0}, nullptr); }, "tokens_per_expert");
+  expect_arg_error([&] { gpu.forward(x, p, {-1, 5}, nullptr); }, "tokens_per_expert");
+  expect_arg_error([&] { gpu.backward(CudaExpertsOutput{}, x, nullptr); }, "forward_output");
+
+  const Tensor x_d = testing::to_gpu_bf16(bf16_exact({10, 16}, 91));
+  const Tensor p_d = testing::to_gpu(uniform_probs(10, 92));
+  const CudaExpertsOutput fo = gpu.forward(x_d, p_d, {4, 5}, nullptr);
+  expect_arg_error([&] { gpu.backward(fo, fake_cuda({9, 16}, DType::bf16), nullptr); }, "grad_out");
+  expect_arg_error([&] { gpu.backward(fo, fake_cuda({10, 16}, DType::f32), nullptr); }, "grad_out");
+  expect_arg_error([&] { other.backward(fo, x, nullptr); }, "forward_output");
+
+  MoEConfig f32_cfg = cfg;
+  f32_cfg.dtype = DType::f32;
+  expect_arg_error([&] { CudaGroupedExperts bad(f32_cfg, 2, 0, 0); }, "moe.dtype");
+  expect_arg_error([&] { CudaGroupedExperts bad(cfg, 2, 0, 1000); }, "device");
+  expect_arg_error([&] { CudaGroupedExperts bad(cfg, 2, 7, 0); }, "first_expert");
+}
+
+}  // namespace
+}  // namespace flexep
