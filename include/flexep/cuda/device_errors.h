@@ -50,6 +50,7 @@ class DeviceErrors {
   DeviceErrors(const DeviceErrors&) = delete;
   DeviceErrors& operator=(const DeviceErrors&) = delete;
   DeviceErrorRecord* record() const { return rec_; }
+  int device() const { return device_; }
   // Copies the record back (synchronising `stream`), clears it, and throws ArgumentError when a
   // kernel reported a violation. `context` prefixes the message ("dispatch").
   void check(cudaStream_t stream, const std::string& context);

@@ -1,0 +1,77 @@
+// The router (NeMo Automodel's Gate) on the GPU: logits by cuBLAS, then one warp per token for the
+// scores, the selection and the weights, expert load by integer atomics, the aux loss by fixed-order
+// reductions. It computes what the CPU reference Gate computes (include/flexep/layer/gate.h holds the
+// formulas); the CPU Gate is its test oracle.
+//
+// Precision (backend.gate_precision):
+//   unset: logits = x W^T with bf16 x and W, fp32 accumulation, fp32 logits; routing in fp32.
+//   f32:   x and W are cast to fp32 first and the GEMM is fp32 (pedantic: no TF32, no emulation).
+//   f64:   x and W are cast to fp64, fp64 GEMM, and the routing runs in double end to end.
+// The score dtype S (logits, scores, topk_scores, aux_loss, grad_logits) is f64 for f64 and f32
+// otherwise. weights are always f32 (what the dispatchers take), rounded from S.
+//
+// Limits: n_routed_experts <= 512 (kMaxExperts: one warp holds a token's scores, 16 per lane) and
+// n_activated_experts <= 32 (one slot per lane). NaN logits give NaN scores; a NaN never displaces a
+// real number in the selection (as on the CPU).
+//
+// Streams: every function enqueues on `stream` and never synchronises; allocations are ordered on
+// `stream` (cuda::StreamGuard), so the outputs may be used on `stream` right away. Device errors are
+// impossible here: every index the kernels use is computed, never read from user data unchecked.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <optional>
+
+#include "flexep/core/config.h"
+#include "flexep/core/tensor.h"
+
+namespace flexep::cuda {
+
+inline constexpr int kRouterMaxExperts = 512;
+inline constexpr int kRouterMaxTopK = 32;
+
+struct RouterOutput {
+  Tensor weights;      // [T, k] f32: final routing weights (normalised, times route_scale)
+  Tensor indices;      // [T, k] int64: experts in descending selection-score order
+  Tensor expert_load;  // [E] int64: (unmasked token, slot) pairs per expert
+  Tensor aux_loss;     // [1] S, the unscaled L = sum_e f_e P_e; undefined unless training with coeff > 0
+
+  // Saved for router_backward (and useful to callers).
+  Tensor logits;          // [T, E] S, bias included
+  Tensor scores;          // [T, E] S: full softmax or sigmoid of the logits (original_scores, unnormalised)
+  Tensor topk_scores;     // [T, k] S: the weights before normalisation and route_scale
+  Tensor token_mask;      // [T] b8, a copy of the forward's mask; undefined = every token valid
+  Tensor aux_f_over_ctx;  // [E] f64: f_e / Lctx, dL/d original_scores; undefined without aux loss
+  MoEConfig config;       // the configuration and precision the forward ran with
+  std::optional<DType> gate_precision;
+  std::int64_t tokens = 0;
+};
+
+// x [T, dim] bf16; weight [E, dim] bf16; bias [E] bf16 or f32, given iff config.router_bias;
+// correction_bias [E] f32, given iff config.has_correction_bias() (used for selection only, and
+// ignored by plain softmax like the CPU gate); token_mask [T] b8 or undefined (every token valid).
+// All tensors on one CUDA device. The aux loss is computed when training && config.aux_loss_coeff > 0.
+RouterOutput router_forward(const MoEConfig& config, std::optional<DType> gate_precision, const TensorView& x,
+                            const TensorView& weight, const TensorView& bias, const TensorView& correction_bias,
+                            const TensorView& token_mask, bool training, cudaStream_t stream);
+
+struct RouterGrads {
+  Tensor grad_x;       // [T, dim] bf16
+  Tensor grad_logits;  // [T, E] S: dLoss/dlogits including the aux-loss term
+};
+
+// grad_weights [T, k] f32 -> grad_logits -> grad_x = grad_logits W (fp32 accumulation, rounded to
+// bf16). grad_weight [E, dim] f32 += grad_logits^T x and grad_bias [E] f32 += column sums of
+// grad_logits (a fixed-order reduction); either may be undefined to skip it (frozen gate), and
+// grad_bias must be undefined when the forward ran without a bias. With an aux loss in `forward`,
+// its gradient config.aux_loss_coeff * aux_loss_scale * dL (Automodel's MoEAuxLossAutoScaler) is
+// added through the original scores, masked tokens excluded. x and weight must be the forward's.
+//
+// Unset precision: grad_logits (fp32) enter the bf16 GEMMs as an exact-to-2^-17 two-term bf16 split
+// g = hi + lo, so grad_x and grad_weight keep fp32-level accuracy on the tensor cores.
+RouterGrads router_backward(const RouterOutput& forward, const TensorView& grad_weights, const TensorView& x,
+                            const TensorView& weight, const TensorView& grad_weight, const TensorView& grad_bias,
+                            double aux_loss_scale, cudaStream_t stream);
+
+}  // namespace flexep::cuda
