@@ -5,6 +5,7 @@
 #include "flexep/cuda/grouped_gemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <map>
@@ -105,34 +106,55 @@ void check_counts(const std::vector<std::int64_t>& counts, std::int64_t groups, 
   }
 }
 
-// One grouped call over the listed problems (one problem per group: their n differ), bf16 in and out,
-// fp32 accumulation, alpha = 1, beta = 0. Column-major terms: C_i (m x n_i, ldc) = op_a(A_i) op_b(B_i).
+// Per-expert work (rows * K * M multiply-adds) from which an expert gets its own cublasGemmEx
+// instead of joining the grouped call; see grouped_gemm.h.
+std::atomic<std::int64_t> g_own_gemm_min_work{std::int64_t{2500} * 1000 * 1000};
+
+// The listed problems (one per non-empty expert), bf16 in and out, fp32 accumulation, alpha = 1,
+// beta = 0. Column-major terms: C_i (m x n_i, ldc) = op_a(A_i) op_b(B_i). Large problems run as single
+// GEMMs, the rest in one cublasGemmGroupedBatchedEx call with one problem per group (their n differ).
 void grouped_bf16(cudaStream_t stream, int device, cublasOperation_t op_a, cublasOperation_t op_b, int m, int k,
                   int lda, int ldb, int ldc, const std::vector<int>& n, const std::vector<const void*>& a,
                   const std::vector<const void*>& b, const std::vector<void*>& c) {
-  const int count = static_cast<int>(n.size());
+  if (n.empty()) return;
+  cublasHandle_t handle = cublas_handle(stream);
+  // alpha/beta live on the host; the grouped API refuses device pointer mode anyway.
+  FLEXEP_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST));
+  const float one = 1.f, zero = 0.f;
+  const std::int64_t min_work = g_own_gemm_min_work.load(std::memory_order_relaxed);
+  std::vector<std::size_t> batched;
+  for (std::size_t i = 0; i < n.size(); ++i) {
+    if (static_cast<std::int64_t>(n[i]) * m * k < min_work) {
+      batched.push_back(i);
+      continue;
+    }
+    FLEXEP_CUBLAS_CHECK(cublasGemmEx(handle, op_a, op_b, m, n[i], k, &one, a[i], CUDA_R_16BF, lda, b[i], CUDA_R_16BF,
+                                     ldb, &zero, c[i], CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  const auto count = batched.size();
   if (count == 0) return;
   StreamGuard stream_guard(stream);  // the pointer array below is allocated and freed on `stream`
   Tensor ptrs = Tensor::empty({3 * static_cast<std::int64_t>(count)}, DType::i64, Device::cuda(device));
-  std::vector<const void*> host(3 * static_cast<std::size_t>(count));
-  for (int i = 0; i < count; ++i) {
-    host[static_cast<std::size_t>(i)] = a[static_cast<std::size_t>(i)];
-    host[static_cast<std::size_t>(count + i)] = b[static_cast<std::size_t>(i)];
-    host[static_cast<std::size_t>(2 * count + i)] = c[static_cast<std::size_t>(i)];
+  std::vector<const void*> host(3 * count);
+  std::vector<int> ns(count);
+  for (std::size_t j = 0; j < count; ++j) {
+    const std::size_t i = batched[j];
+    host[j] = a[i];
+    host[count + j] = b[i];
+    host[2 * count + j] = c[i];
+    ns[j] = n[i];
   }
   staged_upload(host.data(), host.size() * sizeof(void*), ptrs.raw(), stream);
   void** d = static_cast<void**>(ptrs.raw());
-  const auto size = static_cast<std::size_t>(count);
-  const std::vector<cublasOperation_t> ta(size, op_a), tb(size, op_b);
-  const std::vector<int> ms(size, m), ks(size, k), ldas(size, lda), ldbs(size, ldb), ldcs(size, ldc), sizes(size, 1);
-  const std::vector<float> alpha(size, 1.f), beta(size, 0.f);
-  cublasHandle_t handle = cublas_handle(stream);
-  // alpha/beta arrays live on the host; the grouped API refuses device pointer mode anyway.
-  FLEXEP_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST));
-  FLEXEP_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, ta.data(), tb.data(), ms.data(), n.data(), ks.data(),
-                                                 alpha.data(), d, CUDA_R_16BF, ldas.data(), d + count, CUDA_R_16BF,
-                                                 ldbs.data(), beta.data(), d + 2 * count, CUDA_R_16BF, ldcs.data(),
-                                                 count, sizes.data(), CUBLAS_COMPUTE_32F));
+  const std::vector<cublasOperation_t> ta(count, op_a), tb(count, op_b);
+  const std::vector<int> ms(count, m), ks(count, k), ldas(count, lda), ldbs(count, ldb), ldcs(count, ldc),
+      sizes(count, 1);
+  const std::vector<float> alpha(count, 1.f), beta(count, 0.f);
+  const int groups = static_cast<int>(count);
+  FLEXEP_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(),
+                                                 alpha.data(), d, CUDA_R_16BF, ldas.data(), d + groups, CUDA_R_16BF,
+                                                 ldbs.data(), beta.data(), d + 2 * groups, CUDA_R_16BF, ldcs.data(),
+                                                 groups, sizes.data(), CUBLAS_COMPUTE_32F));
 }
 
 const char* bytes_at(const TensorView& t, std::int64_t elements) {
@@ -250,6 +272,13 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vec
     row += rows;
   }
 }
+
+void set_grouped_gemm_own_gemm_min_work(std::int64_t macs) {
+  FLEXEP_CHECK_ARG(macs >= 0, "macs", "must be >= 0, got ", macs);
+  g_own_gemm_min_work.store(macs, std::memory_order_relaxed);
+}
+
+std::int64_t grouped_gemm_own_gemm_min_work() { return g_own_gemm_min_work.load(std::memory_order_relaxed); }
 
 Tensor expert_offsets(const std::vector<std::int64_t>& counts, int device, cudaStream_t stream) {
   FLEXEP_CHECK_ARG(!counts.empty(), "counts", "needs at least one expert");

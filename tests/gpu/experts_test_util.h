@@ -12,6 +12,7 @@
 
 #include "flexep/core/random.h"
 #include "flexep/core/tensor.h"
+#include "flexep/cuda/grouped_gemm.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::testing {
@@ -65,6 +66,20 @@ inline bool rows_equal(const TensorView& t, std::int64_t begin, std::int64_t end
 inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
+
+// Sets the grouped GEMM's own-GEMM threshold for one scope (0: every expert its own cublasGemmEx).
+class OwnGemmThreshold {
+ public:
+  explicit OwnGemmThreshold(std::int64_t macs) : previous_(cuda::grouped_gemm_own_gemm_min_work()) {
+    cuda::set_grouped_gemm_own_gemm_min_work(macs);
+  }
+  ~OwnGemmThreshold() { cuda::set_grouped_gemm_own_gemm_min_work(previous_); }
+  OwnGemmThreshold(const OwnGemmThreshold&) = delete;
+  OwnGemmThreshold& operator=(const OwnGemmThreshold&) = delete;
+
+ private:
+  std::int64_t previous_;
+};
 
 // A view of nothing on cuda:0, for argument-validation tests (never dereferenced).
 inline TensorView fake_cuda(Shape shape, DType dtype) { return TensorView(nullptr, dtype, shape, Device::cuda(0)); }

@@ -166,6 +166,8 @@ TEST(CudaGroupedExperts, OneExpertAndLargerCounts) {
   if (!testing::require_gpus(1)) return;
   check_case(Activation::swiglu, true, 64, 32, {16}, 16, true);
   check_case(Activation::swiglu, false, 128, 64, {300, 5, 0, 211, 1}, 520, false);
+  testing::OwnGemmThreshold all_own(0);  // every expert through its own cublasGemmEx
+  check_case(Activation::quick_geglu, true, 128, 64, {300, 5, 0, 211, 1}, 520, false);
 }
 
 TEST(CudaGroupedExperts, ZeroRows) {

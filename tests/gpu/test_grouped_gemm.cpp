@@ -135,6 +135,19 @@ TEST(GroupedGemm, AllCountsZeroWritesNothing) {
   check_all(9, 16, 8, {0, 0, 0});
 }
 
+// Forward/dgrad send big experts to their own cublasGemmEx: all of them (threshold 0), or a mix where
+// only expert 2 (17 * 64 * 48 = 52224 multiply-adds) is above the threshold.
+TEST(GroupedGemm, OwnGemmPathAndMixed) {
+  if (!testing::require_gpus(1)) return;
+  {
+    testing::OwnGemmThreshold all_own(0);
+    check_all(25, 64, 48, {3, 0, 17, 1, 0});
+    check_all(14, 13, 7, {5, 0, 6});
+  }
+  testing::OwnGemmThreshold mixed(10000);
+  check_all(25, 64, 48, {3, 0, 17, 1, 0});
+}
+
 TEST(GroupedGemm, ZeroRows) {
   if (!testing::require_gpus(1)) return;
   const Tensor a = Tensor::empty({0, 16}, DType::bf16, Device::cuda(0));
@@ -197,6 +210,7 @@ TEST(GroupedGemm, BadArguments) {
   const TensorView cpu_a(nullptr, DType::bf16, Shape{10, 16});
   expect_arg_error([&] { cuda::grouped_gemm_forward(cpu_a, b, {5, 5}, c, nullptr); }, "a");
   expect_arg_error([&] { cuda::expert_offsets({1, -2}, 0, nullptr); }, "counts");
+  expect_arg_error([&] { cuda::set_grouped_gemm_own_gemm_min_work(-1); }, "macs");
 }
 
 // ---------------------------------------------------------------- dense GEMM

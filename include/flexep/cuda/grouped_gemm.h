@@ -9,9 +9,16 @@
 // Experts with zero rows are skipped: their wgrad block is left exactly as it was. Rows of C past
 // sum(counts) are NOT written by forward/dgrad (callers zero them if they need to); N = 0 or
 // sum(counts) = 0 does nothing. Calls are asynchronous on `stream`; they never synchronise the device.
-// The pointer arrays of the batched call are staged in pinned host memory owned by the calling
-// thread (a small ring; a slot is rewritten only after the copy that read it has completed, which
-// may wait on the host for that earlier copy, never for the GEMMs).
+//
+// How forward/dgrad run: an expert whose work n_g * K * M reaches a threshold (default 2.5e9
+// multiply-adds) gets its own cublasGemmEx; the others go to one cublasGemmGroupedBatchedEx call.
+// Measured on an H200 (bf16, fp32 accumulate): the grouped call tops out near 350 TFLOP/s whatever the
+// sizes, single GEMMs reach 800+ on big experts (K 7168, M 4096: 1024 rows 840 vs 340 TFLOP/s), while
+// for small experts the grouped call wins (64 rows: 220 vs 170; K 2048, M 1536, 256 rows: 270 vs 135
+// with 32 experts). The pointer arrays of the grouped call are staged in pinned host memory owned by
+// the calling thread (a small ring; a slot is rewritten only after the copy that read it has
+// completed, which may wait on the host for that earlier copy, never for the GEMMs). Not capturable
+// in a CUDA graph (blocking mode).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +43,11 @@ void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vec
 // type), so this runs one cublasGemmEx per non-empty expert.
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
                         const TensorView& c, cudaStream_t stream);
+
+// The threshold above (multiply-adds per expert; 0: every expert its own GEMM; INT64_MAX: all grouped).
+// Process-wide; for tuning and tests.
+void set_grouped_gemm_own_gemm_min_work(std::int64_t macs);
+std::int64_t grouped_gemm_own_gemm_min_work();
 
 // Exclusive prefix sum of counts ([G + 1] int64: 0, c0, c0 + c1, ..., sum) as a device tensor on
 // `device`, uploaded on `stream` through the same pinned staging (no sync). This is the row -> expert
