@@ -17,6 +17,7 @@
 #include "flexep/dispatch/host.h"
 #include "flexep/layer/moe_layer.h"
 #include "progress.h"
+#include "train_common.h"
 
 namespace flexep::tools {
 
@@ -73,39 +74,18 @@ void validate(const TrainOptions& o) {
   FLEXEP_CHECK_ARG(o.lr > 0 && std::isfinite(o.lr), "train.lr", "must be finite and > 0, got ", o.lr);
   FLEXEP_CHECK_ARG(o.padding_fraction >= 0 && o.padding_fraction < 1, "train.padding_fraction",
                    "must be in [0, 1), got ", o.padding_fraction);
+#ifdef FLEXEP_WITH_CUDA
+  FLEXEP_CHECK_ARG(o.device == "cpu" || o.device == "cuda", "train.device", "'", o.device,
+                   "' is not a device; allowed: cpu, cuda");
+#else
   FLEXEP_CHECK_ARG(o.device == "cpu", "train.device", "'", o.device,
-                   "' is not available in this build; allowed: cpu");
-  FLEXEP_CHECK_ARG(o.backend.dispatcher == DispatcherKind::host, "backend.dispatcher", "'",
+                   "' is not available in this build (built without CUDA); allowed: cpu");
+#endif
+  FLEXEP_CHECK_ARG(o.device == "cuda" || o.backend.dispatcher == DispatcherKind::host, "backend.dispatcher", "'",
                    to_string(o.backend.dispatcher), "' needs GPUs; on the CPU the allowed value is host");
   validate(o.moe);
   validate(o.backend);
   validate_ep(o.moe, o.ranks);
-}
-
-// Rows [begin, end) of the global batch owned by `rank`.
-std::pair<std::int64_t, std::int64_t> rank_rows(std::int64_t tokens, int ranks, int rank) {
-  return {tokens * rank / ranks, tokens * (rank + 1) / ranks};
-}
-
-struct Batch {
-  Tensor x;        // [T_r, dim]
-  Tensor padding;  // [T_r] bool
-  std::int64_t global_valid = 0;
-};
-
-Batch make_batch(const TrainOptions& o, int step, int rank, int ranks) {
-  const auto [b, e] = rank_rows(o.tokens, ranks, rank);
-  const std::int64_t dim = o.moe.dim;
-  Batch batch{Tensor::empty({e - b, dim}, DType::f32), Tensor::empty({e - b}, DType::b8)};
-  const std::uint64_t base = static_cast<std::uint64_t>(step) * static_cast<std::uint64_t>(o.tokens);
-  fill_normal(batch.x, o.seed, stream_id("train.x"), 0.0, 1.0, (base + static_cast<std::uint64_t>(b)) * dim);
-  for (std::int64_t t = 0; t < o.tokens; ++t) {
-    const bool pad = uniform01(o.seed, stream_id("train.padding"), base + static_cast<std::uint64_t>(t)) <
-                     o.padding_fraction;
-    if (!pad) ++batch.global_valid;
-    if (t >= b && t < e) batch.padding.data<bool>()[t - b] = pad;
-  }
-  return batch;
 }
 
 // One rank of the job: student, teacher and optimiser.
@@ -117,20 +97,7 @@ struct Rank {
     so.init_std = 0.02;
     auto dispatcher = std::shared_ptr<TokenDispatcher>(make_host_dispatcher(world, rank, o.moe.n_routed_experts));
     student = std::make_unique<MoELayer>(o.moe, o.backend, world->size() > 1 ? dispatcher : nullptr, so);
-    MoEConfig tc = o.moe;
-    tc.gate_bias_update_factor = 0;  // the teacher is fixed
-    // A narrower teacher: an over-parameterised student fits it, so the check measures the
-    // machinery (routing, dispatch, gradients), not the hardness of teacher-student regression.
-    tc.moe_inter_dim = std::max(1, o.moe.moe_inter_dim / 4);
-    tc.shared_expert_inter_dim = std::max(1, (o.moe.shared_expert_inter_dim ? o.moe.shared_expert_inter_dim : o.moe.moe_inter_dim) / 4);
-    MoELayerOptions to;
-    to.seed = o.seed + 1000;
-    to.init_std = o.teacher_std;
-    teacher = std::make_unique<MoELayer>(tc, o.backend, nullptr, to);
-    // The teacher routes like the student's initial router: its experts are what there is to learn.
-    // (With an unrelated random router the routed part is barely learnable from the weights'
-    // gradient alone; docs/training.md.)
-    if (Gate* tg = teacher->gate()) tg->weight().value = student->gate()->weight().value.clone();
+    teacher = make_teacher(o);
   }
 
   // Forward + backward of one step; returns this rank's sum of squared errors. Gradients of
@@ -139,18 +106,7 @@ struct Rank {
     const Tensor target = teacher->forward(batch.x, batch.padding, false).out;
     student->zero_grad();
     MoEOutput out = student->forward(batch.x, batch.padding, true);
-    const std::int64_t T = batch.x.size(0);
-    Tensor grad = Tensor::zeros({T, dim}, DType::f32);
-    double sq = 0;
-    const double scale = 2.0 / (static_cast<double>(std::max<std::int64_t>(batch.global_valid, 1)) * dim);
-    for (std::int64_t t = 0; t < T; ++t) {
-      if (batch.padding.data<bool>()[t]) continue;
-      for (std::int64_t h = 0; h < dim; ++h) {
-        const double d = static_cast<double>(out.out.data<float>()[t * dim + h]) - target.data<float>()[t * dim + h];
-        sq += d * d;
-        grad.data<float>()[t * dim + h] = static_cast<float>(scale * d);
-      }
-    }
+    const auto [sq, grad] = squared_error(out.out, target, batch, dim);
     student->backward(out, grad);
     for (Parameter* p : student->replicated_parameters())
       if (p->grad.defined()) group.all_reduce_sum(p->grad, "gradient all-reduce of " + p->name);
@@ -161,34 +117,6 @@ struct Rank {
   std::unique_ptr<MoELayer> student, teacher;
   Adam adam;
 };
-
-// Runs fn(rank) on one thread per rank; rethrows the most informative failure.
-template <class Fn>
-void run_ranks(int ranks, Fn fn) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  std::exception_ptr timeout;
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const TimeoutError&) {
-      if (!timeout) timeout = e;
-    } catch (...) {
-      std::rethrow_exception(e);  // a real error beats the timeouts it caused on the other ranks
-    }
-  }
-  if (timeout) std::rethrow_exception(timeout);
-}
 
 // Gradients of one step on `ranks` ranks, by full parameter name; expert tensors concatenated over
 // ranks in expert order so they compare with the single-rank ones.
@@ -220,6 +148,9 @@ std::map<std::string, std::vector<double>> step_gradients(const TrainOptions& o,
 
 TrainReport run_training(const TrainOptions& o) {
   validate(o);
+#ifdef FLEXEP_WITH_CUDA
+  if (o.device == "cuda") return run_training_cuda(o);
+#endif
   TrainReport report;
 
   // Check 2 first (fresh parameters): R ranks vs 1 rank on the first batch.
@@ -239,6 +170,8 @@ TrainReport run_training(const TrainOptions& o) {
     }
   }
   report.rank_check = report.max_grad_rel_diff < 1e-5;
+  report.rank_check_label = fmt::format("{} ranks == 1 rank", o.ranks);
+  report.rank_check_limit = 1e-5;
 
   // Training.
   auto world = std::make_shared<HostWorld>(o.ranks);

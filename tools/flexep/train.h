@@ -32,6 +32,8 @@ struct TrainReport {
   double max_grad_rel_diff = 0;  // R ranks vs 1 rank, worst parameter
   std::string worst_parameter;
   bool loss_check = false, rank_check = false;
+  std::string rank_check_label;   // what check 2 compared
+  double rank_check_limit = 1e-5;
 };
 
 // Defaults of the main job (the "embedded default"), also written to configs/default.json.
@@ -41,5 +43,7 @@ void apply_train_json(TrainOptions& o, const std::string& json_text);
 std::string train_json(const TrainOptions& o);  // the "train" section
 
 TrainReport run_training(const TrainOptions& options);
+// The same job with the student on GPUs (one per rank; train_cuda.cpp, CUDA builds only).
+TrainReport run_training_cuda(const TrainOptions& options);
 
 }  // namespace flexep::tools

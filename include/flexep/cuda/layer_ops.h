@@ -1,0 +1,31 @@
+// Small elementwise and reduction kernels the MoE layer glues its pieces with: padding masks on
+// routing indices, the sigmoid gate of the shared experts (a [dim] -> 1 projection), and bf16 adds.
+// All asynchronous on `stream`; all reductions run in a fixed order (deterministic).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flexep/core/tensor.h"
+
+namespace flexep::cuda {
+
+// out [T, k] i64 = indices, with every slot of a padding token (padding_mask[t] true) set to -1.
+void mask_padding_indices(const TensorView& indices, const TensorView& padding_mask, const TensorView& out,
+                          cudaStream_t stream);
+// gate [T] f32 = sigmoid(x [T, dim] bf16 . w [dim] bf16), fp32 dot products.
+void sigmoid_gate_forward(const TensorView& x, const TensorView& w, const TensorView& gate, cudaStream_t stream);
+// From grad_gate [T] f32 and the forward's gate [T]: g_t = grad_gate * s (1 - s);
+// grad_w [dim] f32 += sum_t g_t x[t] (fixed order over t); grad_x [T, dim] bf16 += g_t w.
+void sigmoid_gate_backward(const TensorView& x, const TensorView& w, const TensorView& gate,
+                           const TensorView& grad_gate, const TensorView& grad_w, const TensorView& grad_x,
+                           cudaStream_t stream);
+// y [n] bf16 += z [n] bf16 (fp32 add, one rounding).
+void add_into(const TensorView& y, const TensorView& z, cudaStream_t stream);
+// out [T] bool = !mask [T] (padding mask <-> token mask).
+void logical_not(const TensorView& mask, const TensorView& out, cudaStream_t stream);
+// acc [n] i64 += x [n] i64.
+void add_i64(const TensorView& acc, const TensorView& x, cudaStream_t stream);
+// t [n] f32 = value.
+void fill(const TensorView& t, float value, cudaStream_t stream);
+
+}  // namespace flexep::cuda

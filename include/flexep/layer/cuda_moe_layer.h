@@ -1,0 +1,105 @@
+// The MoE layer on GPUs: the CUDA counterpart of MoELayer (moe_layer.h), same configuration, same
+// parameter names and shapes, forward and backward, for one rank of an expert-parallel group (EP size
+// 1: the single-GPU dispatcher; larger: any GPU TokenDispatcher).
+//
+//   weights, indices = router(x)                   (cuda/router.h; padding tokens get index -1)
+//   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
+//   y_rows = experts(rows)                         (CudaGroupedExperts, prob inside the FFN)
+//   y = combine(y_rows) + shared_experts(x)       (shared experts on a second stream, joined at the end)
+//
+// Parameters are bf16 device tensors and their gradients f32 device tensors; inputs and outputs bf16.
+// Blocking dispatch mode (tokens_per_expert on the host: the grouped GEMMs take host sizes). The
+// shared experts run as a one-expert CudaGroupedExperts whose prob is the sigmoid gate (or 1): the
+// same math as Automodel's MLP, since sigmoid(g) * (a W_d + b_d) = (a * s) W_d + b_d * s.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "flexep/comm/process_group.h"
+#include "flexep/dispatch/dispatcher.h"
+#include "flexep/layer/cuda_grouped_experts.h"
+
+namespace flexep {
+
+class MoELayer;
+
+struct CudaMoELayerOptions {
+  int device = 0;
+  std::uint64_t seed = 1234;
+  double init_std = 0.02;
+  DispatchOptions dispatch;
+};
+
+struct CudaMoESaved;
+
+struct CudaMoEOutput {
+  Tensor out;       // [T, dim] bf16
+  Tensor aux_loss;  // [1] (f32 or f64) on the device; undefined unless training with aux_loss_coeff > 0
+  std::shared_ptr<const CudaMoESaved> saved;
+};
+
+// Time of each phase of the last forward/backward, in microseconds (filled when timing is on).
+struct CudaMoEPhaseTimes {
+  double router = 0, dispatch = 0, experts = 0, combine = 0, shared = 0;
+};
+
+class CudaMoELayer {
+ public:
+  CudaMoELayer(const MoEConfig& config, const BackendConfig& backend, std::shared_ptr<TokenDispatcher> dispatcher,
+               const CudaMoELayerOptions& options = {});
+  ~CudaMoELayer();
+
+  // x [T, dim] bf16 on the layer's device; padding_mask [T] bool on the device or undefined.
+  CudaMoEOutput forward(const TensorView& x, const TensorView& padding_mask, bool training, cudaStream_t stream);
+  Tensor backward(const CudaMoEOutput& forward_output, const TensorView& grad_out, cudaStream_t stream);
+
+  // Automodel names: "gate.weight" [E, dim], "gate.bias", "experts.gate_and_up_projs" [E_local, dim, up],
+  // "experts.down_projs", expert biases, "shared_experts.*" (stored in the grouped layout, see
+  // copy_values_to for the nn.Linear-shaped view), "shared_expert_gate.weight" [1, dim].
+  std::vector<Parameter*> parameters();
+  std::vector<Parameter*> replicated_parameters();
+  void zero_grad(cudaStream_t stream);
+
+  // Copies every parameter value from / to a CPU reference layer of the same configuration and rank
+  // (values rounded to bf16 on the way in). Blocking.
+  void load_from(MoELayer& cpu, cudaStream_t stream);
+  // Gradients in the CPU layer's shapes and names, as f32 host tensors (for comparisons). Blocking.
+  std::vector<std::pair<std::string, Tensor>> host_gradients(cudaStream_t stream);
+
+  // Aux-loss-free balancing (as Gate::update_bias): load accumulated over training forwards, summed
+  // over `group` (nullptr: this rank). Blocking.
+  void update_bias(ProcessGroup* group, cudaStream_t stream);
+
+  void set_timing(bool on) { timing_ = on; }
+  const CudaMoEPhaseTimes& phase_times() const { return times_; }
+
+  const MoEConfig& config() const { return config_; }
+  int device() const { return options_.device; }
+  int ep_rank() const { return ep_rank_; }
+  int ep_size() const { return ep_size_; }
+  CudaGroupedExperts& experts() { return *experts_; }
+
+ private:
+  struct Events;
+  void upload_shared(const std::vector<Parameter*>& cpu_shared_params, cudaStream_t stream);
+  MoEConfig config_;
+  BackendConfig backend_;
+  CudaMoELayerOptions options_;
+  std::shared_ptr<TokenDispatcher> dispatcher_;
+  int ep_rank_ = 0, ep_size_ = 1;
+  Parameter gate_weight_, gate_bias_, shared_gate_;
+  Tensor correction_bias_;                  // [E] f32 device
+  Tensor cumulative_load_;                  // [E] i64 device
+  std::vector<double> correction_master_;  // fp64 master of the correction bias
+  std::unique_ptr<CudaGroupedExperts> experts_, shared_;
+  cudaStream_t side_stream_ = nullptr;
+  bool timing_ = false;
+  CudaMoEPhaseTimes times_;
+  std::unique_ptr<Events> events_;
+};
+
+}  // namespace flexep

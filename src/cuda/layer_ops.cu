@@ -1,0 +1,179 @@
+#include <cuda_bf16.h>
+
+#include "flexep/core/checks.h"
+#include "flexep/cuda/layer_ops.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(std::int64_t n) {
+  return static_cast<int>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535));
+}
+
+__global__ void mask_padding_kernel(const std::int64_t* indices, const bool* padding, std::int64_t* out,
+                                    std::int64_t T, std::int64_t k) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < T * k;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    out[i] = padding[i / k] ? -1 : indices[i];
+}
+
+// One warp per token: the dot product of x[t] and w, lanes striding over the columns.
+__global__ void sigmoid_gate_kernel(const __nv_bfloat16* x, const __nv_bfloat16* w, float* gate, std::int64_t T,
+                                    std::int64_t dim) {
+  const std::int64_t t = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= T) return;
+  float acc = 0.f;
+  for (std::int64_t d = lane; d < dim; d += 32) acc += __bfloat162float(x[t * dim + d]) * __bfloat162float(w[d]);
+  for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) gate[t] = 1.f / (1.f + expf(-acc));
+}
+
+__global__ void gate_grad_logit_kernel(const float* gate, const float* grad_gate, float* g, std::int64_t T) {
+  for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; t < T;
+       t += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    g[t] = grad_gate[t] * gate[t] * (1.f - gate[t]);
+}
+
+// One thread per column: sum over tokens in ascending order (deterministic).
+__global__ void gate_grad_w_kernel(const __nv_bfloat16* x, const float* g, float* grad_w, std::int64_t T,
+                                   std::int64_t dim) {
+  const std::int64_t d = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (d >= dim) return;
+  float acc = 0.f;
+  for (std::int64_t t = 0; t < T; ++t) acc += g[t] * __bfloat162float(x[t * dim + d]);
+  grad_w[d] += acc;
+}
+
+__global__ void gate_grad_x_kernel(const __nv_bfloat16* w, const float* g, __nv_bfloat16* grad_x, std::int64_t T,
+                                   std::int64_t dim) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < T * dim;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t t = i / dim, d = i % dim;
+    grad_x[i] = __float2bfloat16(__bfloat162float(grad_x[i]) + g[t] * __bfloat162float(w[d]));
+  }
+}
+
+__global__ void add_kernel(__nv_bfloat16* y, const __nv_bfloat16* z, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(z[i]));
+}
+
+__global__ void not_kernel(const bool* in, bool* out, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    out[i] = !in[i];
+}
+
+__global__ void add_i64_kernel(std::int64_t* acc, const std::int64_t* x, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    acc[i] += x[i];
+}
+
+__global__ void fill_kernel(float* t, float v, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    t[i] = v;
+}
+
+}  // namespace
+
+void mask_padding_indices(const TensorView& indices, const TensorView& padding_mask, const TensorView& out,
+                          cudaStream_t stream) {
+  check::rank(indices, 2, "indices");
+  check::dtype(indices, {DType::i64}, "indices");
+  check::shape(padding_mask, {indices.size(0)}, "padding_mask");
+  check::dtype(padding_mask, {DType::b8}, "padding_mask");
+  check::shape(out, {indices.size(0), indices.size(1)}, "out");
+  check::dtype(out, {DType::i64}, "out");
+  const std::int64_t n = indices.numel();
+  if (!n) return;
+  mask_padding_kernel<<<blocks_for(n), kThreads, 0, stream>>>(indices.ptr<std::int64_t>(), padding_mask.ptr<bool>(),
+                                                               out.ptr<std::int64_t>(), indices.size(0), indices.size(1));
+  FLEXEP_CUDA_CHECK_LAUNCH("mask_padding_kernel");
+}
+
+void sigmoid_gate_forward(const TensorView& x, const TensorView& w, const TensorView& gate, cudaStream_t stream) {
+  check::rank(x, 2, "x");
+  check::dtype(x, {DType::bf16}, "x");
+  check::shape(w, {x.size(1)}, "shared_expert_gate.weight");
+  check::dtype(w, {DType::bf16}, "shared_expert_gate.weight");
+  check::shape(gate, {x.size(0)}, "gate");
+  check::dtype(gate, {DType::f32}, "gate");
+  const std::int64_t T = x.size(0);
+  if (!T) return;
+  const int warps = kThreads / 32;
+  sigmoid_gate_kernel<<<static_cast<unsigned>((T + warps - 1) / warps), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x.data), static_cast<const __nv_bfloat16*>(w.data), gate.ptr<float>(), T,
+      x.size(1));
+  FLEXEP_CUDA_CHECK_LAUNCH("sigmoid_gate_kernel");
+}
+
+void sigmoid_gate_backward(const TensorView& x, const TensorView& w, const TensorView& gate,
+                           const TensorView& grad_gate, const TensorView& grad_w, const TensorView& grad_x,
+                           cudaStream_t stream) {
+  const std::int64_t T = x.size(0), dim = x.size(1);
+  check::shape(gate, {T}, "gate");
+  check::shape(grad_gate, {T}, "grad_gate");
+  check::dtype(grad_gate, {DType::f32}, "grad_gate");
+  check::shape(grad_w, {dim}, "grad_w");
+  check::dtype(grad_w, {DType::f32}, "grad_w");
+  check::shape(grad_x, {T, dim}, "grad_x");
+  check::dtype(grad_x, {DType::bf16}, "grad_x");
+  if (!T) return;
+  Tensor g = Tensor::empty({T}, DType::f32, x.device);
+  gate_grad_logit_kernel<<<blocks_for(T), kThreads, 0, stream>>>(gate.ptr<float>(), grad_gate.ptr<float>(),
+                                                                 g.data<float>(), T);
+  FLEXEP_CUDA_CHECK_LAUNCH("gate_grad_logit_kernel");
+  gate_grad_w_kernel<<<static_cast<unsigned>((dim + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x.data), g.data<float>(), grad_w.ptr<float>(), T, dim);
+  FLEXEP_CUDA_CHECK_LAUNCH("gate_grad_w_kernel");
+  gate_grad_x_kernel<<<blocks_for(T * dim), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(w.data),
+                                                                   g.data<float>(),
+                                                                   static_cast<__nv_bfloat16*>(grad_x.data), T, dim);
+  FLEXEP_CUDA_CHECK_LAUNCH("gate_grad_x_kernel");
+}
+
+void add_into(const TensorView& y, const TensorView& z, cudaStream_t stream) {
+  check::dtype(y, {DType::bf16}, "y");
+  check::dtype(z, {DType::bf16}, "z");
+  FLEXEP_CHECK_ARG(y.numel() == z.numel(), "z", "has ", z.numel(), " elements, y has ", y.numel());
+  if (!y.numel()) return;
+  add_kernel<<<blocks_for(y.numel()), kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(y.data),
+                                                              static_cast<const __nv_bfloat16*>(z.data), y.numel());
+  FLEXEP_CUDA_CHECK_LAUNCH("add_kernel");
+}
+
+void logical_not(const TensorView& mask, const TensorView& out, cudaStream_t stream) {
+  check::dtype(mask, {DType::b8}, "mask");
+  check::dtype(out, {DType::b8}, "out");
+  FLEXEP_CHECK_ARG(mask.numel() == out.numel(), "out", "has ", out.numel(), " elements, mask has ", mask.numel());
+  if (!mask.numel()) return;
+  not_kernel<<<blocks_for(mask.numel()), kThreads, 0, stream>>>(mask.ptr<bool>(), out.ptr<bool>(), mask.numel());
+  FLEXEP_CUDA_CHECK_LAUNCH("not_kernel");
+}
+
+void add_i64(const TensorView& acc, const TensorView& x, cudaStream_t stream) {
+  check::dtype(acc, {DType::i64}, "acc");
+  check::dtype(x, {DType::i64}, "x");
+  FLEXEP_CHECK_ARG(acc.numel() == x.numel(), "x", "has ", x.numel(), " elements, acc has ", acc.numel());
+  if (!acc.numel()) return;
+  add_i64_kernel<<<blocks_for(acc.numel()), kThreads, 0, stream>>>(acc.ptr<std::int64_t>(), x.ptr<std::int64_t>(),
+                                                                  acc.numel());
+  FLEXEP_CUDA_CHECK_LAUNCH("add_i64_kernel");
+}
+
+void fill(const TensorView& t, float value, cudaStream_t stream) {
+  check::dtype(t, {DType::f32}, "t");
+  if (!t.numel()) return;
+  fill_kernel<<<blocks_for(t.numel()), kThreads, 0, stream>>>(t.ptr<float>(), value, t.numel());
+  FLEXEP_CUDA_CHECK_LAUNCH("fill_kernel");
+}
+
+}  // namespace flexep::cuda
