@@ -1,5 +1,8 @@
 #include <cuda_bf16.h>
 
+#include <cstdint>
+#include <type_traits>
+
 #include "flexep/core/checks.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/cuda/runtime.h"
@@ -74,6 +77,26 @@ __global__ void add_i64_kernel(std::int64_t* acc, const std::int64_t* x, std::in
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
     acc[i] += x[i];
+}
+
+__device__ inline std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+template <class T>
+__global__ void fill_random_kernel(T* t, std::uint64_t seed, float half_width, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float u = static_cast<float>(mix64(seed ^ mix64(static_cast<std::uint64_t>(i))) >> 40) * (1.0f / 16777216.0f);
+    const float v = (2.f * u - 1.f) * half_width;
+    if constexpr (std::is_same_v<T, float>)
+      t[i] = v;
+    else
+      t[i] = __float2bfloat16(v);
+  }
 }
 
 __global__ void fill_kernel(float* t, float v, std::int64_t n) {
@@ -167,6 +190,18 @@ void add_i64(const TensorView& acc, const TensorView& x, cudaStream_t stream) {
   add_i64_kernel<<<blocks_for(acc.numel()), kThreads, 0, stream>>>(acc.ptr<std::int64_t>(), x.ptr<std::int64_t>(),
                                                                   acc.numel());
   FLEXEP_CUDA_CHECK_LAUNCH("add_i64_kernel");
+}
+
+void fill_random(const TensorView& t, std::uint64_t seed, float std, cudaStream_t stream) {
+  check::dtype(t, {DType::bf16, DType::f32}, "t");
+  if (!t.numel()) return;
+  const float half_width = std * 1.7320508f;  // uniform on [-a, a] has std a / sqrt(3)
+  if (t.dtype == DType::f32)
+    fill_random_kernel<float><<<blocks_for(t.numel()), kThreads, 0, stream>>>(t.ptr<float>(), seed, half_width, t.numel());
+  else
+    fill_random_kernel<__nv_bfloat16><<<blocks_for(t.numel()), kThreads, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(t.data), seed, half_width, t.numel());
+  FLEXEP_CUDA_CHECK_LAUNCH("fill_random_kernel");
 }
 
 void fill(const TensorView& t, float value, cudaStream_t stream) {

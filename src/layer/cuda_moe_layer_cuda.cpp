@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "flexep/core/checks.h"
+#include "flexep/core/random.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/cuda/router.h"
 #include "flexep/cuda/runtime.h"
@@ -144,16 +145,30 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
     cumulative_load_ = Tensor::zeros({E}, DType::i64, Device::cuda(options_.device));
   }
   experts_ = std::make_unique<CudaGroupedExperts>(config_, local, ep_rank_ * local, options_.device);
-  experts_->init(options_.seed, options_.init_std, init_stream);
+  auto fast_fill = [&](CudaGroupedExperts& g, std::uint64_t salt) {
+    for (Parameter* p : g.parameters())
+      if (p->name.find("bias") == std::string::npos)
+        cuda::fill_random(p->value, options_.seed ^ salt ^ stream_id(p->name.c_str()),
+                          static_cast<float>(options_.init_std), init_stream);
+    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(init_stream));
+  };
+  if (options_.fast_init) fast_fill(*experts_, static_cast<std::uint64_t>(ep_rank_) * 7919);
+  else experts_->init(options_.seed, options_.init_std, init_stream);
   if (config_.n_shared_experts > 0) {
     shared_ = std::make_unique<CudaGroupedExperts>(shared_expert_config(config_), 1, 0, options_.device);
     SharedExperts cpu_shared(config_, DType::f32);
-    cpu_shared.init(options_.seed, options_.init_std);
     if (config_.shared_expert_gate)
       shared_gate_ = {"shared_expert_gate.weight",
                       Tensor::empty({1, config_.dim}, DType::bf16, Device::cuda(options_.device)),
                       Tensor::zeros({1, config_.dim}, DType::f32, Device::cuda(options_.device)), true};
-    upload_shared(cpu_shared.parameters(), init_stream);
+    if (options_.fast_init) {
+      fast_fill(*shared_, 0x5ead);
+      if (config_.shared_expert_gate)
+        cuda::fill_random(shared_gate_.value, options_.seed ^ 0x6a7e, static_cast<float>(options_.init_std), init_stream);
+    } else {
+      cpu_shared.init(options_.seed, options_.init_std);
+      upload_shared(cpu_shared.parameters(), init_stream);
+    }
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   }
   events_ = std::make_unique<Events>();

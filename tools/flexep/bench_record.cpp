@@ -53,6 +53,12 @@ std::string to_json(const BenchRun& run) {
                           {"nvlink_gbps", optional_number(r.nvlink_gbps)}};
     if (r.tflops) rec["tflops"] = *r.tflops;
     if (r.hbm_gbps) rec["hbm_gbps"] = *r.hbm_gbps;
+    if (!r.pass.empty()) rec["pass"] = r.pass;
+    if (!r.parts_us.empty()) {
+      nlohmann::json parts = nlohmann::json::object();
+      for (const auto& [k, v] : r.parts_us) parts[k] = v;
+      rec["parts_us"] = parts;
+    }
     if (!r.note.empty()) rec["note"] = r.note;
     j["records"].push_back(rec);
   }
@@ -71,11 +77,11 @@ std::string write_bench_run(const BenchRun& run, const std::string& dir) {
 std::string format_table(const std::vector<BenchRecord>& records) {
   std::string s = fmt::format("{:<14} {:<8} {:<16} {:<16} {:<7} {:>4} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8}\n",
                               "case", "routing", "backend", "phase", "timing", "sms", "min us", "median us",
-                              "max us", "algo GB/s", "nvl GB/s", "TFLOP/s");
+                              "max us", "GB/s", "nvl GB/s", "TFLOP/s");
   auto num = [](const std::optional<double>& v) { return v ? fmt::format("{:.1f}", *v) : std::string("-"); };
   for (const BenchRecord& r : records)
     s += fmt::format("{:<14} {:<8} {:<16} {:<16} {:<7} {:>4} {:>10.1f} {:>10.1f} {:>10.1f} {:>9} {:>9} {:>8}\n",
-                     r.case_name, r.routing, r.backend, r.phase, r.timing, r.sms ? std::to_string(*r.sms) : "-",
+                     r.case_name, r.routing, r.backend, r.pass.empty() ? r.phase : r.phase + ":" + r.pass.substr(0, 3), r.timing, r.sms ? std::to_string(*r.sms) : "-",
                      r.time_us.min, r.time_us.median, r.time_us.max, num(r.algo_gbps ? r.algo_gbps : r.hbm_gbps),
                      num(r.nvlink_gbps), num(r.tflops));
   return s;

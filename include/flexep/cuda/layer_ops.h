@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "flexep/core/tensor.h"
 
 namespace flexep::cuda {
@@ -25,6 +27,10 @@ void add_into(const TensorView& y, const TensorView& z, cudaStream_t stream);
 void logical_not(const TensorView& mask, const TensorView& out, cudaStream_t stream);
 // acc [n] i64 += x [n] i64.
 void add_i64(const TensorView& acc, const TensorView& x, cudaStream_t stream);
+// Benchmark data: t (bf16 or f32) filled with uniform values of mean 0 and standard deviation
+// `std`, from a counter-based hash of (seed, index): fast, deterministic, not the host generator's
+// numbers.
+void fill_random(const TensorView& t, std::uint64_t seed, float std, cudaStream_t stream);
 // t [n] f32 = value.
 void fill(const TensorView& t, float value, cudaStream_t stream);
 

@@ -32,6 +32,9 @@ struct CudaMoELayerOptions {
   std::uint64_t seed = 1234;
   double init_std = 0.02;
   DispatchOptions dispatch;
+  // Benchmarks: fill the expert weights on the device with a fast hash generator (same std) instead
+  // of drawing the CPU reference's numbers on the host (minutes for DeepSeek-V3-sized experts).
+  bool fast_init = false;
 };
 
 struct CudaMoESaved;

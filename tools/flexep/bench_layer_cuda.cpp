@@ -1,0 +1,73 @@
+// Case `layer`: the MoE layer forward + backward on one GPU at a DeepSeek-V3-like shape (dim 7168,
+// moe_inter 2048, 32 experts, top-8, 4096 tokens: 32768 routed rows), with the per-phase split
+// (router, dispatch = plan + permute, experts, combine = unpermute, shared join).
+#include "bench_cases.h"
+#include "bench_timing_cuda.h"
+#include "flexep/cuda/layer_ops.h"
+#include "flexep/layer/cuda_moe_layer.h"
+
+namespace flexep::tools {
+namespace {
+
+void run(const BenchArgs& a, BenchRun& run) {
+  MoEConfig c;
+  c.dim = a.hidden ? a.hidden : 7168;
+  c.moe_inter_dim = 2048;
+  c.n_routed_experts = a.experts ? a.experts : 32;
+  c.n_activated_experts = a.topk ? a.topk : 8;
+  c.n_shared_experts = 1;
+  c.score_func = ScoreFunc::sigmoid;
+  c.norm_topk_prob = true;
+  c.dtype = DType::bf16;
+  const std::int64_t T = a.tokens ? a.tokens : 4096;
+  cuda::init();
+  cudaStream_t stream;
+  FLEXEP_CUDA_CHECK(cudaStreamCreate(&stream));
+  cuda::StreamGuard sg(stream);
+  CudaMoELayerOptions o;
+  o.fast_init = true;
+  o.init_std = 0.02;
+  CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
+  const Device dev = Device::cuda(0);
+  Tensor x = Tensor::empty({T, c.dim}, DType::bf16, dev), gy = Tensor::empty({T, c.dim}, DType::bf16, dev);
+  cuda::fill_random(x, 1, 1.0f, stream);
+  cuda::fill_random(gy, 2, 1.0f, stream);
+  const TimeStats t = time_cuda([&] {
+    CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+    layer.backward(out, gy, stream);
+  }, a.warmup, a.reps, stream);
+  // The split: one more pass with phase timing on (it synchronises between phases).
+  std::vector<std::vector<double>> parts(5);
+  layer.set_timing(true);
+  for (int i = 0; i < std::max(3, a.reps / 4); ++i) {
+    CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+    layer.backward(out, gy, stream);
+    const CudaMoEPhaseTimes& p = layer.phase_times();
+    const double v[5] = {p.router, p.dispatch, p.experts, p.combine, p.shared};
+    for (int j = 0; j < 5; ++j) parts[static_cast<std::size_t>(j)].push_back(v[j]);
+  }
+  BenchRecord r;
+  r.case_name = "layer-dsv3";
+  r.routing = "router";
+  r.backend = "cuda-local";
+  r.phase = "layer_fwd_bwd";
+  r.timing = "call";
+  r.tokens_per_rank = T;
+  r.hidden = c.dim;
+  r.topk = c.n_activated_experts;
+  r.experts = c.n_routed_experts;
+  r.time_us = t;
+  const char* names[5] = {"router", "dispatch(plan+permute)", "experts", "combine(unpermute)", "shared_join"};
+  for (int j = 0; j < 5; ++j) r.parts_us.emplace_back(names[j], stats_of(parts[static_cast<std::size_t>(j)]).median);
+  const double rows = static_cast<double>(T) * c.n_activated_experts;
+  const double flops = 3 * (2.0 * rows * c.dim * 2 * c.moe_inter_dim + 2.0 * rows * c.moe_inter_dim * c.dim);
+  r.tflops = flops / (t.median * 1e-6) / 1e12;
+  r.note = "sigmoid router, 1 shared expert on a side stream, EP size 1; tflops counts the routed experts only";
+  run.records.push_back(r);
+  cudaStreamDestroy(stream);
+}
+
+FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);
+
+}  // namespace
+}  // namespace flexep::tools
