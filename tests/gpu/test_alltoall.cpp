@@ -1,0 +1,572 @@
+// The alltoall backend on R = min(GPUs, 4) ranks (one thread per GPU) against the host backend on
+// R simulated ranks, for the same inputs: dispatch (tokens, probs, tokens_per_expert, dropped),
+// combine, combine_backward and dispatch_backward are all compared bit for bit. Also: budget mode
+// (exact size, drop, overflow error), the multihot form, the separate communication stream, errors
+// raised on every rank (configuration mismatch, bad ids, bad arguments) and a missing peer turning
+// into a TimeoutError that names the phase.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flexep/comm/host_world.h"
+#include "flexep/core/random.h"
+#include "flexep/core/routing.h"
+#include "flexep/core/synthetic_routing.h"
+#include "flexep/dispatch/alltoall.h"
+#include "flexep/dispatch/host.h"
+#include "gpu/gpu_test_util.h"
+#include "gpu/multi_gpu.h"
+
+namespace flexep::testing {
+namespace {
+
+struct Config {
+  std::string name;
+  int experts_per_rank = 2;
+  int k = 1;
+  std::int64_t hidden = 8;
+  std::vector<std::int64_t> tokens = {37, 0, 53, 11};  // per rank (rank r uses tokens[r])
+  RoutingSpec routing;
+  std::int64_t pad = 1;
+  DispatchMode mode = DispatchMode::blocking;
+  double budget_fraction = 1.0;  // budget mode: this fraction of the largest rank's required rows
+  OverflowPolicy overflow = OverflowPolicy::error;
+  bool multihot = false;
+  bool separate_stream = false;
+  bool i32_indices = false;
+};
+
+Config config(std::string name, int experts_per_rank, int k, std::int64_t H, std::vector<std::int64_t> tokens,
+              RoutingKind kind = RoutingKind::uniform, std::int64_t pad = 1) {
+  Config c;
+  c.name = std::move(name);
+  c.experts_per_rank = experts_per_rank;
+  c.k = k;
+  c.hidden = H;
+  c.tokens = std::move(tokens);
+  c.routing.kind = kind;
+  c.routing.zipf_s = 1.2;
+  c.pad = pad;
+  return c;
+}
+
+// ---- inputs (host tensors, identical for both backends) -----------------------------------------
+
+struct Inputs {
+  Tensor hidden, indices, weights;  // top-k form (indices i64, or i32 when asked)
+  Tensor routing_map, probs;        // multihot form of the same routing
+};
+
+Tensor random_tensor(Shape shape, DType dt, std::uint64_t seed, const char* what, int rank) {
+  Tensor t = Tensor::empty(shape, dt);
+  fill_normal(t, seed, stream_id(what) + static_cast<std::uint64_t>(rank), 0.0, 1.0);
+  return t;
+}
+
+Inputs make_inputs(const Config& c, int R, int r) {
+  const int E = c.experts_per_rank * R;
+  const std::int64_t T = c.tokens[static_cast<std::size_t>(r)];
+  RoutingSpec spec = c.routing;
+  spec.hot_expert = E - 1;  // everything goes to the last rank
+  TopK tk = synthetic_topk(T, c.k, E, spec, 1234, r);
+  // -1 entries: every 5th token loses its last slot, every 11th token all of them.
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < c.k; ++j)
+      if ((t % 5 == 3 && j == c.k - 1) || t % 11 == 6) tk.indices.data<std::int64_t>()[t * c.k + j] = -1;
+  Inputs in;
+  in.hidden = random_tensor({T, c.hidden}, DType::bf16, 99, "hidden", r);
+  in.indices = c.i32_indices ? tk.indices.to(DType::i32) : tk.indices;
+  in.weights = tk.weights;
+  Multihot mh = topk_to_multihot(tk.indices, tk.weights, E);
+  in.routing_map = mh.routing_map;
+  in.probs = mh.probs;
+  return in;
+}
+
+// The rows each rank needs in blocking mode, from the plan of all ranks' counts.
+std::vector<std::int64_t> required_rows(const Config& c, int R) {
+  std::vector<std::int64_t> counts;
+  const int E = c.experts_per_rank * R;
+  for (int r = 0; r < R; ++r) {
+    const auto v = expert_counts(make_inputs(c, R, r).indices, E);
+    counts.insert(counts.end(), v.begin(), v.end());
+  }
+  PlanParams p;
+  p.ranks = R;
+  p.experts = E;
+  p.pad_multiple = c.pad;
+  const DispatchPlan plan = DispatchPlan::build(counts, p);
+  std::vector<std::int64_t> rows;
+  for (const auto& lay : plan.ranks) rows.push_back(lay.required_rows);
+  return rows;
+}
+
+DispatchOptions dispatch_options(const Config& c, int R) {
+  DispatchOptions o;
+  o.pad_multiple = c.pad;
+  o.mode = c.mode;
+  o.overflow = c.overflow;
+  if (c.mode == DispatchMode::budget) {
+    std::int64_t most = 0;
+    for (std::int64_t n : required_rows(c, R)) most = std::max(most, n);
+    const auto b = static_cast<std::int64_t>(static_cast<double>(most) * c.budget_fraction);
+    o.budget_rows = b / c.pad * c.pad;
+  }
+  return o;
+}
+
+// ---- one sequence of calls, on either backend ------------------------------------------------------
+
+struct Outputs {
+  Tensor tokens, probs, tokens_per_expert;
+  std::int64_t dropped = 0;
+  Tensor combined, grad_expert_out, grad_hidden, grad_weights;
+};
+
+// up: host tensor -> the backend's device; down: the backend's tensor -> host.
+template <class Up, class Down>
+Outputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, const DispatchOptions& o, int r, Up up,
+                     Down down) {
+  DispatchInput di;
+  const Tensor hidden = up(in.hidden);
+  Tensor a, b;
+  di.hidden = hidden;
+  if (c.multihot) {
+    a = up(in.routing_map);
+    b = up(in.probs);
+    di.routing_map = a;
+    di.probs = b;
+  } else {
+    a = up(in.indices);
+    b = up(in.weights);
+    di.indices = a;
+    di.weights = b;
+  }
+  DispatchResult res = d.dispatch(di, o);
+  Outputs out;
+  out.tokens = down(res.tokens);
+  out.probs = down(res.token_probs);
+  out.tokens_per_expert = down(res.tokens_per_expert);
+  out.dropped = res.dropped;
+  const std::int64_t N = res.tokens.size(0), T = in.hidden.size(0), H = c.hidden;
+  // Expert outputs and gradients: random everywhere, padding rows included (they must be ignored).
+  const Tensor expert_out = random_tensor({N, H}, DType::bf16, 5, "expert_out", r);
+  out.combined = down(d.combine(res.handle, up(expert_out)));
+  const Tensor grad_out = random_tensor({T, H}, DType::bf16, 6, "grad_out", r);
+  out.grad_expert_out = down(d.combine_backward(res.handle, up(grad_out)));
+  const Tensor grad_tokens = random_tensor({N, H}, DType::bf16, 7, "grad_tokens", r);
+  const Tensor grad_probs = random_tensor({N}, DType::f32, 8, "grad_probs", r);
+  DispatchGrads g = d.dispatch_backward(res.handle, up(grad_tokens), up(grad_probs));
+  out.grad_hidden = down(g.hidden);
+  out.grad_weights = down(g.weights);
+  return out;
+}
+
+std::vector<Outputs> run_host(const Config& c, int R) {
+  auto world = std::make_shared<HostWorld>(R, 120.0);
+  std::vector<Outputs> outs(static_cast<std::size_t>(R));
+  const DispatchOptions o = dispatch_options(c, R);
+  auto id = [](const Tensor& t) { return t; };
+  const auto errors = run_ranks(R, [&](int r) {
+    auto d = make_host_dispatcher(world, r, c.experts_per_rank * R);
+    outs[static_cast<std::size_t>(r)] = run_sequence(*d, make_inputs(c, R, r), c, o, r, id, id);
+  });
+  EXPECT_TRUE(all_ok(errors)) << c.name << " (host backend)";
+  return outs;
+}
+
+Outputs run_gpu_rank(GpuRank& g, const Config& c) {
+  AlltoallOptions ao;
+  ao.separate_stream = c.separate_stream;
+  auto d = make_alltoall_dispatcher(g.comm, c.experts_per_rank * g.size, ao);
+  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.rank, g.stream); };
+  auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+  return run_sequence(*d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down);
+}
+
+::testing::AssertionResult same_bytes(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype()) return ::testing::AssertionFailure() << "dtypes differ";
+  if (a.shape() != b.shape())
+    return ::testing::AssertionFailure() << "shapes differ: " << a.shape().str() << " vs " << b.shape().str();
+  const std::size_t es = element_size(a.dtype());
+  const auto* pa = static_cast<const unsigned char*>(a.raw());
+  const auto* pb = static_cast<const unsigned char*>(b.raw());
+  for (std::int64_t i = 0; i < a.numel(); ++i)
+    if (std::memcmp(pa + i * es, pb + i * es, es) != 0)
+      return ::testing::AssertionFailure() << "first difference at element " << i << " of " << a.numel() << ": "
+                                           << read_as_double(a, i) << " vs " << read_as_double(b, i);
+  return ::testing::AssertionSuccess();
+}
+
+void expect_equal(const std::vector<Outputs>& want, const std::vector<Outputs>& got, const std::string& name) {
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    SCOPED_TRACE(name + ", rank " + std::to_string(r));
+    const Outputs& w = want[r];
+    const Outputs& g = got[r];
+    ASSERT_TRUE(g.tokens.defined()) << "no GPU result";
+    EXPECT_TRUE(same_bytes(w.tokens, g.tokens)) << "tokens";
+    EXPECT_TRUE(same_bytes(w.probs, g.probs)) << "token_probs";
+    EXPECT_TRUE(same_bytes(w.tokens_per_expert, g.tokens_per_expert)) << "tokens_per_expert";
+    EXPECT_EQ(w.dropped, g.dropped) << "dropped";
+    EXPECT_TRUE(same_bytes(w.combined, g.combined)) << "combine";
+    EXPECT_TRUE(same_bytes(w.grad_expert_out, g.grad_expert_out)) << "combine_backward";
+    EXPECT_TRUE(same_bytes(w.grad_hidden, g.grad_hidden)) << "dispatch_backward hidden";
+    EXPECT_TRUE(same_bytes(w.grad_weights, g.grad_weights)) << "dispatch_backward weights";
+  }
+}
+
+// Every config on the host backend, then on the GPUs (one communicator per GPU for all configs),
+// then compared.
+void check_against_host(const std::vector<Config>& configs) {
+  const int R = gpu_ranks();
+  std::vector<std::vector<Outputs>> want;
+  for (const Config& c : configs) want.push_back(run_host(c, R));
+  std::vector<std::vector<Outputs>> got(configs.size(), std::vector<Outputs>(static_cast<std::size_t>(R)));
+  CommunicatorOptions co;
+  co.timeout_seconds = 60;  // a failing rank must not leave the others waiting 300 s per call
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        for (std::size_t i = 0; i < configs.size(); ++i)
+          got[i][static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, configs[i]);
+      },
+      co);
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t i = 0; i < configs.size(); ++i) expect_equal(want[i], got[i], configs[i].name);
+}
+
+TEST(AlltoallMultiGpu, MatchesHostUniform) {
+  if (!require_gpus(2)) return;
+  Config i32 = config("uniform E=16R k=8 H=8 i32 ids", 16, 8, 8, {64, 100, 3, 0});
+  i32.i32_indices = true;
+  check_against_host({
+      config("uniform E=2R k=1 H=8 pad 1", 2, 1, 8, {37, 0, 53, 11}),
+      config("uniform E=2R k=1 H=8 pad 128", 2, 1, 8, {37, 0, 53, 11}, RoutingKind::uniform, 128),
+      config("uniform E=16R k=8 H=8 pad 128", 16, 8, 8, {300, 257, 0, 129}, RoutingKind::uniform, 128),
+      config("uniform E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 0, 1000, 77}),
+      config("uniform E=2R k=1 H=7168 pad 128", 2, 1, 7168, {0, 513, 64, 2048}, RoutingKind::uniform, 128),
+      i32,
+  });
+}
+
+TEST(AlltoallMultiGpu, MatchesHostZipf) {
+  if (!require_gpus(2)) return;
+  check_against_host({
+      config("zipf E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 1024, 0, 512}, RoutingKind::zipf),
+      config("zipf E=16R k=8 H=8 pad 128", 16, 8, 8, {500, 0, 333, 64}, RoutingKind::zipf, 128),
+      config("zipf E=2R k=1 H=8 pad 1", 2, 1, 8, {0, 200, 17, 5}, RoutingKind::zipf),
+  });
+}
+
+TEST(AlltoallMultiGpu, MatchesHostAllToOneExpert) {
+  if (!require_gpus(2)) return;
+  check_against_host({
+      config("hot k=1 E=2R H=8", 2, 1, 8, {100, 0, 31, 7}, RoutingKind::hot),
+      config("hot k=1 E=16R H=7168 pad 128", 16, 1, 7168, {1024, 2048, 0, 300}, RoutingKind::hot, 128),
+      config("hot k=8 E=16R H=8", 16, 8, 8, {100, 64, 0, 9}, RoutingKind::hot),
+  });
+}
+
+TEST(AlltoallMultiGpu, MultihotGivesTheSameRowsAsTopK) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  Config topk = config("zipf E=16R k=8 H=8 pad 16", 16, 8, 8, {200, 0, 77, 31}, RoutingKind::zipf, 16);
+  Config mh = topk;
+  mh.name += " multihot";
+  mh.multihot = true;
+  const std::vector<Outputs> want_topk = run_host(topk, R), want_mh = run_host(mh, R);
+  std::vector<Outputs> got_topk(static_cast<std::size_t>(R)), got_mh(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    got_topk[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, topk);
+    got_mh[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, mh);
+  });
+  ASSERT_TRUE(all_ok(errors));
+  expect_equal(want_topk, got_topk, topk.name);
+  expect_equal(want_mh, got_mh, mh.name);  // weight grads here are [T, E]
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const auto i = static_cast<std::size_t>(r);
+    EXPECT_TRUE(same_bytes(got_topk[i].tokens, got_mh[i].tokens));
+    EXPECT_TRUE(same_bytes(got_topk[i].probs, got_mh[i].probs));
+    EXPECT_TRUE(same_bytes(got_topk[i].tokens_per_expert, got_mh[i].tokens_per_expert));
+    EXPECT_TRUE(same_bytes(got_topk[i].combined, got_mh[i].combined));
+    EXPECT_EQ(got_mh[i].grad_weights.size(1), 16 * R);
+  }
+}
+
+TEST(AlltoallMultiGpu, SeparateStreamMatchesHost) {
+  if (!require_gpus(2)) return;
+  Config a = config("separate stream zipf E=16R k=8 H=7168", 16, 8, 7168, {1024, 512, 0, 100}, RoutingKind::zipf);
+  a.separate_stream = true;
+  Config b = config("separate stream budget drop", 2, 1, 8, {300, 0, 45, 7}, RoutingKind::hot, 16);
+  b.separate_stream = true;
+  b.mode = DispatchMode::budget;
+  b.budget_fraction = 0.5;
+  b.overflow = OverflowPolicy::drop;
+  check_against_host({a, b});
+}
+
+TEST(AlltoallMultiGpu, BudgetModeMatchesHost) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  Config exact = config("budget exact size", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
+  exact.mode = DispatchMode::budget;  // budget = the largest rank's rows: one rank fills it exactly
+  Config roomy = exact;
+  roomy.name = "budget with room";
+  roomy.budget_fraction = 1.5;
+  Config drop = config("budget drop", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
+  drop.mode = DispatchMode::budget;
+  drop.budget_fraction = 0.4;
+  drop.overflow = OverflowPolicy::drop;
+  Config drop_big = config("budget drop H=7168", 16, 8, 7168, {1024, 700, 0, 64}, RoutingKind::hot, 128);
+  drop_big.mode = DispatchMode::budget;
+  drop_big.budget_fraction = 0.3;
+  drop_big.overflow = OverflowPolicy::drop;
+  check_against_host({exact, roomy, drop, drop_big});
+
+  const DispatchOptions o = dispatch_options(exact, R);
+  std::int64_t most = 0;
+  for (std::int64_t n : required_rows(exact, R)) most = std::max(most, n);
+  EXPECT_EQ(o.budget_rows, most);
+  // The drop cases really drop (on the host, and the GPU matched the counts above).
+  std::int64_t dropped = 0;
+  for (const Outputs& o2 : run_host(drop, R)) dropped += o2.dropped;
+  EXPECT_GT(dropped, 0);
+}
+
+TEST(AlltoallMultiGpu, BudgetOverflowRaisesOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  Config c = config("budget overflow", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
+  c.mode = DispatchMode::budget;
+  c.budget_fraction = 0.5;
+  c.overflow = OverflowPolicy::error;
+  auto overflow = [](const Error& e) { return std::string(e.what()).find("overflow") != std::string::npos; };
+  auto host_world = std::make_shared<HostWorld>(R, 60.0);
+  EXPECT_TRUE(all_threw<Error>(run_ranks(R,
+                                         [&](int r) {
+                                           auto d = make_host_dispatcher(host_world, r, 16 * R);
+                                           const Inputs in = make_inputs(c, R, r);
+                                           DispatchInput di;
+                                           di.hidden = in.hidden;
+                                           di.indices = in.indices;
+                                           di.weights = in.weights;
+                                           d->dispatch(di, dispatch_options(c, R));
+                                         }),
+                               overflow));
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    auto d = make_alltoall_dispatcher(g.comm, 16 * R);
+    const Inputs in = make_inputs(c, R, g.rank);
+    const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
+    const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
+    const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
+    DispatchInput di;
+    di.hidden = hidden;
+    di.indices = indices;
+    di.weights = weights;
+    d->dispatch(di, dispatch_options(c, R));
+  });
+  EXPECT_TRUE(all_threw<Error>(errors, overflow));
+}
+
+// ---- errors raised on every rank ---------------------------------------------------------------------
+
+struct DeviceInputs {
+  Tensor hidden, indices, weights;
+  DispatchInput view() const {
+    DispatchInput di;
+    di.hidden = hidden;
+    di.indices = indices;
+    di.weights = weights;
+    return di;
+  }
+};
+
+DeviceInputs device_inputs(GpuRank& g, int E, std::int64_t T, std::int64_t H, int k) {
+  TopK tk = synthetic_topk(T, k, E, RoutingSpec{}, 3, g.rank);
+  DeviceInputs in;
+  in.hidden = cuda::to_device(random_tensor({T, H}, DType::bf16, 1, "hidden", g.rank), g.rank, g.stream);
+  in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+  in.weights = cuda::to_device(tk.weights, g.rank, g.stream);
+  return in;
+}
+
+template <class Check>
+auto argument_is(std::string argument, Check check) {
+  return [argument, check](const ArgumentError& e) { return e.argument() == argument && check(std::string(e.what())); };
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+TEST(AlltoallMultiGpu, ConfigMismatchRaisesOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks(), E = 4 * R;
+  std::vector<std::exception_ptr> mismatch_h(static_cast<std::size_t>(R)), mismatch_k(mismatch_h);
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    auto d = make_alltoall_dispatcher(g.comm, E);
+    const std::size_t r = static_cast<std::size_t>(g.rank);
+    try {  // rank 1 passes H = 16, the others H = 8
+      d->dispatch(device_inputs(g, E, 20, g.rank == 1 ? 16 : 8, 2).view(), {});
+    } catch (...) {
+      mismatch_h[r] = std::current_exception();
+    }
+    try {  // rank 1 routes to top-3, the others to top-2
+      d->dispatch(device_inputs(g, E, 20, 8, g.rank == 1 ? 3 : 2).view(), {});
+    } catch (...) {
+      mismatch_k[r] = std::current_exception();
+    }
+    // The communicator is still in step: a correct call works.
+    d->dispatch(device_inputs(g, E, 20, 8, 2).view(), {});
+  });
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_threw<ArgumentError>(mismatch_h, argument_is("hidden", [](const std::string& w) {
+    return contains(w, "rank 1 has H=16 but rank 0 has H=8");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(mismatch_k, argument_is("indices", [](const std::string& w) {
+    return contains(w, "rank 1 has k=3 but rank 0 has k=2");
+  })));
+}
+
+TEST(AlltoallMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    const int E = g.rank == 1 ? 4 * R : 2 * R;
+    auto d = make_alltoall_dispatcher(g.comm, E);
+    d->dispatch(device_inputs(g, E, 10, 8, 1).view(), {});
+  });
+  EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("num_experts", [&](const std::string& w) {
+    return contains(w, "rank 1 has E=" + std::to_string(4 * R) + " but rank 0 has E=" + std::to_string(2 * R));
+  })));
+}
+
+TEST(AlltoallMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id);
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    auto d = make_alltoall_dispatcher(g.comm, E);
+    const std::size_t r = static_cast<std::size_t>(g.rank);
+    const int last = g.size - 1;
+    try {  // the last rank routes token 2 to expert E
+      TopK tk = synthetic_topk(6, 2, E, RoutingSpec{}, 3, g.rank);
+      if (g.rank == last) tk.indices.data<std::int64_t>()[2 * 2 + 1] = E;
+      DeviceInputs in = device_inputs(g, E, 6, 8, 2);
+      in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+      d->dispatch(in.view(), {});
+    } catch (...) {
+      bad_id[r] = std::current_exception();
+    }
+    try {  // rank 0 lists expert 1 twice in token 4
+      TopK tk = synthetic_topk(6, 2, E, RoutingSpec{}, 3, g.rank);
+      if (g.rank == 0) {
+        tk.indices.data<std::int64_t>()[4 * 2] = 1;
+        tk.indices.data<std::int64_t>()[4 * 2 + 1] = 1;
+      }
+      DeviceInputs in = device_inputs(g, E, 6, 8, 2);
+      in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+      d->dispatch(in.view(), {});
+    } catch (...) {
+      repeated[r] = std::current_exception();
+    }
+    try {  // rank 1 passes f64 weights
+      DeviceInputs in = device_inputs(g, E, 6, 8, 2);
+      if (g.rank == 1) in.weights = cuda::to_device(Tensor::zeros({6, 2}, DType::f64), g.rank, g.stream);
+      d->dispatch(in.view(), {});
+    } catch (...) {
+      bad_dtype[r] = std::current_exception();
+    }
+    d->dispatch(device_inputs(g, E, 6, 8, 2).view(), {});  // the error records were cleared
+  });
+  ASSERT_TRUE(all_ok(errors));
+  const std::string last = std::to_string(R - 1);
+  EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [&](const std::string& w) {
+    return contains(w, "value " + std::to_string(E) + " at [2, 1] is out of range");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(repeated, argument_is("indices", [](const std::string& w) {
+    return contains(w, "token 4 lists expert 1 twice");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(bad_dtype, argument_is("weights", [](const std::string&) { return true; })));
+  for (int r = 0; r < R; ++r) {
+    if (r == 1) continue;
+    EXPECT_TRUE(contains(what_of(bad_dtype[static_cast<std::size_t>(r)]), "rank 1 failed its checks"));
+  }
+}
+
+// ---- a rank that stops participating --------------------------------------------------------------------
+
+// Rank 1 skips `phase_call` (0: the second dispatch, 1: a combine); the others must fail with a
+// TimeoutError naming `phase` within the 3 s timeout (plus slack for the abort).
+void check_missing_peer(int skipped_call, const std::string& phase) {
+  const int R = gpu_ranks(), E = 2 * R;
+  CommunicatorOptions co;
+  co.timeout_seconds = 3;
+  std::atomic<int> finished{0};
+  std::vector<double> seconds(static_cast<std::size_t>(R), 0.0);
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_alltoall_dispatcher(g.comm, E);
+        const DeviceInputs in = device_inputs(g, E, 16, 8, 1);
+        DispatchResult res = d->dispatch(in.view(), {});  // all ranks: works
+        if (g.rank == 1) {
+          // Stay alive (and silent) until the others gave up, so they time out rather than see a
+          // closed peer.
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+          while (finished.load() < g.size - 1 && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (skipped_call == 0) {
+            d->dispatch(in.view(), {});
+          } else {
+            const Tensor rows = cuda::to_device(random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank),
+                                                g.rank, g.stream);
+            d->combine(res.handle, rows);
+          }
+        } catch (...) {
+          failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+        seconds[static_cast<std::size_t>(g.rank)] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        ++finished;
+      },
+      co);
+  ASSERT_TRUE(all_ok(errors));
+  for (int r = 0; r < R; ++r) {
+    if (r == 1) continue;
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const std::exception_ptr& e = failures[static_cast<std::size_t>(r)];
+    ASSERT_TRUE(e != nullptr) << "no error";
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError& t) {
+      EXPECT_EQ(t.phase(), phase) << t.what();
+    } catch (...) {
+      ADD_FAILURE() << "not a TimeoutError: " << what_of(e);
+    }
+    EXPECT_GE(seconds[static_cast<std::size_t>(r)], 2.5);
+    EXPECT_LT(seconds[static_cast<std::size_t>(r)], 30.0);
+  }
+}
+
+TEST(AlltoallMultiGpu, MissingPeerInDispatchTimesOutNamingThePhase) {
+  if (!require_gpus(2)) return;
+  check_missing_peer(0, "dispatch:count-exchange");
+}
+
+TEST(AlltoallMultiGpu, MissingPeerInCombineTimesOutNamingThePhase) {
+  if (!require_gpus(2)) return;
+  check_missing_peer(1, "combine:partials");
+}
+
+}  // namespace
+}  // namespace flexep::testing
