@@ -39,7 +39,7 @@ fi
 
 if [ "${FLEXEP_GPU_TESTS:-1}" = 1 ]; then
   step "GPU tests"
-  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 ${FLEXEP_CTEST_ARGS:-} > "$out/ctest-gpu.log" 2>&1
+  ctest --test-dir "$build" -L gpu --output-on-failure --timeout "${FLEXEP_TEST_TIMEOUT:-120}" -j 2 ${FLEXEP_CTEST_ARGS:-} > "$out/ctest-gpu.log" 2>&1
   rc=$?; grep -E "tests passed|tests failed|\*\*\*Failed|Failed|Timeout" "$out/ctest-gpu.log" | tail -30; [ $rc = 0 ] || status=$rc
 fi
 
