@@ -99,12 +99,11 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
         if (p->name.find("bias") != std::string::npos) fill_normal(p->value, 5, stream_id(p->name.c_str()), 0, 0.05);
     for (Parameter* p : cpu.parameters()) p->value = round_bf16(p->value);
 
+    const cuda::OwnedStream stream;  // before the layer and its tensors: destroyed after them
     CudaMoELayerOptions go;
     go.seed = 11;
     go.init_std = 0.1;
     CudaMoELayer gpu(c.moe, BackendConfig{}, nullptr, go);
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
     gpu.load_from(cpu, stream);
 
     Tensor x = Tensor::empty({T, D}, DType::f32);
@@ -147,7 +146,6 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
       std::printf("  %-36s rel %.2e\n", name.c_str(), e);
       EXPECT_LT(e, 5e-2) << name;
     }
-    cudaStreamDestroy(stream);
   }
 }
 

@@ -80,8 +80,7 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
 
   run_ranks(ranks, [&](int rank) {
     cuda::DeviceGuard guard(rank);
-    cudaStream_t stream;
-    FLEXEP_CUDA_CHECK(cudaStreamCreate(&stream));
+    const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
     cuda::StreamGuard sg(stream);
     std::shared_ptr<Communicator> comm = Communicator::create(id, rank, ranks, rank);
     const Device dev = Device::cuda(rank);
@@ -170,8 +169,6 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
       std::lock_guard<std::mutex> lock(m);
       for (BenchRecord& r : mine) run.records.push_back(r);
     }
-    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    cudaStreamDestroy(stream);
   });
 }
 

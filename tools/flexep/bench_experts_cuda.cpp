@@ -35,8 +35,7 @@ void run(const BenchArgs& a, BenchRun& run) {
   c.n_activated_experts = 1;
   c.dtype = DType::bf16;
   cuda::init();
-  cudaStream_t stream;
-  FLEXEP_CUDA_CHECK(cudaStreamCreate(&stream));
+  const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
   cuda::StreamGuard sg(stream);
   CudaGroupedExperts ex(c, experts, 0, 0);
   for (Parameter* p : ex.parameters()) cuda::fill_random(p->value, 17, 0.02f, stream);
@@ -89,8 +88,6 @@ void run(const BenchArgs& a, BenchRun& run) {
       run.records.push_back(r);
     }
   }
-  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaStreamDestroy(stream);
 }
 
 FLEXEP_BENCH_CASE(experts, "experts", "grouped experts, DSV3-like shape, fwd/bwd TFLOP/s vs one dense GEMM", 1, run);

@@ -21,8 +21,7 @@ void run(const BenchArgs& a, BenchRun& run) {
   c.dtype = DType::bf16;
   const std::int64_t T = a.tokens ? a.tokens : 4096;
   cuda::init();
-  cudaStream_t stream;
-  FLEXEP_CUDA_CHECK(cudaStreamCreate(&stream));
+  const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
   cuda::StreamGuard sg(stream);
   CudaMoELayerOptions o;
   o.fast_init = true;
@@ -64,7 +63,6 @@ void run(const BenchArgs& a, BenchRun& run) {
   r.tflops = flops / (t.median * 1e-6) / 1e12;
   r.note = "sigmoid router, 1 shared expert on a side stream, EP size 1; tflops counts the routed experts only";
   run.records.push_back(r);
-  cudaStreamDestroy(stream);
 }
 
 FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);

@@ -16,8 +16,7 @@ void run(const BenchArgs& a, BenchRun& run) {
   const int H = a.hidden ? a.hidden : 7168, k = a.topk ? a.topk : 8, E = a.experts ? a.experts : 64;
   const std::int64_t T = a.tokens ? a.tokens : 4096;
   cuda::init();
-  cudaStream_t stream;
-  FLEXEP_CUDA_CHECK(cudaStreamCreate(&stream));
+  const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
   cuda::StreamGuard sg(stream);
   const Device dev = Device::cuda(0);
   RoutingSpec spec;
@@ -68,7 +67,6 @@ void run(const BenchArgs& a, BenchRun& run) {
   }, a.warmup, a.reps, stream);
   record("copy", "cuda-memcpy", tc, 2.0 * N * row_bytes, "device-to-device copy of the N expert rows");
   errors.check(stream, "permute benchmark");
-  cudaStreamDestroy(stream);
 }
 
 FLEXEP_BENCH_CASE(permute, "permute", "single-GPU permute/unpermute HBM GB/s vs a device copy", 1, run);

@@ -42,6 +42,24 @@ class StreamGuard {
   cudaStream_t previous_;
 };
 
+// An owned stream, synchronised and destroyed last: declare it before the tensors whose memory is
+// ordered on it, so they are freed (cudaFreeAsync on it) while it still exists.
+class OwnedStream {
+ public:
+  OwnedStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s_)); }
+  ~OwnedStream() {
+    cudaStreamSynchronize(s_);
+    cudaStreamDestroy(s_);
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  cudaStream_t get() const { return s_; }
+  operator cudaStream_t() const { return s_; }  // NOLINT: used where a stream is taken
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device);
