@@ -21,11 +21,55 @@ std::vector<BenchCase>& bench_cases() {
 
 namespace {
 struct BenchCli {
-  std::vector<std::string> cases, plot;
+  std::vector<std::string> cases, plot, sweep;
   std::string out = "bench/results", plot_out = "docs/img";
   bool list = false;
   BenchArgs args;
 };
+
+// One "key=v1,v2,..." sweep dimension applied to a copy of the arguments.
+void apply_sweep_value(BenchArgs& a, const std::string& key, const std::string& v) {
+  try {
+    if (key == "tokens") a.tokens = std::stoll(v);
+    else if (key == "hidden") a.hidden = std::stoi(v);
+    else if (key == "topk") a.topk = std::stoi(v);
+    else if (key == "experts") a.experts = std::stoi(v);
+    else if (key == "routing") a.routing = v;
+    else if (key == "zipf_s") a.zipf_s = std::stod(v);
+    else if (key == "backend") a.backend = v;
+    else throw_argument_error("--sweep", "'", key, "' cannot be swept; allowed: tokens, hidden, topk, experts, routing, "
+                              "zipf_s, backend (SM counts: --sms)");
+  } catch (const std::logic_error&) {
+    throw_argument_error("--sweep", "value '", v, "' of '", key, "' is not valid");
+  }
+}
+
+// The cartesian product of the sweep dimensions over the base arguments.
+std::vector<std::pair<BenchArgs, std::string>> expand_sweep(const BenchArgs& base, const std::vector<std::string>& sweep) {
+  std::vector<std::pair<BenchArgs, std::string>> points{{base, ""}};
+  for (const std::string& dim : sweep) {
+    const std::size_t eq = dim.find('=');
+    FLEXEP_CHECK_ARG(eq != std::string::npos && eq > 0, "--sweep", "'", dim, "' is not key=v1,v2,...");
+    const std::string key = dim.substr(0, eq);
+    std::vector<std::string> values;
+    std::size_t start = eq + 1;
+    while (start <= dim.size()) {
+      const std::size_t comma = dim.find(',', start);
+      values.push_back(dim.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    std::vector<std::pair<BenchArgs, std::string>> next;
+    for (const auto& [args, label] : points)
+      for (const std::string& v : values) {
+        BenchArgs a = args;
+        apply_sweep_value(a, key, v);
+        next.emplace_back(a, label + (label.empty() ? "" : " ") + key + "=" + v);
+      }
+    points = std::move(next);
+  }
+  return points;
+}
 
 void run(const BenchCli& cli) {
   if (cli.list || (cli.cases.empty() && cli.plot.empty())) {
@@ -40,6 +84,7 @@ void run(const BenchCli& cli) {
     FLEXEP_CHECK(rc == 0, "plotting failed (", cmd, "); it needs python3 with matplotlib");
     return;
   }
+  const auto points = expand_sweep(cli.args, cli.sweep);  // validated before anything runs
   int gpus = 0;
   BenchRun run = new_bench_run(device_description(gpus), gpus);
   for (const std::string& name : cli.cases) {
@@ -52,7 +97,11 @@ void run(const BenchCli& cli) {
       throw_argument_error("case", "'", name, "' is not a benchmark case; known: ", known.empty() ? "(none in this build)" : known);
     }
     FLEXEP_CHECK_ARG(gpus >= found->gpus, "case", "'", name, "' needs ", found->gpus, " GPU(s), this machine has ", gpus);
-    found->fn(cli.args, run);
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      if (points.size() > 1 && !cli.args.quiet)
+        fmt::print(stderr, "[{}/{}] {} {}\n", i + 1, points.size(), name, points[i].second);
+      found->fn(points[i].first, run);
+    }
   }
   fmt::print("{}", format_table(run.records));
   fmt::print("wrote {}\n", write_bench_run(run, cli.out));
@@ -72,6 +121,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--topk", cli->args.topk, "Experts per token (0 = case default)");
   cmd->add_option("--experts", cli->args.experts, "Experts (0 = case default)");
   cmd->add_option("--sms", cli->args.sms, "SM counts to sweep (backends with an SM setting)");
+  cmd->add_option("--sweep", cli->sweep, "Sweep a dimension: key=v1,v2,... (tokens, hidden, topk, experts, routing, "
+                  "zipf_s, backend); repeat for a cartesian product");
   cmd->add_option("--warmup", cli->args.warmup, "Warm-up repetitions")->check(CLI::NonNegativeNumber);
   cmd->add_option("--reps", cli->args.reps, "Timed repetitions")->check(CLI::PositiveNumber);
   cmd->add_option("--out", cli->out, "Folder for the JSON result");

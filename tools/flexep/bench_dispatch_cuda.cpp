@@ -89,13 +89,14 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
     const Tensor idx = cuda::to_device(routing[static_cast<std::size_t>(rank)].indices, rank, stream);
     const Tensor w = cuda::to_device(routing[static_cast<std::size_t>(rank)].weights, rank, stream);
     std::vector<BenchRecord> mine;
-    auto record = [&](const std::string& backend, const std::string& phase, const TimeStats& t, const std::string& note) {
+    auto record = [&](const std::string& backend, const std::string& phase, const TimeStats& t, const std::string& note,
+                    const std::string& timing = "call") {
       BenchRecord r;
       r.case_name = shape.name;
       r.routing = a.routing;
       r.backend = backend;
       r.phase = phase;
-      r.timing = "call";
+      r.timing = timing;
       r.tokens_per_rank = T;
       r.hidden = H;
       r.topk = k;
@@ -164,6 +165,11 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
         d->combine(r2.handle, r2.tokens);
       }, a.warmup, a.reps, stream);
       record("alltoall", "dispatch+combine", tb, "one dispatch and its combine");
+      // Data movement alone: a dispatch along the saved layout (no count exchange, no host planning)
+      // is exactly combine_backward.
+      const TimeStats tk = timed_collective(*comm, [&] { d->combine_backward(res.handle, x); }, a.warmup, a.reps, stream);
+      record("alltoall", "dispatch", tk, "pack + NCCL send/recv + placement along a saved handle (no planning)",
+             "kernel");
     }
     if (rank == 0) {
       std::lock_guard<std::mutex> lock(m);

@@ -50,15 +50,20 @@ void run(const BenchArgs& a, BenchRun& run) {
     r.topk = k;
     r.experts = E;
     r.time_us = t;
-    r.hbm_gbps = bytes / (t.median * 1e-6) / 1e9;
+    if (bytes > 0) r.hbm_gbps = bytes / (t.median * 1e-6) / 1e9;
     r.note = note;
     run.records.push_back(r);
   };
-  const TimeStats tp = time_cuda([&] {
+  const TimeStats tplan = time_cuda([&] { cuda::plan_local_into(plan, indices, errors, stream); }, a.warmup, a.reps,
+                                    stream);
+  record("permute", "cuda-local-plan", tplan, 0.0, "the layout alone (CUB stable sort by expert), budget mode");
+  const TimeStats tp = time_cuda([&] { cuda::permute(x, weights, plan, rows, probs, stream); }, a.warmup, a.reps, stream);
+  record("permute", "cuda-local", tp, (T + N) * row_bytes, "permute along a computed layout (x read once)");
+  const TimeStats tpp = time_cuda([&] {
     cuda::plan_local_into(plan, indices, errors, stream);
     cuda::permute(x, weights, plan, rows, probs, stream);
   }, a.warmup, a.reps, stream);
-  record("permute", "cuda-local", tp, (T + N) * row_bytes, "plan (CUB sort) + permute, budget mode");
+  record("permute", "cuda-local+plan", tpp, (T + N) * row_bytes, "layout + permute: the whole local dispatch");
   const TimeStats tu = time_cuda([&] { cuda::unpermute(rows, plan, back, stream); }, a.warmup, a.reps, stream);
   record("unpermute", "cuda-local", tu, (T + N) * row_bytes, "fp32 sum in ascending expert order");
   Tensor copy = Tensor::empty({N, H}, DType::bf16, dev);

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 
@@ -29,7 +30,8 @@ BenchRun new_bench_run(const std::string& device, int gpus) {
   const char* env_commit = std::getenv("FLEXEP_COMMIT");
   run.commit = env_commit && *env_commit ? env_commit : FLEXEP_GIT_COMMIT;
   run.date = date;
-  run.run_id = fmt::format("{}-{}", id, run.commit.substr(0, 8));
+  // The pid keeps two runs started within the same second apart.
+  run.run_id = fmt::format("{}-{}-{}", id, run.commit.substr(0, 8), static_cast<long>(getpid()));
   run.device = device;
   run.gpus = gpus;
   return run;
