@@ -3,8 +3,10 @@
 
 The table sits between the markers <!-- perf-table:begin --> and <!-- perf-table:end -->; everything
 else in the file is left as written. For every (case, routing, phase, timing, sms) of the newest run
-that has it, it lists each backend's median time and bandwidth, and the ratio to the `alltoall`
-baseline measured in the same run.
+that has it, it lists each backend's median time and bandwidth, and the ratio to the baseline
+measured in the same run: for dispatch/combine the speed-up over the `alltoall` backend, for expert
+GEMMs the fraction of the dense cuBLAS GEMM's TFLOP/s, for permute/unpermute the fraction of the
+device copy's HBM bandwidth.
 """
 import glob
 import json
@@ -28,21 +30,35 @@ def main():
     latest = {}
     for run in runs:
         for r in run["records"]:
-            key = (r["case"], r["routing"], r["phase"], r["timing"], r["backend"], r["sms"], r["tokens_per_rank"])
+            key = (r["case"], r["routing"], r["phase"], r.get("pass", ""), r["timing"], r["backend"], r["sms"],
+                   r["tokens_per_rank"])
             latest[key] = (run, r)
-    lines = ["| case | routing | phase | timing | backend | SMs | median us | algo GB/s | NVLink GB/s | TFLOP/s | HBM GB/s | vs alltoall | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | routing | phase | pass | timing | backend | SMs | median us | algo GB/s | NVLink GB/s | TFLOP/s | HBM GB/s | vs baseline | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def baseline(run, r):
+        same_run = [x for x in run["records"] if x["case"] == r["case"]]
+        if r["phase"] in ("dispatch", "combine", "dispatch+combine") and r["backend"] != "alltoall":
+            for x in same_run:
+                if (x["backend"] == "alltoall" and x["phase"] == r["phase"] and x["routing"] == r["routing"]
+                        and x["timing"] == r["timing"] and x["tokens_per_rank"] == r["tokens_per_rank"]):
+                    return f"{x['time_us']['median'] / r['time_us']['median']:.2f}x faster than alltoall"
+        if r.get("tflops") and r["phase"] == "experts":
+            for x in same_run:
+                if x["phase"] == "dense_gemm" and x.get("tflops"):
+                    return f"{100 * r['tflops'] / x['tflops']:.0f}% of dense GEMM"
+        if r.get("hbm_gbps") and r["phase"] in ("permute", "unpermute"):
+            for x in same_run:
+                if x["phase"] == "copy" and x.get("hbm_gbps") and x["routing"] == r["routing"]:
+                    return f"{100 * r['hbm_gbps'] / x['hbm_gbps']:.0f}% of copy"
+        return "-"
+
     for key in sorted(latest, key=lambda k: tuple(str(x) for x in k)):
         run, r = latest[key]
-        base = None
-        for k2, (run2, r2) in latest.items():
-            if run2 is run and r2["backend"] == "alltoall" and k2[:4] == key[:4] and k2[6] == key[6]:
-                base = r2["time_us"]["median"]
-        ratio = f"{base / r['time_us']['median']:.2f}x" if base and r["backend"] != "alltoall" and r["time_us"]["median"] else "-"
-        lines.append(f"| {r['case']} | {r['routing']} | {r['phase']} | {r['timing']} | {r['backend']} | "
-                     f"{r['sms'] if r['sms'] is not None else '-'} | {fmt(r['time_us']['median'])} | "
+        lines.append(f"| {r['case']} | {r['routing']} | {r['phase']} | {r.get('pass', '') or '-'} | {r['timing']} | "
+                     f"{r['backend']} | {r['sms'] if r['sms'] is not None else '-'} | {fmt(r['time_us']['median'])} | "
                      f"{fmt(r.get('algo_gbps'))} | {fmt(r.get('nvlink_gbps'))} | {fmt(r.get('tflops'))} | "
-                     f"{fmt(r.get('hbm_gbps'))} | {ratio} | {run['run_id']} ({run['device']}) |")
+                     f"{fmt(r.get('hbm_gbps'))} | {baseline(run, r)} | {run['run_id']} ({run['device']}) |")
     doc = os.path.join(root, "docs", "performance.md")
     text = open(doc).read() if os.path.exists(doc) else f"# Performance\n\n{BEGIN}\n{END}\n"
     if BEGIN not in text:

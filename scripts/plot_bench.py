@@ -63,7 +63,7 @@ def bandwidth_vs_sms(records, out):
 def phase_times(records, out):
     rows = defaultdict(dict)
     for r in records:
-        if r["timing"] != "call":
+        if r["timing"] != "call" or r["phase"] not in ("dispatch", "combine", "dispatch+combine"):
             continue
         rows[(r["case"], r["routing"], r["phase"])][r["backend"]] = r["time_us"]["median"]
     if not rows:
@@ -86,6 +86,26 @@ def phase_times(records, out):
     return path
 
 
+def layer_parts(records, out):
+    layers = [r for r in records if r["phase"] == "layer_fwd_bwd" and r.get("parts_us")]
+    if not layers:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 2.2 + 0.6 * len(layers)))
+    for i, r in enumerate(layers):
+        left = 0.0
+        for name, us in r["parts_us"].items():
+            ax.barh(i, us / 1000.0, left=left, label=name if i == 0 else None)
+            left += us / 1000.0
+    ax.set_yticks(range(len(layers)))
+    ax.set_yticklabels([f"{r['case']} {r['backend']}" for r in layers], fontsize=8)
+    ax.set_xlabel("forward + backward time (ms), by phase")
+    ax.legend(fontsize=7, loc="lower right")
+    path = os.path.join(out, "layer_phases.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("files", nargs="+")
@@ -93,7 +113,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     records = load(a.files)
-    for p in (bandwidth_vs_sms(records, a.out), phase_times(records, a.out)):
+    for p in (bandwidth_vs_sms(records, a.out), phase_times(records, a.out), layer_parts(records, a.out)):
         if p:
             print("wrote", p)
 

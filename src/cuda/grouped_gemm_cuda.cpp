@@ -238,7 +238,7 @@ void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vec
 }
 
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
-                        const TensorView& c, cudaStream_t stream) {
+                        const TensorView& c, cudaStream_t stream, bool accumulate) {
   check_bf16(a, 2, "a");
   check_bf16(d, 2, "d");
   check::rank(c, 3, "c");
@@ -254,10 +254,13 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vec
   as_int(N, "a", "N");
   DeviceGuard guard(a.device.index);
   cublasHandle_t handle = nullptr;
-  const float one = 1.f;
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
   std::int64_t row = 0;
   for (std::size_t g = 0; g < counts.size(); ++g) {
     const std::int64_t rows = counts[g];
+    if (rows == 0 && !accumulate)
+      FLEXEP_CUDA_CHECK(cudaMemsetAsync(const_cast<char*>(bytes_at(c, static_cast<std::int64_t>(g) * K * M)), 0,
+                                        static_cast<std::size_t>(K * M) * sizeof(float), stream));
     if (rows > 0) {
       if (!handle) {
         handle = cublas_handle(stream);
@@ -266,7 +269,7 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vec
       // Column-major: C_g^T (M x K, ld M) += D_g^T (M x n_g, ld M) * op_T(A_g^T stored K x n_g, ld K).
       FLEXEP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, m, k, static_cast<int>(rows), &one,
                                        bytes_at(d, row * M), CUDA_R_16BF, m, bytes_at(a, row * K), CUDA_R_16BF, k,
-                                       &one, const_cast<char*>(bytes_at(c, static_cast<std::int64_t>(g) * K * M)),
+                                       &beta, const_cast<char*>(bytes_at(c, static_cast<std::int64_t>(g) * K * M)),
                                        CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
     row += rows;

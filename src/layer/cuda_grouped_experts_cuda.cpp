@@ -250,7 +250,10 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
   // Down projection: the gradient reaching a_p, and W_down's gradient.
   Tensor gap = Tensor::empty({A, inter}, DType::bf16, dev);
   cuda::grouped_gemm_dgrad(g, down_.value, counts, gap, stream);
-  if (g_wd.defined()) cuda::grouped_gemm_wgrad(s.ap, g, counts, g_wd, stream);
+  // After zero_grad the weight gradients are overwritten rather than accumulated (no zero fill).
+  const bool accumulate = !weight_grads_stale_;
+  weight_grads_stale_ = false;
+  if (g_wd.defined()) cuda::grouped_gemm_wgrad(s.ap, g, counts, g_wd, stream, accumulate);
   // Activation (writes grad_probs), then the down bias (adds to grad_probs).
   Tensor gh = Tensor::empty({A, up}, DType::bf16, dev);
   cuda::activation_backward(act_, s.h, value_or_undefined(gate_up_bias_), s.p, s.offsets, gap, gh, gp_active, g_bgu,
@@ -259,7 +262,7 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
     cuda::down_bias_backward(g, down_bias_.value, s.p, s.offsets, g_bd, gp_active, stream);
   // Gate/up projection.
   const TensorView x = s.x.view().rows(0, A);
-  if (g_wgu.defined()) cuda::grouped_gemm_wgrad(x, gh, counts, g_wgu, stream);
+  if (g_wgu.defined()) cuda::grouped_gemm_wgrad(x, gh, counts, g_wgu, stream, accumulate);
   cuda::grouped_gemm_dgrad(gh, gate_and_up_.value, counts, gx.view().rows(0, A), stream);
 
   CudaExpertsGrads out;
@@ -270,8 +273,19 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
 
 void CudaGroupedExperts::zero_grad(cudaStream_t stream) {
   cuda::DeviceGuard dg(device_);
+  // The weight gradients are the big ones (GBs at DeepSeek-V3 size): mark them instead of filling
+  // them; the next backward overwrites them (beta = 0). Biases are small: zero them now.
   for (Parameter* p : parameters())
+    if (p->grad.defined() && p != &gate_and_up_ && p != &down_) cuda::zero_async(p->grad, stream);
+  weight_grads_stale_ = gate_and_up_.grad.defined() || down_.grad.defined();
+}
+
+void CudaGroupedExperts::materialize_grads(cudaStream_t stream) {
+  if (!weight_grads_stale_) return;
+  cuda::DeviceGuard dg(device_);
+  for (Parameter* p : {&gate_and_up_, &down_})
     if (p->grad.defined()) cuda::zero_async(p->grad, stream);
+  weight_grads_stale_ = false;
 }
 
 std::vector<Parameter*> CudaGroupedExperts::parameters() {

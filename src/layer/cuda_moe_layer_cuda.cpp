@@ -368,8 +368,11 @@ std::vector<Parameter*> CudaMoELayer::replicated_parameters() {
 }
 
 void CudaMoELayer::zero_grad(cudaStream_t stream) {
-  for (Parameter* p : parameters())
+  cuda::DeviceGuard guard(options_.device);
+  for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_})
     if (p->grad.defined()) cuda::zero_async(p->grad, stream);
+  experts_->zero_grad(stream);  // lazily: the next backward overwrites the weight gradients
+  if (shared_) shared_->zero_grad(stream);
 }
 
 void CudaMoELayer::load_from(MoELayer& cpu, cudaStream_t stream) {
@@ -438,6 +441,8 @@ void CudaMoELayer::upload_shared(const std::vector<Parameter*>& ps, cudaStream_t
 
 std::vector<std::pair<std::string, Tensor>> CudaMoELayer::host_gradients(cudaStream_t stream) {
   cuda::DeviceGuard guard(options_.device);
+  experts_->materialize_grads(stream);
+  if (shared_) shared_->materialize_grads(stream);
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (side_stream_) FLEXEP_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
   std::vector<std::pair<std::string, Tensor>> out;

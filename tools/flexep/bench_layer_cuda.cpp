@@ -32,6 +32,7 @@ void run(const BenchArgs& a, BenchRun& run) {
   cuda::fill_random(x, 1, 1.0f, stream);
   cuda::fill_random(gy, 2, 1.0f, stream);
   const TimeStats t = time_cuda([&] {
+    layer.zero_grad(stream);
     CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
     layer.backward(out, gy, stream);
   }, a.warmup, a.reps, stream);

@@ -38,11 +38,13 @@ void grouped_gemm_forward(const TensorView& a, const TensorView& b, const std::v
 void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vector<std::int64_t>& counts,
                         const TensorView& c, cudaStream_t stream);
 
-// a [N, K] bf16, d [N, M] bf16, c [G, K, M] f32 (accumulated, beta = 1).
+// a [N, K] bf16, d [N, M] bf16, c [G, K, M] f32: accumulated (beta = 1), or with accumulate = false
+// overwritten (beta = 0; the blocks of experts without rows are zeroed), which saves reading c: the
+// first backward after a zero_grad needs no zero-filled c.
 // cublasGemmGroupedBatchedEx has no bf16-in / fp32-out combination (cuBLAS 13: A, B and C share one
 // type), so this runs one cublasGemmEx per non-empty expert.
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
-                        const TensorView& c, cudaStream_t stream);
+                        const TensorView& c, cudaStream_t stream, bool accumulate = true);
 
 // The threshold above (multiply-adds per expert; 0: every expert its own GEMM; INT64_MAX: all grouped).
 // Process-wide; for tuning and tests.

@@ -80,7 +80,11 @@ class CudaGroupedExperts {
   // grad_out [N, dim] bf16. Accumulates the parameter grads; returns grads of tokens and probs.
   CudaExpertsGrads backward(const CudaExpertsOutput& forward_output, const TensorView& grad_out,
                             cudaStream_t stream);
+  // Zeroes the gradients. The two weight gradients are not filled: they are marked, and the next
+  // backward overwrites them instead of accumulating (saving a fill and a read of GBs). Call
+  // materialize_grads before reading gradients that no backward has written since the zero_grad.
   void zero_grad(cudaStream_t stream);
+  void materialize_grads(cudaStream_t stream);
 
   Parameter& gate_and_up_projs() { return gate_and_up_; }  // [E_local, dim, up_dim]
   Parameter& down_projs() { return down_; }                // [E_local, inter, dim]
@@ -100,6 +104,7 @@ class CudaGroupedExperts {
   int local_, first_, device_;
   ActivationParams act_;
   Parameter gate_and_up_, down_, gate_up_bias_, down_bias_;
+  bool weight_grads_stale_ = false;  // zero_grad ran; the weight grads hold stale values until backward
 };
 
 }  // namespace flexep
