@@ -220,13 +220,14 @@ TEST(CudaGroupedExperts, OverloadsAgreeAndGradsAccumulate) {
   gpu.materialize_grads(stream);
   for (const Tensor& t : grads_now()) EXPECT_TRUE(testing::rows_equal(t, 0, t.size(0), 0.0));
   // zero_grad is lazy for the weight gradients: the next backward overwrites them (beta = 0), so a
-  // zero_grad + backward gives exactly one backward's gradients, the empty expert's block included.
+  // zero_grad + backward gives one backward's gradients (cuBLAS may pick another kernel for beta = 0,
+  // so up to fp32 rounding), the empty expert's block included.
   gpu.backward(a, g_d, stream);
   gpu.zero_grad(stream);
   gpu.backward(b, g_d, stream);
   const std::vector<Tensor> fresh = grads_now();
   for (std::size_t i = 0; i < once.size(); ++i)
-    EXPECT_TRUE(testing::bitwise_equal(fresh[i], once[i])) << gpu.parameters()[i]->name;
+    EXPECT_LT(rel_error(fresh[i], once[i]), 1e-6) << gpu.parameters()[i]->name;
 }
 
 // init draws GroupedExperts::init's numbers (rounded to bf16); copy_values_to brings them back.
