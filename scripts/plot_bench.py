@@ -87,14 +87,21 @@ def phase_times(records, out):
 
 
 def layer_parts(records, out):
-    layers = [r for r in records if r["phase"] == "layer_fwd_bwd" and r.get("parts_us")]
+    latest = {}
+    for r in records:  # files are given oldest first: keep the newest run of each layer case
+        if r["phase"] == "layer_fwd_bwd" and r.get("parts_us"):
+            latest[(r["case"], r["backend"])] = r
+    layers = list(latest.values())
     if not layers:
         return None
+    names = sorted({n for r in layers for n in r["parts_us"]})
+    colors = {n: plt.cm.tab10(i) for i, n in enumerate(names)}
     fig, ax = plt.subplots(figsize=(8, 2.2 + 0.6 * len(layers)))
     for i, r in enumerate(layers):
         left = 0.0
-        for name, us in r["parts_us"].items():
-            ax.barh(i, us / 1000.0, left=left, label=name if i == 0 else None)
+        for name in names:
+            us = r["parts_us"].get(name, 0.0)
+            ax.barh(i, us / 1000.0, left=left, color=colors[name], label=name if i == 0 else None)
             left += us / 1000.0
     ax.set_yticks(range(len(layers)))
     ax.set_yticklabels([f"{r['case']} {r['backend']}" for r in layers], fontsize=8)
