@@ -1,0 +1,55 @@
+// One registration function per binding file; module.cpp calls them in order.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "flexep/core/config.h"
+#include "flexep/dispatch/dispatcher.h"
+
+#ifdef FLEXEP_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace flexep {
+class ProcessGroup;
+}
+
+namespace flexep::py {
+
+namespace nb = nanobind;
+
+void bind_config(nb::module_& m);
+void bind_comm(nb::module_& m);
+void bind_dispatcher(nb::module_& m);
+void bind_layer(nb::module_& m);
+
+// Makes the library's calls on this thread issue their CUDA work on `stream` (the caller's
+// torch.cuda.current_stream()); a no-op in a CPU-only build or for stream 0 on the CPU path.
+class StreamScope {
+ public:
+  explicit StreamScope(std::uintptr_t stream);
+  ~StreamScope();
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Named GPU dispatcher factories (the hook the hybridep backend plugs into; see hybridep_hook.cpp).
+// `comm` is a Communicator (held as ProcessGroup to keep this header CUDA-free).
+using DispatcherFactory = std::function<std::shared_ptr<TokenDispatcher>(
+    std::shared_ptr<ProcessGroup> comm, int num_experts, const BackendConfig& backend)>;
+void register_dispatcher_factory(const std::string& name, DispatcherFactory factory);
+// Throws ArgumentError naming the known names when `name` has no factory.
+const DispatcherFactory& dispatcher_factory(const std::string& name);
+// Called once at import: registers the factories this build has (alltoall, and hybridep once connected).
+void register_builtin_factories();
+
+}  // namespace flexep::py

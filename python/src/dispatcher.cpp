@@ -1,0 +1,273 @@
+// TokenDispatcher and its handle. Each call takes DLPack tensors (zero-copy views; the Python
+// arguments outlive the call) and returns DLPack tensors that own library memory. The GIL is
+// released around every library call: host-backend ranks run as Python threads that meet inside the
+// library, and GPU calls may block on NCCL.
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <map>
+#include <mutex>
+
+#include "bindings.h"
+#include "dlpack.h"
+#include "flexep/comm/host_world.h"
+#include "flexep/core/config_json.h"
+#include "flexep/core/routing.h"
+#include "flexep/dispatch/host.h"
+
+#ifdef FLEXEP_WITH_CUDA
+#include "flexep/comm/communicator.h"
+#include "flexep/cuda/runtime.h"
+#include "flexep/cuda/device_errors.h"
+#include "flexep/cuda/multihot.h"
+#include "flexep/dispatch/alltoall.h"
+#include "flexep/dispatch/local_cuda.h"
+#endif
+
+namespace flexep::py {
+
+namespace {
+
+std::mutex g_factories_mutex;
+std::map<std::string, DispatcherFactory>& factories() {
+  static std::map<std::string, DispatcherFactory> f;
+  return f;
+}
+
+DispatchOptions make_options(const std::string& mode, std::int64_t budget_rows, const std::string& overflow,
+                             std::int64_t pad_multiple, bool check_finite) {
+  DispatchOptions o;
+  if (mode == "blocking") o.mode = DispatchMode::blocking;
+  else if (mode == "budget") o.mode = DispatchMode::budget;
+  else throw_argument_error("mode", "is '", mode, "'; allowed: blocking, budget");
+  if (overflow == "error") o.overflow = OverflowPolicy::error;
+  else if (overflow == "drop") o.overflow = OverflowPolicy::drop;
+  else throw_argument_error("overflow", "is '", overflow, "'; allowed: error, drop");
+  o.budget_rows = budget_rows;
+  o.pad_multiple = pad_multiple;
+  o.check_finite = check_finite;
+  return o;
+}
+
+// The handle as Python sees it: opaque, with its recorded shapes for error messages and tests.
+struct PyHandle {
+  Handle h;
+};
+
+const Handle& unwrap(const PyHandle* h) {
+  FLEXEP_CHECK_ARG(h != nullptr && h->h != nullptr, "handle", "is None (dispatch first)");
+  return h->h;
+}
+
+}  // namespace
+
+void register_dispatcher_factory(const std::string& name, DispatcherFactory factory) {
+  std::lock_guard<std::mutex> lock(g_factories_mutex);
+  factories()[name] = std::move(factory);
+}
+
+const DispatcherFactory& dispatcher_factory(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_factories_mutex);
+  auto it = factories().find(name);
+  if (it == factories().end()) {
+    std::string known;
+    for (const auto& [k, v] : factories()) known += (known.empty() ? "" : ", ") + k;
+    throw_argument_error("backend.dispatcher", "'", name, "' has no GPU dispatcher in this build",
+                         name == "hybridep" ? " (the hybridep backend is not connected yet: python/src/hybridep_hook.cpp)"
+                                            : "",
+                         "; available: ", known.empty() ? std::string("none (CPU-only build)") : known);
+  }
+  return it->second;
+}
+
+void bind_dispatcher(nb::module_& m) {
+  nb::class_<PyHandle>(m, "Handle", "State a dispatch leaves for its combine and both backwards.")
+      .def_prop_ro("backend", [](const PyHandle& h) { return unwrap(&h)->backend; })
+      .def_prop_ro("rank", [](const PyHandle& h) { return unwrap(&h)->rank; })
+      .def_prop_ro("tokens", [](const PyHandle& h) { return unwrap(&h)->tokens; })
+      .def_prop_ro("topk", [](const PyHandle& h) { return unwrap(&h)->topk; })
+      .def_prop_ro("multihot", [](const PyHandle& h) { return unwrap(&h)->multihot; })
+      .def_prop_ro("hidden", [](const PyHandle& h) { return unwrap(&h)->hidden; })
+      .def_prop_ro("rows", [](const PyHandle& h) { return unwrap(&h)->rows; })
+      .def_prop_ro("local_experts", [](const PyHandle& h) { return unwrap(&h)->local_experts; });
+
+  nb::class_<TokenDispatcher>(m, "TokenDispatcher", "One rank's token dispatcher (every call is collective).")
+      .def_prop_ro("backend", [](const TokenDispatcher& d) { return std::string(d.backend()); })
+      .def_prop_ro("rank", &TokenDispatcher::rank)
+      .def_prop_ro("world_size", &TokenDispatcher::world_size)
+      .def_prop_ro("num_experts", &TokenDispatcher::num_experts)
+      .def_prop_ro("local_experts", &TokenDispatcher::local_experts)
+      .def(
+          "dispatch",
+          [](TokenDispatcher& d, nb::handle hidden, nb::handle indices, nb::handle weights, nb::handle routing_map,
+             nb::handle probs, const std::string& mode, std::int64_t budget_rows, const std::string& overflow,
+             std::int64_t pad_multiple, bool check_finite, std::uintptr_t stream) {
+            DispatchInput in;
+            in.hidden = to_view_or_none(hidden, "hidden");
+            in.indices = to_view_or_none(indices, "indices");
+            in.weights = to_view_or_none(weights, "weights");
+            in.routing_map = to_view_or_none(routing_map, "routing_map");
+            in.probs = to_view_or_none(probs, "probs");
+            const DispatchOptions o = make_options(mode, budget_rows, overflow, pad_multiple, check_finite);
+            DispatchResult r;
+            {
+              nb::gil_scoped_release release;
+              StreamScope scope(stream);
+              r = d.dispatch(in, o);
+            }
+            return nb::make_tuple(to_python(r.tokens), to_python(r.token_probs), to_python(r.tokens_per_expert),
+                                  r.dropped, PyHandle{r.handle});
+          },
+          nb::arg("hidden"), nb::arg("indices") = nb::none(), nb::arg("weights") = nb::none(),
+          nb::arg("routing_map") = nb::none(), nb::arg("probs") = nb::none(), nb::arg("mode") = "blocking",
+          nb::arg("budget_rows") = 0, nb::arg("overflow") = "error", nb::arg("pad_multiple") = 1,
+          nb::arg("check_finite") = true, nb::arg("stream") = 0,
+          "-> (tokens [N,H], token_probs [N], tokens_per_expert [E_local], dropped, handle)")
+      .def(
+          "combine",
+          [](TokenDispatcher& d, const PyHandle* h, nb::handle expert_out, std::uintptr_t stream) {
+            const Handle& handle = unwrap(h);
+            TensorView y = to_view_or_none(expert_out, "expert_out");
+            Tensor out;
+            {
+              nb::gil_scoped_release release;
+              StreamScope scope(stream);
+              out = d.combine(handle, y);
+            }
+            return to_python(out);
+          },
+          nb::arg("handle").none(), nb::arg("expert_out"), nb::arg("stream") = 0, "-> out [T, H]")
+      .def(
+          "dispatch_backward",
+          [](TokenDispatcher& d, const PyHandle* h, nb::handle grad_tokens, nb::handle grad_token_probs,
+             std::uintptr_t stream) {
+            const Handle& handle = unwrap(h);
+            TensorView gt = to_view_or_none(grad_tokens, "grad_tokens");
+            TensorView gp = to_view_or_none(grad_token_probs, "grad_token_probs");
+            DispatchGrads g;
+            {
+              nb::gil_scoped_release release;
+              StreamScope scope(stream);
+              g = d.dispatch_backward(handle, gt, gp);
+            }
+            return nb::make_tuple(to_python(g.hidden), to_python(g.weights));
+          },
+          nb::arg("handle").none(), nb::arg("grad_tokens"), nb::arg("grad_token_probs"), nb::arg("stream") = 0,
+          "-> (grad_hidden [T,H], grad_weights [T,k] or grad_probs [T,E])")
+      .def(
+          "combine_backward",
+          [](TokenDispatcher& d, const PyHandle* h, nb::handle grad_out, std::uintptr_t stream) {
+            const Handle& handle = unwrap(h);
+            TensorView g = to_view_or_none(grad_out, "grad_out");
+            Tensor out;
+            {
+              nb::gil_scoped_release release;
+              StreamScope scope(stream);
+              out = d.combine_backward(handle, g);
+            }
+            return to_python(out);
+          },
+          nb::arg("handle").none(), nb::arg("grad_out"), nb::arg("stream") = 0, "-> grad_expert_out [N, H]");
+
+  m.def(
+      "make_host_dispatcher",
+      [](std::shared_ptr<HostWorld> world, int rank, int num_experts) {
+        return std::shared_ptr<TokenDispatcher>(make_host_dispatcher(std::move(world), rank, num_experts));
+      },
+      nb::arg("world"), nb::arg("rank"), nb::arg("num_experts"));
+  m.def(
+      "make_gpu_dispatcher",
+      [](const std::string& name, std::shared_ptr<ProcessGroup> comm, int num_experts, const std::string& backend_json) {
+        const DispatcherFactory& f = dispatcher_factory(name);
+        const BackendConfig b = backend_config_from_json(backend_json);
+        nb::gil_scoped_release release;
+        return f(std::move(comm), num_experts, b);
+      },
+      nb::arg("name"), nb::arg("comm"), nb::arg("num_experts"), nb::arg("backend_json") = "{}",
+      "A GPU dispatcher by backend name ('alltoall', 'hybridep', ...) over a Communicator.");
+  m.def("gpu_dispatcher_names", [] {
+    std::lock_guard<std::mutex> lock(g_factories_mutex);
+    std::vector<std::string> names;
+    for (const auto& [k, v] : factories()) names.push_back(k);
+    return names;
+  });
+#ifdef FLEXEP_WITH_CUDA
+  m.def(
+      "make_local_cuda_dispatcher",
+      [](int device, int num_experts) {
+        return std::shared_ptr<TokenDispatcher>(make_local_cuda_dispatcher(device, num_experts));
+      },
+      nb::arg("device"), nb::arg("num_experts"), "The single-GPU dispatcher (EP size 1).");
+#endif
+
+  // Routing-form conversions (Hybrid-EP's multihot form): CPU reference, or the GPU kernels when the
+  // indices live on a GPU (bad ids found by the kernels are raised here, which synchronises `stream`).
+  m.def(
+      "topk_to_multihot",
+      [](nb::handle indices, nb::handle weights, int num_experts, std::uintptr_t stream) {
+        TensorView i = to_view_or_none(indices, "indices"), w = to_view_or_none(weights, "weights");
+        Multihot mh;
+        {
+          nb::gil_scoped_release release;
+          if (i.device.is_cpu()) {
+            mh = topk_to_multihot(i, w, num_experts);
+          } else {
+#ifdef FLEXEP_WITH_CUDA
+            StreamScope scope(stream);
+            cuda::DeviceGuard guard(i.device.index);
+            cuda::DeviceErrors errors(i.device.index);
+            const auto s = reinterpret_cast<cudaStream_t>(stream);
+            mh = cuda::topk_to_multihot(i, w, num_experts, errors, s);
+            errors.check(s, "topk_to_multihot");
+#else
+            throw_argument_error("indices", "is on ", i.device.str(), " but this build has no CUDA");
+#endif
+          }
+        }
+        return nb::make_tuple(to_python(mh.routing_map), to_python(mh.probs));
+      },
+      nb::arg("indices"), nb::arg("weights"), nb::arg("num_experts"), nb::arg("stream") = 0,
+      "-> (routing_map [T,E] bool, probs [T,E])");
+  m.def(
+      "multihot_backward",
+      [](nb::handle grad_probs, nb::handle indices, std::uintptr_t stream) {
+        TensorView g = to_view_or_none(grad_probs, "grad_probs"), i = to_view_or_none(indices, "indices");
+        Tensor out;
+        {
+          nb::gil_scoped_release release;
+          if (i.device.is_cpu()) {
+            out = multihot_backward(g, i);
+          } else {
+#ifdef FLEXEP_WITH_CUDA
+            StreamScope scope(stream);
+            cuda::DeviceGuard guard(i.device.index);
+            cuda::DeviceErrors errors(i.device.index);
+            const auto s = reinterpret_cast<cudaStream_t>(stream);
+            out = cuda::multihot_backward(g, i, errors, s);
+            errors.check(s, "multihot_backward");
+#else
+            throw_argument_error("indices", "is on ", i.device.str(), " but this build has no CUDA");
+#endif
+          }
+        }
+        return to_python(out);
+      },
+      nb::arg("grad_probs"), nb::arg("indices"), nb::arg("stream") = 0,
+      "[T,E] gradient gathered back to the k slots (-1 slots get 0).");
+}
+
+void register_builtin_factories() {
+#ifdef FLEXEP_WITH_CUDA
+  register_dispatcher_factory("alltoall", [](std::shared_ptr<ProcessGroup> pg, int num_experts, const BackendConfig&) {
+    auto comm = std::dynamic_pointer_cast<Communicator>(pg);
+    FLEXEP_CHECK_ARG(comm != nullptr, "comm", "the alltoall backend needs a flexep Communicator");
+    return std::shared_ptr<TokenDispatcher>(make_alltoall_dispatcher(std::move(comm), num_experts));
+  });
+#endif
+}
+
+}  // namespace flexep::py
