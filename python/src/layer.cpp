@@ -6,6 +6,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings.h"
@@ -38,6 +39,11 @@ nb::list export_parameters(const std::vector<Parameter*>& ps) {
 struct CpuState {
   MoEOutput out;
 };
+#ifdef FLEXEP_WITH_CUDA
+struct GpuState {
+  CudaMoEOutput out;
+};
+#endif
 
 }  // namespace
 
@@ -117,9 +123,6 @@ void bind_layer(nb::module_& m) {
           "Aux-loss-free balancing: bias += sign(mean load - load) * factor, load summed over `group`.");
 
 #ifdef FLEXEP_WITH_CUDA
-  struct GpuState {
-    CudaMoEOutput out;
-  };
   nb::class_<GpuState>(m, "CudaMoELayerState");
 
   nb::class_<CudaMoELayer>(m, "CudaMoELayer", "The MoE layer on one GPU (bf16 parameters, f32 gradients).")

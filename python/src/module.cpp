@@ -13,6 +13,8 @@ NB_MODULE(_flexep, m) {
   namespace nb = nanobind;
   using namespace flexep::py;
   m.doc() = "flexep: MoE expert parallelism (C++/CUDA) - low-level binding; use flexep.torch";
+  // Autograd graphs alive at exit (a module-level loss keeps ctx -> layer state) are not leaks.
+  nb::set_leak_warnings(false);
 
   // Raw, never released references: the types must outlive the module (no destructor runs after
   // the interpreter has finalised).
