@@ -4,7 +4,15 @@
 has the PyTorch modules and autograd Functions with NeMo Automodel's names.
 """
 
-from flexep import _flexep
+import importlib.util
+
+# A CUDA build of the extension needs libnccl.so.2, and so does PyTorch, whose NCCL is newer than a
+# CUDA toolkit's: whichever loads first owns the soname for the whole process. Let PyTorch load first
+# when it is installed (the device build compiles against PyTorch's NCCL for the same reason).
+if importlib.util.find_spec("torch") is not None:
+    import torch  # noqa: F401
+
+from flexep import _flexep  # noqa: E402
 
 __version__ = "0.1.0"
 
