@@ -1,0 +1,99 @@
+// Symmetric memory for our own NVLink kernels, on NCCL 2.28's device API:
+//   - one ncclMemAlloc allocation registered as an NCCL window with NCCL_WIN_DEFAULT (never the
+//     multicast-backed NCCL_WIN_COLL_SYMMETRIC; no multimem anywhere), the same size on every rank;
+//   - a device communicator (ncclDevCommCreate) with LSA barriers and one NCCL-managed resource
+//     buffer for flags and counters (zeroed once by NCCL, persistent across kernels and graph
+//     replays);
+//   - the address of every peer's window and flag buffer, resolved once at init with
+//     ncclGetLsaPointer / ncclGetResourceBufferLsaPointer by a one-block kernel and kept in a
+//     SymmetricPeers table that kernels take by value.
+//
+// All ranks must form one LSA (NVLink) team of consecutive ranks (devComm.lsaSize == size);
+// init refuses otherwise, and when the communicator has no symmetric-memory support (probed with
+// ncclDevCommCreate before any window is trusted, see docs/hybridep.md).
+//
+// Life cycle: init() and resize() are collective (same spec on every rank, same order of calls;
+// the spec is verified across ranks); free() is collective too: it waits for the device, then for
+// every rank (a barrier), then tears down in NCCL's documented order (devComm, window, memory).
+// The destructor tears down locally only (no collective): in NCCL 2.28.9 deregistration is local
+// and the physical memory lives until the last peer unmaps it, so a rank that goes away alone
+// cannot corrupt the others. Graphs that captured kernels using the buffer must be destroyed
+// first. Built only with CUDA; include only from *_cuda.cpp and .cu files.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "flexep/comm/communicator.h"
+
+namespace flexep {
+
+constexpr int kMaxSymmetricPeers = 32;
+
+// Base addresses of every rank's window and flag buffer in this process's address space
+// (peer r's memory is reached over NVLink; entry [rank] is the local memory through NCCL's flat
+// mapping). Entries at and beyond `ranks` are null.
+struct SymmetricPeers {
+  char* window[kMaxSymmetricPeers];
+  char* flags[kMaxSymmetricPeers];
+};
+
+struct SymmetricBufferSpec {
+  std::size_t window_bytes = 0;  // > 0; registered as one window
+  std::size_t flag_bytes = 0;    // NCCL-managed resource buffer (0: none)
+  int lsa_barriers = 1;          // LSA barrier slots of the device communicator
+};
+
+class SymmetricBuffer {
+ public:
+  // `name` appears in error messages and phase names ("hybridep dispatch buffer").
+  SymmetricBuffer(std::shared_ptr<Communicator> comm, std::string name);
+  ~SymmetricBuffer();
+  SymmetricBuffer(const SymmetricBuffer&) = delete;
+  SymmetricBuffer& operator=(const SymmetricBuffer&) = delete;
+
+  void init(const SymmetricBufferSpec& spec);    // collective
+  void resize(const SymmetricBufferSpec& spec);  // collective: free() then init()
+  void free();                                   // collective
+  bool initialized() const { return local_ != nullptr; }
+
+  const SymmetricBufferSpec& spec() const { return spec_; }
+  // Bytes held: the window's allocation (ncclMemAlloc rounds up) plus the flag buffer.
+  std::size_t allocated_bytes() const { return allocated_ + (initialized() ? spec_.flag_bytes : 0); }
+  void* local() const { return local_; }  // this rank's window (the ncclMemAlloc address)
+  const SymmetricPeers& peers() const { return peers_; }
+  ncclWindow_t window() const { return window_; }
+  const ncclDevComm& dev_comm() const { return dev_comm_; }
+  ncclDevResourceHandle_t flag_handle() const { return flag_handle_; }
+  Communicator& comm() const { return *comm_; }
+  int rank() const { return comm_->rank(); }
+  int size() const { return comm_->size(); }
+
+ private:
+  void teardown_local() noexcept;
+
+  std::shared_ptr<Communicator> comm_;
+  std::string name_;
+  SymmetricBufferSpec spec_;
+  void* local_ = nullptr;
+  std::size_t allocated_ = 0;
+  ncclWindow_t window_ = nullptr;
+  ncclDevComm dev_comm_{};
+  bool dev_comm_created_ = false;
+  ncclDevResourceHandle_t flag_handle_ = 0;
+  SymmetricPeers peers_{};
+};
+
+namespace detail {
+// Fills `out` (host) with the peer addresses of `window` and of the resource buffer `flags`
+// (ignored when has_flags is false), via a one-block kernel on `device` (synchronises).
+void resolve_symmetric_peers(ncclWindow_t window, const ncclDevComm& dev_comm, ncclDevResourceHandle_t flags,
+                             bool has_flags, int ranks, SymmetricPeers* out);
+}  // namespace detail
+
+}  // namespace flexep
