@@ -1,0 +1,155 @@
+#include "dispatch/hybridep/buffers.h"
+
+#include <cmath>
+
+#include "flexep/core/error.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::hybridep {
+
+namespace {
+// Plain device memory next to a window, zeroed: OpControl epochs start at 0 like NCCL's flags.
+char* allocate_zeroed(std::size_t bytes, int device) {
+  cuda::DeviceGuard guard(device);
+  void* p = nullptr;
+  FLEXEP_CUDA_CHECK(cudaMalloc(&p, bytes));
+  FLEXEP_CUDA_CHECK(cudaMemset(p, 0, bytes));
+  FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
+  return static_cast<char*>(p);
+}
+
+void free_local(char* p, int device) noexcept {
+  if (!p) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device);
+  cudaDeviceSynchronize();  // no kernel may still use it
+  cudaFree(p);
+  cudaSetDevice(previous);
+}
+}  // namespace
+
+unsigned long long timeout_ns(double seconds) {
+  const double ns = seconds * 1e9;
+  return ns >= 1.8e19 ? 18000000000000000000ull : static_cast<unsigned long long>(std::llround(ns));
+}
+
+std::size_t DispatchStorage::sort_temp_bytes(std::int64_t pairs, int experts) {
+  if (pairs <= 0) return 0;
+  return cuda::local_plan_detail::sort_temp_bytes(static_cast<int>(pairs),
+                                                   cuda::local_plan_detail::sort_key_bits(experts));
+}
+
+DispatchStorage::DispatchStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)
+    : geo_(dispatch_geometry(config, sort_temp_bytes(config.max_tokens * config.slots, config.experts))),
+      sym_(comm, "hybridep dispatch buffer") {
+  SymmetricBufferSpec spec;
+  spec.window_bytes = geo_.window_bytes;
+  spec.flag_bytes = geo_.flag_bytes;
+  spec.lsa_barriers = 1;
+  sym_.init(spec);
+  try {
+    local_ = allocate_zeroed(geo_.local_bytes, sym_.comm().device());
+  } catch (...) {
+    sym_.free();
+    throw;
+  }
+  prepare_preprocess(config.experts);
+}
+
+DispatchStorage::~DispatchStorage() { free_local(local_, sym_.comm().device()); }
+
+DispatchView DispatchStorage::view(Status* status, double timeout_seconds) const {
+  const BufferConfig& c = geo_.cfg;
+  DispatchView v;
+  v.peers = sym_.peers();
+  v.rank = sym_.rank();
+  v.ranks = c.ranks;
+  v.experts = c.experts;
+  v.local_experts = c.local_experts();
+  v.width = geo_.width;
+  v.record_bytes = geo_.record_bytes;
+  v.max_chunks = geo_.max_chunks;
+  v.max_tokens = c.max_tokens;
+  v.hidden = c.hidden;
+  v.capacity_rows = c.capacity_rows;
+  v.off_counts = geo_.off_counts;
+  v.slot_bytes = geo_.slot_bytes;
+  v.off_records = geo_.off_records;
+  v.off_probs = geo_.off_probs;
+  v.off_tokens = geo_.off_tokens;
+  v.flag_counts = static_cast<int>(geo_.flag_counts);
+  v.flag_chunks = static_cast<int>(geo_.flag_chunks);
+  v.control = control();
+  v.tpe = at<long long>(geo_.off_tpe);
+  v.begin = at<long long>(geo_.off_begin);
+  v.kept = at<long long>(geo_.off_kept);
+  v.snapshot = at<long long>(geo_.off_snapshot);
+  v.staging = at<unsigned char>(geo_.off_staging);
+  v.slot_entry = at<int>(geo_.off_slot_entry);
+  v.status = status;
+  v.timeout_ns = timeout_ns(timeout_seconds);
+  return v;
+}
+
+cuda::local_plan_detail::Workspace DispatchStorage::plan_workspace() const {
+  cuda::local_plan_detail::Workspace ws;
+  ws.keys_in = at<std::uint32_t>(geo_.off_keys_in);
+  ws.keys_out = at<std::uint32_t>(geo_.off_keys_out);
+  ws.pairs_in = at<std::int32_t>(geo_.off_pairs_in);
+  ws.pairs_out = at<std::int32_t>(geo_.off_pairs_out);
+  ws.sorted_begin = at<std::int64_t>(geo_.off_sorted_begin);
+  ws.sort_temp = geo_.sort_temp_bytes ? at<void>(geo_.off_sort_temp) : nullptr;
+  ws.sort_temp_bytes = geo_.sort_temp_bytes;
+  return ws;
+}
+
+cuda::local_plan_detail::Outputs DispatchStorage::plan_outputs() const {
+  cuda::local_plan_detail::Outputs o;
+  o.tokens_per_expert = at<std::int64_t>(geo_.off_plan_tpe);
+  o.used_rows = at<std::int64_t>(geo_.off_plan_used);
+  o.dropped = at<std::int64_t>(geo_.off_plan_dropped);
+  o.expert_begin = at<std::int64_t>(geo_.off_plan_begin);
+  o.kept_rows = at<std::int64_t>(geo_.off_plan_kept);
+  o.slot_rows = at<std::int32_t>(geo_.off_plan_slot_rows);
+  return o;
+}
+
+CombineStorage::CombineStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)
+    : geo_(combine_geometry(config)), sym_(comm, "hybridep combine buffer") {
+  SymmetricBufferSpec spec;
+  spec.window_bytes = geo_.window_bytes;
+  spec.flag_bytes = geo_.flag_bytes;
+  spec.lsa_barriers = 1;
+  sym_.init(spec);
+  try {
+    local_ = allocate_zeroed(geo_.local_bytes, sym_.comm().device());
+  } catch (...) {
+    sym_.free();
+    throw;
+  }
+}
+
+CombineStorage::~CombineStorage() { free_local(local_, sym_.comm().device()); }
+
+CombineView CombineStorage::view(Status* status, double timeout_seconds) const {
+  const BufferConfig& c = geo_.cfg;
+  CombineView v;
+  v.peers = sym_.peers();
+  v.rank = sym_.rank();
+  v.ranks = c.ranks;
+  v.width = geo_.width;
+  v.max_chunks = geo_.max_chunks;
+  v.max_tokens = c.max_tokens;
+  v.hidden = c.hidden;
+  v.off_partials = geo_.off_partials;
+  v.off_grads = geo_.off_grads;
+  v.flag_ready = static_cast<int>(geo_.flag_ready);
+  v.flag_consumed = static_cast<int>(geo_.flag_consumed);
+  v.control = reinterpret_cast<OpControl*>(local_ + geo_.off_control);
+  v.status = status;
+  v.timeout_ns = timeout_ns(timeout_seconds);
+  return v;
+}
+
+}  // namespace flexep::hybridep

@@ -1,0 +1,245 @@
+// The hybridep dispatch. On every rank, all on the caller's stream:
+//   1. local argument checks (a failure is not raised yet: the rank still takes part in the count
+//      exchange, with a header that says it failed, so that every rank stops together);
+//   2. (multihot) the routing map -> ascending slots; the single-GPU plan of this rank's pairs
+//      (CUB stable sort by expert: counts and each slot's rank among the pairs of its expert);
+//   3. the preprocess kernel (count exchange through the windows, every rank's layout, the abort
+//      decision, staging records) and the dispatch kernel (rows over NVLink, expert-major output);
+//   4. blocking mode: one wait, tokens_per_expert and the row count copied back, device errors
+//      raised; budget mode: nothing waits (errors surface at the next host check).
+#include <algorithm>
+#include <climits>
+
+#include "dispatch/hybridep/hybridep_dispatcher.h"
+#include "flexep/core/checks.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::hybridep {
+
+namespace {
+
+struct Routing {
+  std::int64_t tokens = 0, hidden = 0;
+  int slots = 1;  // k, or the buffer's slots (multihot)
+  bool multihot = false;
+};
+
+Routing check_input(const DispatchInput& in, const DispatchOptions& opt, const BufferConfig& cfg, int device) {
+  const Device dev = Device::cuda(device);
+  check::rank(in.hidden, 2, "hidden");
+  check::dtype(in.hidden, {DType::bf16}, "hidden");
+  check::device(in.hidden, dev, "hidden");
+  Routing r;
+  r.tokens = in.hidden.size(0);
+  r.hidden = in.hidden.size(1);
+  FLEXEP_CHECK_ARG(r.hidden == cfg.hidden, "hidden", "has H=", r.hidden, " but this hybridep dispatcher was created for "
+                   "HybridEpOptions::hidden=", cfg.hidden);
+  FLEXEP_CHECK_ARG(r.tokens <= cfg.max_tokens, "hidden", "has ", r.tokens, " tokens, more than the ", cfg.max_tokens,
+                   " the buffers hold (HybridEpOptions::max_tokens_per_rank; resize() to raise it)");
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(in.hidden.data) % 16 == 0, "hidden",
+                   "must be 16-byte aligned (rows move as 16-byte vectors)");
+  r.multihot = in.multihot();
+  if (r.multihot) {
+    FLEXEP_CHECK_ARG(!in.indices.defined() && !in.weights.defined(), "indices",
+                     "was given together with routing_map; pass either the top-k form (indices, weights) or the "
+                     "multihot form (routing_map, probs)");
+    check::shape(in.routing_map, {r.tokens, cfg.experts}, "routing_map");
+    check::dtype(in.routing_map, {DType::b8}, "routing_map");
+    check::device(in.routing_map, dev, "routing_map");
+    check::shape(in.probs, {r.tokens, cfg.experts}, "probs");
+    check::dtype(in.probs, {DType::f32}, "probs");
+    check::device(in.probs, dev, "probs");
+    r.slots = cfg.slots;
+  } else {
+    FLEXEP_CHECK_ARG(in.indices.defined(), "indices",
+                     "is required; pass the top-k form (indices, weights) or the multihot form (routing_map, probs)");
+    check::shape(in.indices, {r.tokens, -1}, "indices");
+    check::dtype(in.indices, {DType::i32, DType::i64}, "indices");
+    check::device(in.indices, dev, "indices");
+    const std::int64_t k = in.indices.size(1);
+    FLEXEP_CHECK_ARG(k >= 1 && k <= cfg.slots, "indices", "has k=", k, " columns; this hybridep dispatcher holds 1 to ",
+                     cfg.slots, " slots per token (HybridEpOptions::max_topk)");
+    check::shape(in.weights, {r.tokens, k}, "weights");
+    check::dtype(in.weights, {DType::f32}, "weights");
+    check::device(in.weights, dev, "weights");
+    r.slots = static_cast<int>(k);
+  }
+  PlanParams p;
+  p.ranks = cfg.ranks;
+  p.experts = cfg.experts;
+  p.pad_multiple = opt.pad_multiple;
+  if (opt.mode == DispatchMode::budget) p.budget_rows = opt.budget_rows;
+  p.overflow = opt.overflow;
+  validate(p);
+  if (opt.mode == DispatchMode::budget)
+    FLEXEP_CHECK_ARG(opt.budget_rows <= cfg.capacity_rows, "options.budget_rows", opt.budget_rows,
+                     " rows exceed the ", cfg.capacity_rows,
+                     " rows of the receive buffer (HybridEpOptions::max_recv_rows; resize() to raise it)");
+  return r;
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
+  cuda::init();
+  cuda::DeviceGuard device_guard(comm_->device());
+  const cudaStream_t s = stream();
+  cuda::StreamGuard stream_guard(s);
+  require_usable();
+  ensure_initialized();
+  const int E = experts_, L = local_experts(), me = rank();
+  const HybridEpSms sms = num_sms();
+  DispatchStorage& st = *dispatch_;
+  const DispatchGeometry& g = st.geometry();
+
+  // 1. Local checks.
+  Routing rt;
+  std::exception_ptr local;
+  RankHeader mine;
+  try {
+    rt = check_input(input, options, config_, comm_->device());
+  } catch (const ArgumentError& e) {
+    local = std::current_exception();
+    mine.failed = true;
+    mine.argument = e.argument();
+  } catch (const Error&) {
+    local = std::current_exception();
+    mine.failed = true;
+  }
+  mine.experts = E;
+  mine.multihot = input.multihot();
+  mine.hidden = rt.hidden;
+  mine.topk = rt.multihot ? 0 : rt.slots;
+  mine.mode = options.mode;
+  mine.pad_multiple = options.pad_multiple;
+  mine.budget_rows = options.budget_rows;
+  mine.overflow = options.overflow;
+  mine.tokens = local ? 0 : rt.tokens;
+
+  // 2. The call's parameters and this rank's plan (skipped after a local failure: the inputs may
+  //    not be safe to read; the rank then sends T = 0 and a failed header).
+  ++dispatch_seq_;
+  DispatchCall c;
+  const std::vector<long long> header = encode(mine);
+  std::copy(header.begin(), header.end(), c.header);
+  c.tokens = mine.tokens;
+  c.slots = local ? 1 : rt.slots;
+  c.pad_multiple = options.pad_multiple >= 1 ? options.pad_multiple : 1;  // never a division by 0, even failed
+  c.budget = options.mode == DispatchMode::budget && !local ? options.budget_rows : -1;
+  c.drop = options.overflow == OverflowPolicy::drop ? 1 : 0;
+  c.errors = errors_.record();
+  if (!local) {
+    const std::int64_t T = rt.tokens;
+    c.hidden = input.hidden.data;
+    if (rt.multihot) {
+      int* slot_expert = st.at<int>(g.off_slot_expert);
+      float* slot_weight = st.at<float>(g.off_slot_weight);
+      launch_multihot_slots(static_cast<const unsigned char*>(input.routing_map.data), input.probs.ptr<float>(), T, E,
+                            rt.slots, slot_expert, slot_weight, errors_.record(), s);
+      c.indices = slot_expert;
+      c.indices_i64 = 0;
+      c.weights = slot_weight;
+    } else {
+      c.indices = input.indices.data;
+      c.indices_i64 = input.indices.dtype == DType::i64 ? 1 : 0;
+      c.weights = input.weights.ptr<float>();
+    }
+    // The single-GPU plan with pad 1 and no budget: kept_rows = this rank's pair counts per
+    // expert, expert_begin = their exclusive prefix, slot_rows = prefix + the slot's rank among the
+    // pairs of its expert in (token, slot) order; bad ids are reported and get row -1.
+    namespace lp = cuda::local_plan_detail;
+    const std::int64_t n = T * rt.slots;
+    const lp::Workspace ws = st.plan_workspace();
+    const lp::Outputs out = st.plan_outputs();
+    lp::Layout layout;
+    layout.experts = E;
+    lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws,
+                              errors_.record(), s);
+    if (n > 0) {
+      FLEXEP_CHECK(DispatchStorage::sort_temp_bytes(n, E) <= ws.sort_temp_bytes, "hybridep: the sort of ", n,
+                   " pairs needs more scratch than reserved for ", g.max_pairs, " (internal error)");
+      lp::sort_pairs(ws, static_cast<int>(n), lp::sort_key_bits(E), s);
+    }
+    lp::launch_build_layout(ws, n, layout, out, errors_.record(), s);
+    lp::launch_write_slot_rows(ws, n, E, out, s);
+    c.plan_counts = reinterpret_cast<const long long*>(out.kept_rows);  // int64_t is long on Linux
+    c.plan_begin = reinterpret_cast<const long long*>(out.expert_begin);
+    c.plan_slot_rows = out.slot_rows;
+  }
+
+  // 3. The two kernels of the exchange.
+  const DispatchView view = st.view(status_, options_.timeout_seconds);
+  record(ev_preprocess, s);
+  launch_preprocess(view, c, sms.preprocess, s);
+  record(ev_dispatch, s);
+  launch_dispatch(view, c, sms.dispatch, s);
+  record(ev_dispatch_end, s);
+
+  if (local) {
+    // The other ranks learn of the failure from the header and abort alike. Wait for the kernels
+    // so that the abort this rank caused does not linger in the status record (which keeps only the
+    // first error) and hide a later one; a capture cannot wait, and is broken by the error anyway.
+    if (!capturing(s)) {
+      try {
+        check(s, "dispatch");
+      } catch (const TimeoutError&) {
+        // A peer is missing as well: the local error below is still the one to report.
+      } catch (const Error&) {
+      }
+    }
+    std::rethrow_exception(local);
+  }
+
+  // 4. Outputs: views of the receive window.
+  const std::int64_t H = rt.hidden;
+  DispatchResult result;
+  std::int64_t N = options.budget_rows;
+  const std::shared_ptr<void> owner = dispatch_;
+  if (options.mode == DispatchMode::blocking) {
+    // One copy of [control | tokens_per_expert], then the one wait (which raises device errors).
+    Tensor host = Tensor::empty({static_cast<std::int64_t>((sizeof(DispatchControl) + L * 8) / 8)}, DType::i64);
+    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(host.raw(), st.control(), sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8,
+                                      cudaMemcpyDeviceToHost, s));
+    check(s, "dispatch");
+    const auto* control = static_cast<const DispatchControl*>(host.raw());
+    N = control->out_rows;
+    result.dropped = control->dropped;
+    const auto* tpe = reinterpret_cast<const std::int64_t*>(static_cast<const char*>(host.raw()) + sizeof(DispatchControl));
+    result.tokens_per_expert = Tensor::from_vector(std::vector<std::int64_t>(tpe, tpe + L), {L});
+  } else {
+    result.tokens_per_expert = Tensor::wrap(
+        TensorView(st.local() + g.off_tpe, DType::i64, {L}, Device::cuda(comm_->device())), owner);
+  }
+  FLEXEP_CHECK(N >= 0 && N <= config_.capacity_rows, "hybridep dispatch: ", N, " output rows outside the buffer's ",
+               config_.capacity_rows, " (internal error)");
+  result.tokens = Tensor::wrap(TensorView(st.window() + g.off_tokens, DType::bf16, {N, H}, Device::cuda(comm_->device())),
+                               owner);
+  result.token_probs =
+      Tensor::wrap(TensorView(st.window() + g.off_probs, DType::f32, {N}, Device::cuda(comm_->device())), owner);
+
+  auto h = std::make_shared<HepHandle>();
+  h->backend = "hybridep";
+  h->owner = this;
+  h->rank = me;
+  h->tokens = rt.tokens;
+  h->topk = rt.multihot ? E : rt.slots;
+  h->multihot = rt.multihot;
+  h->hidden = H;
+  h->rows = N;
+  h->local_experts = L;
+  h->hidden_dtype = DType::bf16;
+  h->prob_dtype = DType::f32;
+  h->sequence = dispatch_seq_;
+  h->storage = dispatch_;
+  h->mode = options.mode;
+  h->slots = rt.slots;
+  result.handle = std::move(h);
+  return result;
+}
+
+}  // namespace flexep::hybridep

@@ -1,0 +1,129 @@
+// Launchers of the hybridep kernels (preprocess.cu, dispatch_kernel.cu, combine_kernel.cu,
+// combine_backward_kernel.cu) and the views of the buffers they take by value. Nothing here
+// synchronises or allocates, so a budget-mode dispatch and its combine can be captured in a CUDA
+// graph. Every kernel bounds-checks the indices it reads from memory a peer wrote.
+// Included only by *_cuda.cpp and .cu files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dispatch/hybridep/device_state.h"
+#include "flexep/comm/symmetric_buffer.h"
+#include "flexep/cuda/device_errors.h"
+
+namespace flexep::hybridep {
+
+static_assert(kMaxRanks == kMaxSymmetricPeers, "one lane per rank in the kernels");
+
+constexpr int kThreads = 256;           // every hybridep kernel: 8 warps
+constexpr int kDispatchSenderWarps = 4;  // dispatch kernel: warps 0-3 send, warps 4-7 receive
+constexpr int kCombineProducerWarps = 4;  // combine kernels: warps 0-3 produce, 4-7 consume
+
+// The dispatch buffer of this rank, as the dispatch-side kernels see it.
+struct DispatchView {
+  SymmetricPeers peers;  // every rank's dispatch window and flag buffer
+  int rank = 0, ranks = 1, experts = 1, local_experts = 1;
+  int width = 1, record_bytes = 16, max_chunks = 1;
+  long long max_tokens = 0, hidden = 0, capacity_rows = 0;
+  unsigned long long off_counts = 0, slot_bytes = 0, off_records = 0, off_probs = 0, off_tokens = 0;
+  int flag_counts = 0, flag_chunks = 0;  // uint32 index of the first count flag / chunk flag
+  // Plain device memory of this rank.
+  DispatchControl* control = nullptr;
+  long long* tpe = nullptr;    // [L] tokens_per_expert of this rank (follows control)
+  long long* begin = nullptr;  // [L]
+  long long* kept = nullptr;   // [L]
+  long long* snapshot = nullptr;   // [R * slot_bytes / 8]
+  unsigned char* staging = nullptr;  // [R][max_tokens] records
+  int* slot_entry = nullptr;         // [T * slots]: destination rank * width + entry, or -1
+  Status* status = nullptr;
+  unsigned long long timeout_ns = 0;
+};
+
+// One dispatch call.
+struct DispatchCall {
+  const void* hidden = nullptr;  // [T, H] bf16
+  long long tokens = 0;          // T (0 when this rank's checks failed: it then reads no input)
+  int slots = 1;                 // k (top-k form) or the buffer's slots (multihot form)
+  const void* indices = nullptr;  // [T, slots] expert ids (user indices, or the multihot slots)
+  int indices_i64 = 0;
+  const float* weights = nullptr;  // [T, slots]
+  // The single-GPU plan of this rank's pairs (pad 1, no budget): counts per global expert, their
+  // exclusive prefix, and each slot's row (-1 for no or invalid expert).
+  const long long* plan_counts = nullptr;
+  const long long* plan_begin = nullptr;
+  const int* plan_slot_rows = nullptr;
+  const cuda::DeviceErrorRecord* errors = nullptr;  // bad ids found by the plan (header device_* words)
+  long long header[word::count] = {};               // this rank's header (device_* words filled on device)
+  long long pad_multiple = 1;
+  long long budget = -1;  // < 0: blocking mode
+  int drop = 0;
+};
+
+// The dispatch a handle belongs to, on this rank (read by combine and the backwards).
+struct HandleView {
+  const unsigned char* records = nullptr;  // this rank's dispatch window: received records [R][max_tokens]
+  int record_bytes = 16;
+  long long max_tokens = 0;
+  const DispatchControl* control = nullptr;  // tokens of every rank, epoch of the dispatch
+  const long long* tpe = nullptr;            // [L]
+  const long long* begin = nullptr;          // [L]
+  const long long* kept = nullptr;           // [L]
+  const unsigned char* staging = nullptr;    // sender side: which ranks got each token
+  const int* slot_entry = nullptr;           // [T * slots]
+  const int* slot_expert = nullptr;          // multihot: [T * slots] expert of each slot
+  int slots = 1;
+  int multihot = 0;
+  int experts = 1, local_experts = 1;
+  long long tokens = 0;  // T on this rank
+  long long rows = 0;    // N of this rank's expert-major output
+};
+
+// This rank's combine buffer.
+struct CombineView {
+  SymmetricPeers peers;  // every rank's combine window and flag buffer
+  int rank = 0, ranks = 1, width = 1, max_chunks = 1;
+  long long max_tokens = 0, hidden = 0;
+  unsigned long long off_partials = 0, off_grads = 0;
+  int flag_ready = 0, flag_consumed = 0;
+  OpControl* control = nullptr;
+  Status* status = nullptr;
+  unsigned long long timeout_ns = 0;
+};
+
+// combine (grad_probs null) or dispatch_backward.
+struct CombineCall {
+  const void* rows = nullptr;       // [N, H] bf16: expert_out or grad_tokens
+  void* out = nullptr;              // [T, H] bf16
+  const float* grad_probs = nullptr;  // [N] (dispatch_backward)
+  float* grad_weights = nullptr;      // [T, k] or [T, E] (zeroed by the caller in the multihot form)
+  Phase data_phase = Phase::combine_partials;
+  Phase reuse_phase = Phase::combine_reuse;
+};
+
+// --- preprocess.cu -------------------------------------------------------------------------------------
+// Multihot -> `slots` slots per token: the routed experts in ascending order, then -1 (prob 0). A
+// token routed to more than `slots` experts is reported as "routing_map" (value = its count).
+void launch_multihot_slots(const unsigned char* routing_map, const float* probs, long long tokens, int experts,
+                           int slots, int* slot_expert, float* slot_weight, cuda::DeviceErrorRecord* errors,
+                           cudaStream_t stream);
+// Count exchange, layout of every rank, the abort decision, staging records and slot entries.
+// `grid` CTAs of kThreads; dynamic shared memory preprocess_smem_bytes(E).
+std::size_t preprocess_smem_bytes(int experts);
+void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream);
+// Raises the kernel's dynamic shared memory limit once (outside any graph capture).
+void prepare_preprocess(int experts);
+
+// --- dispatch_kernel.cu -----------------------------------------------------------------------------------
+void launch_dispatch(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream);
+
+// --- combine_kernel.cu -----------------------------------------------------------------------------------
+void launch_combine(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream);
+
+// --- combine_backward_kernel.cu ----------------------------------------------------------------------------
+// grad_out [T, H] -> out [N, H] along the handle.
+void launch_combine_backward(const CombineView& v, const HandleView& h, const void* grad_out, void* out, int grid,
+                             cudaStream_t stream);
+
+}  // namespace flexep::hybridep

@@ -1,0 +1,131 @@
+// Host-side logic of the hybridep backend that needs no GPU (tested on the CPU):
+//   - the buffer configuration and the geometry of both buffers (window regions, flag words, the
+//     plain device memory next to them), from which the sizes are reported;
+//   - the header of the count exchange (encode/decode);
+//   - why a call was aborted, decoded from the snapshot of the count exchange the preprocess kernel
+//     keeps (a rank failed its checks, configurations differ, a budget or capacity overflow), with
+//     the same messages on every rank;
+//   - phase names and the errors of the device status record.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "device_state.h"  // relative: the CPU tests include this header without src/ on the path
+#include "flexep/core/plan.h"
+#include "flexep/dispatch/dispatcher.h"
+
+namespace flexep::hybridep {
+
+// What the buffers are sized for; equal on every rank (checked at init).
+struct BufferConfig {
+  int ranks = 1;
+  int experts = 1;
+  std::int64_t max_tokens = 0;     // T on any rank in one call
+  std::int64_t hidden = 0;         // H (bf16 rows)
+  int slots = 1;                   // slots per token: the largest top-k (multihot rows are limited to it)
+  std::int64_t capacity_rows = 0;  // expert-major rows the receive window holds
+  std::int64_t max_pad_multiple = 1;
+
+  int local_experts() const { return experts / ranks; }
+  // Entries of one record: a token has at most min(slots, L) kept pairs on one rank.
+  int width() const { return slots < local_experts() ? slots : local_experts(); }
+  int max_chunks() const { return num_chunks(max_tokens); }
+  friend bool operator==(const BufferConfig&, const BufferConfig&) = default;
+};
+
+// Validates and completes a configuration (ArgumentErrors name the HybridEpOptions field).
+// max_topk 0 means E; max_recv_rows 0 means the worst case R * T * width + L * (max_pad - 1).
+BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens, std::int64_t hidden, int max_topk,
+                                std::int64_t max_recv_rows, std::int64_t max_pad_multiple);
+// Words exchanged at init so that every rank can verify the others use the same configuration.
+std::vector<long long> config_words(const BufferConfig& c);
+
+constexpr std::size_t kRegionAlign = 256;
+inline std::size_t align_up(std::size_t x, std::size_t a = kRegionAlign) { return (x + a - 1) / a * a; }
+
+// Dispatch buffer.
+//   window (symmetric, written by peers):
+//     counts  [R] slots of (word::count + E) int64: rank s writes slot s (header + pair counts)
+//     records [R][T] records of record_bytes(width): source s's token t at (s * T + t)
+//     probs   [capacity] f32   the output token_probs (a view of the window)
+//     tokens  [capacity][H] bf16  the output tokens (a view of the window)
+//   flags (NCCL resource buffer, uint32): count flags [R], then chunk flags [R][max_chunks]
+//   local (plain device memory): the DispatchControl + tokens_per_expert [L], begin [L], kept [L],
+//     the abort snapshot (a copy of the count slots), the sender's staging records [R][T], the
+//     slot entries [T * slots], the multihot slots [T * slots] (expert, prob), and the single-GPU
+//     plan's outputs and workspace (sized for T * slots pairs; the CUB sort storage last).
+struct DispatchGeometry {
+  BufferConfig cfg;
+  int width = 1, record_bytes = 16, max_chunks = 1;
+  std::int64_t max_pairs = 0;  // max_tokens * slots
+  std::size_t slot_words = 0, slot_bytes = 0;
+  std::size_t off_counts = 0, off_records = 0, off_probs = 0, off_tokens = 0, window_bytes = 0;
+  std::size_t flag_counts = 0, flag_chunks = 0, flag_bytes = 0;  // uint32 indices, then bytes
+  std::size_t off_control = 0, off_tpe = 0, off_begin = 0, off_kept = 0, off_snapshot = 0, off_staging = 0,
+              off_slot_entry = 0, off_slot_expert = 0, off_slot_weight = 0;
+  std::size_t off_plan_tpe = 0, off_plan_used = 0, off_plan_dropped = 0, off_plan_begin = 0, off_plan_kept = 0,
+              off_plan_slot_rows = 0, off_keys_in = 0, off_keys_out = 0, off_pairs_in = 0, off_pairs_out = 0,
+              off_sorted_begin = 0, off_sort_temp = 0, sort_temp_bytes = 0, local_bytes = 0;
+};
+DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_bytes);
+
+// Combine buffer (combine, dispatch_backward and combine_backward).
+//   window: partials [R][T][H] bf16 (owner rank's level-1 sums, row (s, t) for source s's token
+//           t; combine_backward stages grad_out [T][H] at the same offset), then prob grads
+//           [R][T][width] f32 (dispatch_backward)
+//   flags:  ready [R][max_chunks], then consumed [R]
+//   local:  the OpControl
+struct CombineGeometry {
+  BufferConfig cfg;
+  int width = 1, max_chunks = 1;
+  std::size_t off_partials = 0, off_grads = 0, window_bytes = 0;
+  std::size_t flag_ready = 0, flag_consumed = 0, flag_bytes = 0;
+  std::size_t off_control = 0, local_bytes = 0;
+};
+CombineGeometry combine_geometry(const BufferConfig& c);
+
+// ---- the count exchange header ----------------------------------------------------------------------
+
+struct RankHeader {
+  bool failed = false;   // host-side checks failed
+  std::string argument;  // their ArgumentError's argument ("" for other errors)
+  int device_arg = 0;    // cuda::DeviceArg of a device-side violation (1 indices, 2 routing_map)
+  std::int64_t device_row = 0, device_column = -1, device_value = 0, device_limit = 0;
+  int experts = 0;
+  bool multihot = false;
+  std::int64_t hidden = 0;
+  std::int64_t topk = 0;
+  DispatchMode mode = DispatchMode::blocking;
+  std::int64_t pad_multiple = 1;
+  std::int64_t budget_rows = 0;
+  OverflowPolicy overflow = OverflowPolicy::error;
+  std::int64_t tokens = 0;
+};
+
+std::vector<long long> encode(const RankHeader& h);  // word::count words
+RankHeader decode(const long long* words);
+
+// A copy of the count region: R slots of `slot_words` words (slot_bytes / 8), each header + E counts.
+struct Snapshot {
+  std::vector<RankHeader> headers;   // [R]
+  std::vector<std::int64_t> counts;  // [R * E]
+};
+Snapshot parse_snapshot(const std::vector<long long>& words, int ranks, int experts, std::size_t slot_words);
+
+// The error every rank raises for an aborted call, as rank `me` sees it; null when the abort came
+// from `me`'s own host-side failure (already raised where it happened). Order: this rank's device
+// error, another rank's failure, a configuration mismatch, a budget overflow (DispatchPlan::build's
+// error), a receive-capacity overflow.
+std::exception_ptr abort_reason(const Snapshot& snap, int me, std::int64_t capacity_rows);
+
+// ---- status -----------------------------------------------------------------------------------------
+
+std::string phase_name(Phase p);
+// The exception of a timeout or corrupt-data status (StatusCode::timeout / corrupt).
+std::exception_ptr status_error(const Status& s, int me, double timeout_seconds);
+
+}  // namespace flexep::hybridep

@@ -1,0 +1,235 @@
+// Preprocessing of a hybridep dispatch, on the GPU with no host synchronisation:
+//
+//   multihot_slots_kernel  (multihot form only) [T, E] map -> `slots` ascending expert ids per token.
+//   (the single-GPU plan, src/cuda/local_plan*.cu: per-expert counts and each slot's stable rank)
+//   preprocess_kernel      one grid of `preprocess_sms` CTAs; every CTA does steps 1-4 redundantly
+//                          (tiny, and it means no CTA ever waits for another CTA of this grid):
+//     1. write [header | E pair counts] into slot `me` of every rank's count region, then release
+//        this rank's count flag on every rank (epoch of the call);
+//     2. acquire every rank's count flag (deadline: phase dispatch:count-exchange);
+//     3. decide, from the R headers and counts that every rank now holds identically, whether the
+//        call is aborted (a rank failed its checks, configurations differ, a budget overflow
+//        under the error policy, a receive-capacity overflow) - so all ranks decide alike;
+//     4. compute the layout of every receiver (layout_math.h: core/plan.cpp's arithmetic) and
+//        this rank's first row for each of its experts on their owners;
+//   then CTA 0 publishes this rank's receiver layout and the decision (DispatchControl), and every
+//   CTA stages, for its share of tokens, one record per (token, destination rank): the (row, prob)
+//   pairs of the token's kept slots on that rank, sorted by row; plus each slot's entry index (for
+//   the gradient of its prob in dispatch_backward).
+#include <cuda_runtime.h>
+
+#include "dispatch/hybridep/access.cuh"
+#include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/kernels.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::hybridep {
+
+namespace {
+
+__device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
+  return is64 ? static_cast<const long long*>(p)[i] : static_cast<const int*>(p)[i];
+}
+
+// counts(s, e), read from this rank's count region (written by rank s, acquired in step 2; read
+// through L2 because a peer wrote it).
+struct WindowCounts {
+  const unsigned char* base;
+  unsigned long long slot_bytes;
+  __device__ long long operator()(int s, int e) const {
+    return __ldcg(reinterpret_cast<const long long*>(base + static_cast<unsigned long long>(s) * slot_bytes) +
+                  word::count + e);
+  }
+};
+
+__global__ void __launch_bounds__(kThreads)
+    multihot_slots_kernel(const unsigned char* __restrict__ map, const float* __restrict__ probs, long long tokens,
+                          int experts, int slots, int* __restrict__ slot_expert, float* __restrict__ slot_weight,
+                          cuda::DeviceErrorRecord* errors) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; t < tokens; t += stride) {
+    const long long in = t * experts, out = t * slots;
+    int j = 0;
+    for (int e = 0; e < experts; ++e) {
+      if (map[in + e] == 0) continue;
+      if (j < slots) {
+        slot_expert[out + j] = e;
+        slot_weight[out + j] = probs[in + e];
+      }
+      ++j;
+    }
+    if (j > slots) cuda::report_device_error(errors, cuda::DeviceArg::routing_map, t, -1, j, slots);
+    for (int q = j; q < slots; ++q) {
+      slot_expert[out + q] = -1;
+      slot_weight[out + q] = 0.0f;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    preprocess_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c) {
+  extern __shared__ long long smem[];
+  const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
+  long long* s_begin = smem;          // [E] first row of every expert's group on its owner
+  long long* s_kept = smem + E;       // [E] real rows kept per group
+  long long* s_tpe = smem + 2 * E;    // [E] tokens_per_expert per group
+  long long* s_src = smem + 3 * E;    // [E] first row of THIS rank's pairs in the group
+  __shared__ long long s_head[kMaxRanks][word::count];
+  __shared__ long long s_out_rows[kMaxRanks], s_used[kMaxRanks], s_required[kMaxRanks], s_dropped[kMaxRanks];
+  __shared__ int s_bad[kMaxRanks];
+  __shared__ int s_abort, s_claimed;
+
+  const unsigned epoch = op_epoch(&v.control->op);
+  const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
+
+  // 1. This rank's slot into every rank's count region. device_* words: the plan's error record
+  //    (final: the plan kernels ran before on this stream). Identical in every CTA, so a peer may
+  //    read it after any CTA's flag.
+  const int W = word::count + E;
+  const bool has_error = c.errors != nullptr && c.errors->arg > 0;
+  for (int i = tid; i < R * W; i += blockDim.x) {
+    const int d = i / W, w = i - d * W;
+    long long value = 0;
+    if (w >= word::count) value = c.plan_counts ? c.plan_counts[w - word::count] : 0;
+    else if (w == word::device_arg) value = has_error ? c.errors->arg : 0;
+    else if (w == word::device_row) value = has_error ? c.errors->row : 0;
+    else if (w == word::device_column) value = has_error ? c.errors->column : -1;
+    else if (w == word::device_value) value = has_error ? c.errors->value : 0;
+    else if (w == word::device_limit) value = has_error ? c.errors->limit : 0;
+    else value = c.header[w];
+    count_slot(v, d, me)[w] = value;
+  }
+  fence_sys();      // each thread's slot stores are ordered before the barrier...
+  __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
+  if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
+
+  // 2. Every rank's slot has arrived here.
+  bool ok = true;
+  if (tid < R) ok = wait_flag_at_least(count_flag(v, me, tid), epoch, wait, tid);
+  if (!__syncthreads_and(ok)) {
+    // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
+    if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
+    return;
+  }
+  const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
+  for (int i = tid; i < R * word::count; i += blockDim.x)
+    s_head[i / word::count][i % word::count] = __ldcg(count_slot(v, me, i / word::count) + i % word::count);
+  __syncthreads();
+
+  // 3 + 4. Every receiver's layout (thread d: receiver d), this rank's rows as a source.
+  const LayoutParams lp{R, E, c.pad_multiple, c.budget, c.drop != 0};
+  if (tid < R) {
+    const ReceiverTotals t = receiver_layout(counts, tid, lp, s_begin + tid * L, s_kept + tid * L, s_tpe + tid * L);
+    s_out_rows[tid] = t.out_rows;
+    s_used[tid] = t.used;
+    s_required[tid] = t.required;
+    s_dropped[tid] = t.dropped;
+    s_bad[tid] = header_failed(s_head[tid]) || !header_agrees(s_head[0], s_head[tid]) || t.overflow ||
+                 t.out_rows > v.capacity_rows;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int abort = 0;
+    for (int d = 0; d < R; ++d) abort |= s_bad[d];
+    s_abort = abort;
+  }
+  for (int e = tid; e < E; e += blockDim.x) s_src[e] = source_begin(counts, e, me, s_begin[e]);
+  __syncthreads();
+  const bool abort = s_abort != 0;
+
+  // CTA 0 publishes the decision and this rank's receiver layout for the dispatch kernel and the
+  // host (blocking mode reads control + tokens_per_expert with one copy).
+  if (blockIdx.x == 0) {
+    for (int le = tid; le < L; le += blockDim.x) {
+      v.tpe[le] = s_tpe[me * L + le];
+      v.begin[le] = s_begin[me * L + le];
+      v.kept[le] = s_kept[me * L + le];
+    }
+    // T of every rank: the sender uses its own T, the receiver this copy of the sender's header,
+    // so both count the same chunks (a rank whose checks failed sends T = 0 and reads no input).
+    if (tid < R) v.control->tokens[tid] = clamp_ll(s_head[tid][word::tokens], 0, v.max_tokens);
+    if (tid == 0) {
+      v.control->abort = abort ? 1 : 0;
+      v.control->out_rows = s_out_rows[me];
+      v.control->used_rows = s_used[me];
+      v.control->required_rows = s_required[me];
+      v.control->dropped = s_dropped[me];
+      // The first unreported abort keeps a snapshot of the count region: the host decodes from it
+      // why (layout.h, abort_reason), with the same message on every rank.
+      s_claimed = abort && atomicCAS(&v.status->code, 0, -1) == 0;
+    }
+    __syncthreads();
+    if (s_claimed) {
+      const long long words = static_cast<long long>(R) * (v.slot_bytes / 8);
+      const long long* src = count_slot(v, me, 0);
+      for (long long i = tid; i < words; i += blockDim.x) v.snapshot[i] = __ldcg(src + i);
+      __syncthreads();
+      if (tid == 0) {
+        v.status->phase = static_cast<int>(Phase::dispatch_counts);
+        v.status->peer = -1;
+        __threadfence();
+        atomicExch(&v.status->code, static_cast<int>(StatusCode::abort));
+      }
+    }
+  }
+
+  // 5. Staging records and slot entries, one thread per token of this rank.
+  const long long T = c.tokens;
+  const int k = c.slots;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + tid; t < T; t += stride) {
+    for (int d = 0; d < R; ++d) record_clear(staging_at(v, d, t));
+    for (int j = 0; j < k; ++j) {
+      const long long i = t * k + j;
+      const int local_row = abort ? -1 : c.plan_slot_rows[i];  // -1: no expert or an invalid id
+      if (local_row < 0) continue;
+      const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));  // valid: the plan ranked it
+      const long long row = slot_destination_row(local_row, c.plan_begin[e], s_src[e], s_begin[e] + s_kept[e]);
+      if (row < 0) continue;  // dropped by the budget
+      if (!record_insert(staging_at(v, e / L, t), v.width, static_cast<int>(row), c.weights[i]))
+        report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, me, e, v.width);
+    }
+    for (int j = 0; j < k; ++j) {
+      const long long i = t * k + j;
+      const int local_row = abort ? -1 : c.plan_slot_rows[i];
+      int entry = -1;
+      if (local_row >= 0) {
+        const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));
+        const long long row = slot_destination_row(local_row, c.plan_begin[e], s_src[e], s_begin[e] + s_kept[e]);
+        if (row >= 0) {
+          const int found = record_find(staging_at(v, e / L, t), static_cast<int>(row));
+          if (found >= 0) entry = (e / L) * v.width + found;
+        }
+      }
+      v.slot_entry[i] = entry;
+    }
+  }
+}
+
+}  // namespace
+
+std::size_t preprocess_smem_bytes(int experts) { return static_cast<std::size_t>(experts) * 4 * sizeof(long long); }
+
+void prepare_preprocess(int experts) {
+  const std::size_t bytes = preprocess_smem_bytes(experts);
+  if (bytes > 48 * 1024)
+    FLEXEP_CUDA_CHECK(
+        cudaFuncSetAttribute(preprocess_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+void launch_multihot_slots(const unsigned char* routing_map, const float* probs, long long tokens, int experts,
+                           int slots, int* slot_expert, float* slot_weight, cuda::DeviceErrorRecord* errors,
+                           cudaStream_t stream) {
+  if (tokens == 0) return;
+  const long long blocks = (tokens + kThreads - 1) / kThreads;
+  multihot_slots_kernel<<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kThreads, 0, stream>>>(
+      routing_map, probs, tokens, experts, slots, slot_expert, slot_weight, errors);
+  FLEXEP_CUDA_CHECK_LAUNCH("multihot_slots_kernel");
+}
+
+void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
+  preprocess_kernel<<<grid, kThreads, preprocess_smem_bytes(v.experts), stream>>>(v, c);
+  FLEXEP_CUDA_CHECK_LAUNCH("hybridep preprocess_kernel");
+}
+
+}  // namespace flexep::hybridep
