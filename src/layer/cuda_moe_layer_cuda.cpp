@@ -496,6 +496,19 @@ std::vector<std::pair<std::string, Tensor>> CudaMoELayer::host_gradients(cudaStr
   return out;
 }
 
+void CudaMoELayer::set_e_score_correction_bias(const TensorView& host_f32, cudaStream_t stream) {
+  FLEXEP_CHECK_ARG(correction_bias_.defined(), "e_score_correction_bias",
+                   "this layer has none (needs gate_bias_update_factor > 0 or force_e_score_correction_bias)");
+  check::shape(host_f32, {config_.n_routed_experts}, "e_score_correction_bias");
+  check::dtype(host_f32, {DType::f32}, "e_score_correction_bias");
+  check::device(host_f32, Device::cpu(), "e_score_correction_bias");
+  cuda::DeviceGuard guard(options_.device);
+  for (std::int64_t e = 0; e < host_f32.numel(); ++e)
+    correction_master_[static_cast<std::size_t>(e)] = host_f32.ptr<float>()[e];
+  cuda::copy_async(correction_bias_, host_f32, stream);
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 void CudaMoELayer::update_bias(ProcessGroup* group, cudaStream_t stream) {
   FLEXEP_CHECK(config_.train_gate && config_.gate_bias_update_factor > 0 && correction_bias_.defined(),
                "update_bias: the gate bias update is disabled (needs train_gate and gate_bias_update_factor > 0)");

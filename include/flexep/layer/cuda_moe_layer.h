@@ -77,6 +77,11 @@ class CudaMoELayer {
   // over `group` (nullptr: this rank). Blocking.
   void update_bias(ProcessGroup* group, cudaStream_t stream);
 
+  // The fp32 correction bias [E] on the device (undefined without one), and a setter that also
+  // resets the fp64 master the bias update accumulates into (checkpoint loads). Blocking.
+  const Tensor& e_score_correction_bias() const { return correction_bias_; }
+  void set_e_score_correction_bias(const TensorView& host_f32, cudaStream_t stream);
+
   void set_timing(bool on) { timing_ = on; }
   const CudaMoEPhaseTimes& phase_times() const { return times_; }
 
