@@ -111,6 +111,11 @@ void Dispatcher::init() {
   const std::vector<long long> mine = config_words(config_);
   const std::vector<long long> all = comm_->all_gather_i64(mine, "hybridep:init");
   const std::size_t n = mine.size();
+  for (int r = 1; r < comm_->size(); ++r) {
+    const long long e_r = all[static_cast<std::size_t>(r) * n + 1], e_0 = all[1];  // word 1: num_experts
+    FLEXEP_CHECK_ARG(e_r == e_0, "num_experts", "rank ", r, " has E=", e_r, " but rank 0 has E=", e_0,
+                     "; all ranks must create their dispatcher with the same num_experts");
+  }
   for (int r = 1; r < comm_->size(); ++r)
     for (std::size_t i = 0; i < n; ++i)
       FLEXEP_CHECK_ARG(all[static_cast<std::size_t>(r) * n + i] == all[i], "options", "rank ", r,

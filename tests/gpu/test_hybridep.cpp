@@ -1,0 +1,841 @@
+// The hybridep backend on R = min(GPUs, 4) ranks (one thread per GPU) against the host backend on R
+// simulated ranks, for the same inputs: dispatch (tokens, probs, tokens_per_expert, drops),
+// combine, combine_backward and dispatch_backward are all compared bit for bit. Also: budget mode
+// (exact size, room, drop counting, overflow error on every rank), the multihot form, run-to-run
+// determinism, a CUDA graph of dispatch + experts + combine replayed 100 times with new inputs,
+// SM counts, memory reporting, resize/release, stale handles, errors raised on every rank
+// (configuration mismatch, bad ids, bad arguments) and a missing peer turning into a TimeoutError
+// that names the phase and the rank.
+//
+// Run order on a fresh machine (cheapest signal first): SmokeDispatchCombine, MatchesHostUniform,
+// then the rest (see docs/hybridep.md, "Testing").
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flexep/comm/host_world.h"
+#include "flexep/core/random.h"
+#include "flexep/core/routing.h"
+#include "flexep/core/synthetic_routing.h"
+#include "flexep/cuda/layer_ops.h"
+#include "flexep/dispatch/host.h"
+#include "flexep/dispatch/hybridep.h"
+#include "gpu/gpu_test_util.h"
+#include "gpu/multi_gpu.h"
+
+namespace flexep::testing {
+namespace {
+
+struct Config {
+  std::string name;
+  int experts_per_rank = 2;
+  int k = 1;
+  std::int64_t hidden = 8;
+  std::vector<std::int64_t> tokens = {37, 0, 53, 11};  // per rank (rank r uses tokens[r])
+  RoutingSpec routing;
+  std::int64_t pad = 1;
+  DispatchMode mode = DispatchMode::blocking;
+  double budget_fraction = 1.0;  // budget mode: this fraction of the largest rank's required rows
+  OverflowPolicy overflow = OverflowPolicy::error;
+  bool multihot = false;
+  bool i32_indices = false;
+};
+
+Config config(std::string name, int experts_per_rank, int k, std::int64_t H, std::vector<std::int64_t> tokens,
+              RoutingKind kind = RoutingKind::uniform, std::int64_t pad = 1) {
+  Config c;
+  c.name = std::move(name);
+  c.experts_per_rank = experts_per_rank;
+  c.k = k;
+  c.hidden = H;
+  c.tokens = std::move(tokens);
+  c.routing.kind = kind;
+  c.routing.zipf_s = 1.2;
+  c.pad = pad;
+  return c;
+}
+
+// ---- inputs (host tensors, identical for both backends) -------------------------------------------
+
+struct Inputs {
+  Tensor hidden, indices, weights;  // top-k form (indices i64, or i32 when asked)
+  Tensor routing_map, probs;        // multihot form of the same routing
+};
+
+Tensor random_tensor(Shape shape, DType dt, std::uint64_t seed, const char* what, int rank) {
+  Tensor t = Tensor::empty(shape, dt);
+  fill_normal(t, seed, stream_id(what) + static_cast<std::uint64_t>(rank), 0.0, 1.0);
+  return t;
+}
+
+Inputs make_inputs(const Config& c, int R, int r, std::uint64_t seed = 1234) {
+  const int E = c.experts_per_rank * R;
+  const std::int64_t T = c.tokens[static_cast<std::size_t>(r)];
+  RoutingSpec spec = c.routing;
+  spec.hot_expert = E - 1;  // everything goes to the last rank
+  TopK tk = synthetic_topk(T, c.k, E, spec, seed, r);
+  // -1 entries: every 5th token loses its last slot, every 11th token all of them.
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < c.k; ++j)
+      if ((t % 5 == 3 && j == c.k - 1) || t % 11 == 6) tk.indices.data<std::int64_t>()[t * c.k + j] = -1;
+  Inputs in;
+  in.hidden = random_tensor({T, c.hidden}, DType::bf16, seed + 99, "hidden", r);
+  in.indices = c.i32_indices ? tk.indices.to(DType::i32) : tk.indices;
+  in.weights = tk.weights;
+  Multihot mh = topk_to_multihot(tk.indices, tk.weights, E);
+  in.routing_map = mh.routing_map;
+  in.probs = mh.probs;
+  return in;
+}
+
+std::vector<std::int64_t> required_rows(const Config& c, int R) {
+  std::vector<std::int64_t> counts;
+  const int E = c.experts_per_rank * R;
+  for (int r = 0; r < R; ++r) {
+    const auto v = expert_counts(make_inputs(c, R, r).indices, E);
+    counts.insert(counts.end(), v.begin(), v.end());
+  }
+  PlanParams p;
+  p.ranks = R;
+  p.experts = E;
+  p.pad_multiple = c.pad;
+  const DispatchPlan plan = DispatchPlan::build(counts, p);
+  std::vector<std::int64_t> rows;
+  for (const auto& lay : plan.ranks) rows.push_back(lay.required_rows);
+  return rows;
+}
+
+DispatchOptions dispatch_options(const Config& c, int R) {
+  DispatchOptions o;
+  o.pad_multiple = c.pad;
+  o.mode = c.mode;
+  o.overflow = c.overflow;
+  if (c.mode == DispatchMode::budget) {
+    std::int64_t most = 0;
+    for (std::int64_t n : required_rows(c, R)) most = std::max(most, n);
+    const auto b = static_cast<std::int64_t>(static_cast<double>(most) * c.budget_fraction);
+    o.budget_rows = b / c.pad * c.pad;
+  }
+  return o;
+}
+
+HybridEpOptions hybridep_options(const Config& c) {
+  HybridEpOptions o;
+  o.max_tokens_per_rank = 1;
+  for (std::int64_t t : c.tokens) o.max_tokens_per_rank = std::max(o.max_tokens_per_rank, t);
+  o.hidden = c.hidden;
+  o.max_topk = c.multihot ? 0 : c.k;  // multihot: E slots
+  o.max_pad_multiple = std::max<std::int64_t>(c.pad, 1);
+  o.timeout_seconds = 60;
+  return o;
+}
+
+// ---- one sequence of calls, on either backend -------------------------------------------------------
+
+struct Outputs {
+  Tensor tokens, probs, tokens_per_expert;
+  std::int64_t dropped = 0;
+  Tensor combined, grad_expert_out, grad_hidden, grad_weights;
+};
+
+template <class Up, class Down, class Dropped>
+Outputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, const DispatchOptions& o, int r, Up up,
+                     Down down, Dropped dropped) {
+  DispatchInput di;
+  const Tensor hidden = up(in.hidden);
+  Tensor a, b;
+  di.hidden = hidden;
+  if (c.multihot) {
+    a = up(in.routing_map);
+    b = up(in.probs);
+    di.routing_map = a;
+    di.probs = b;
+  } else {
+    a = up(in.indices);
+    b = up(in.weights);
+    di.indices = a;
+    di.weights = b;
+  }
+  DispatchResult res = d.dispatch(di, o);
+  Outputs out;
+  out.tokens = down(res.tokens);
+  out.probs = down(res.token_probs);
+  out.tokens_per_expert = down(res.tokens_per_expert);
+  out.dropped = dropped(res);
+  const std::int64_t N = res.tokens.size(0), T = in.hidden.size(0), H = c.hidden;
+  // Expert outputs and gradients: random everywhere, padding rows included (they must be ignored).
+  const Tensor expert_out = random_tensor({N, H}, DType::bf16, 5, "expert_out", r);
+  out.combined = down(d.combine(res.handle, up(expert_out)));
+  const Tensor grad_out = random_tensor({T, H}, DType::bf16, 6, "grad_out", r);
+  out.grad_expert_out = down(d.combine_backward(res.handle, up(grad_out)));
+  const Tensor grad_tokens = random_tensor({N, H}, DType::bf16, 7, "grad_tokens", r);
+  const Tensor grad_probs = random_tensor({N}, DType::f32, 8, "grad_probs", r);
+  DispatchGrads g = d.dispatch_backward(res.handle, up(grad_tokens), up(grad_probs));
+  out.grad_hidden = down(g.hidden);
+  out.grad_weights = down(g.weights);
+  return out;
+}
+
+std::vector<Outputs> run_host(const Config& c, int R, std::uint64_t seed = 1234) {
+  auto world = std::make_shared<HostWorld>(R, 120.0);
+  std::vector<Outputs> outs(static_cast<std::size_t>(R));
+  const DispatchOptions o = dispatch_options(c, R);
+  auto id = [](const Tensor& t) { return t; };
+  auto dropped = [](const DispatchResult& r) { return r.dropped; };
+  const auto errors = run_ranks(R, [&](int r) {
+    auto d = make_host_dispatcher(world, r, c.experts_per_rank * R);
+    outs[static_cast<std::size_t>(r)] = run_sequence(*d, make_inputs(c, R, r, seed), c, o, r, id, id, dropped);
+  });
+  EXPECT_TRUE(all_ok(errors)) << c.name << " (host backend)";
+  return outs;
+}
+
+Outputs run_gpu_rank(GpuRank& g, HybridEpDispatcher& d, const Config& c, std::uint64_t seed = 1234) {
+  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.rank, g.stream); };
+  auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+  // Budget mode returns no drop count on the host (no synchronisation): ask for it.
+  auto dropped = [&](const DispatchResult& r) {
+    return c.mode == DispatchMode::budget ? d.last_dropped() : r.dropped;
+  };
+  Outputs out = run_sequence(d, make_inputs(c, g.size, g.rank, seed), c, dispatch_options(c, g.size), g.rank, up, down,
+                             dropped);
+  d.check_errors();  // budget mode raises device errors only here
+  return out;
+}
+
+std::unique_ptr<HybridEpDispatcher> make_dispatcher(GpuRank& g, const Config& c) {
+  HybridEpOptions o = hybridep_options(c);
+  o.stream = g.stream;
+  return make_hybridep_dispatcher(g.comm, c.experts_per_rank * g.size, o);
+}
+
+::testing::AssertionResult same_bytes(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype()) return ::testing::AssertionFailure() << "dtypes differ";
+  if (a.shape() != b.shape())
+    return ::testing::AssertionFailure() << "shapes differ: " << a.shape().str() << " vs " << b.shape().str();
+  const std::size_t es = element_size(a.dtype());
+  const auto* pa = static_cast<const unsigned char*>(a.raw());
+  const auto* pb = static_cast<const unsigned char*>(b.raw());
+  for (std::int64_t i = 0; i < a.numel(); ++i)
+    if (std::memcmp(pa + i * es, pb + i * es, es) != 0)
+      return ::testing::AssertionFailure() << "first difference at element " << i << " of " << a.numel() << ": "
+                                           << read_as_double(a, i) << " vs " << read_as_double(b, i);
+  return ::testing::AssertionSuccess();
+}
+
+void expect_equal(const std::vector<Outputs>& want, const std::vector<Outputs>& got, const std::string& name) {
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    SCOPED_TRACE(name + ", rank " + std::to_string(r));
+    const Outputs& w = want[r];
+    const Outputs& g = got[r];
+    ASSERT_TRUE(g.tokens.defined()) << "no GPU result";
+    EXPECT_TRUE(same_bytes(w.tokens, g.tokens)) << "tokens";
+    EXPECT_TRUE(same_bytes(w.probs, g.probs)) << "token_probs";
+    EXPECT_TRUE(same_bytes(w.tokens_per_expert, g.tokens_per_expert)) << "tokens_per_expert";
+    EXPECT_EQ(w.dropped, g.dropped) << "dropped";
+    EXPECT_TRUE(same_bytes(w.combined, g.combined)) << "combine";
+    EXPECT_TRUE(same_bytes(w.grad_expert_out, g.grad_expert_out)) << "combine_backward";
+    EXPECT_TRUE(same_bytes(w.grad_hidden, g.grad_hidden)) << "dispatch_backward hidden";
+    EXPECT_TRUE(same_bytes(w.grad_weights, g.grad_weights)) << "dispatch_backward weights";
+  }
+}
+
+CommunicatorOptions test_comm_options() {
+  CommunicatorOptions co;
+  co.timeout_seconds = 60;  // a failing rank must not leave the others waiting 300 s per call
+  return co;
+}
+
+// Every config on the host backend, then on the GPUs (one communicator per GPU for all configs, one
+// dispatcher per config), then compared.
+void check_against_host(const std::vector<Config>& configs) {
+  const int R = gpu_ranks();
+  std::vector<std::vector<Outputs>> want;
+  for (const Config& c : configs) want.push_back(run_host(c, R));
+  std::vector<std::vector<Outputs>> got(configs.size(), std::vector<Outputs>(static_cast<std::size_t>(R)));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        for (std::size_t i = 0; i < configs.size(); ++i) {
+          auto d = make_dispatcher(g, configs[i]);
+          got[i][static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, configs[i]);
+        }
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t i = 0; i < configs.size(); ++i) expect_equal(want[i], got[i], configs[i].name);
+}
+
+// ---- bitwise agreement with the host backend ----------------------------------------------------------
+
+TEST(HybridEpMultiGpu, SmokeDispatchCombine) {
+  if (!require_gpus(2)) return;
+  check_against_host({config("smoke E=2R k=1 H=8", 2, 1, 8, {5, 3, 4, 2})});
+}
+
+TEST(HybridEpMultiGpu, MatchesHostUniform) {
+  if (!require_gpus(2)) return;
+  Config i32 = config("uniform E=16R k=8 H=8 i32 ids", 16, 8, 8, {64, 100, 3, 0});
+  i32.i32_indices = true;
+  check_against_host({
+      config("uniform E=2R k=1 H=8 pad 1", 2, 1, 8, {37, 0, 53, 11}),
+      config("uniform E=2R k=1 H=8 pad 128", 2, 1, 8, {37, 0, 53, 11}, RoutingKind::uniform, 128),
+      config("uniform E=16R k=8 H=8 pad 16", 16, 8, 8, {300, 257, 0, 129}, RoutingKind::uniform, 16),
+      config("uniform E=1R k=1 H=2048", 1, 1, 2048, {513, 64, 0, 1}),
+      config("uniform E=32R k=8 H=4096 pad 128", 32, 8, 4096, {700, 0, 333, 64}, RoutingKind::uniform, 128),
+      config("uniform E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 0, 1000, 77}),
+      config("uniform E=2R k=1 H=7168 pad 128", 2, 1, 7168, {0, 513, 64, 2048}, RoutingKind::uniform, 128),
+      i32,
+  });
+}
+
+TEST(HybridEpMultiGpu, MatchesHostZipf) {
+  if (!require_gpus(2)) return;
+  check_against_host({
+      config("zipf E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 1024, 0, 512}, RoutingKind::zipf),
+      config("zipf E=32R k=8 H=2048 pad 16", 32, 8, 2048, {500, 0, 333, 64}, RoutingKind::zipf, 16),
+      config("zipf E=16R k=8 H=8 pad 128", 16, 8, 8, {500, 0, 333, 64}, RoutingKind::zipf, 128),
+      config("zipf E=2R k=1 H=8 pad 1", 2, 1, 8, {0, 200, 17, 5}, RoutingKind::zipf),
+  });
+}
+
+TEST(HybridEpMultiGpu, MatchesHostAllToOneExpert) {
+  if (!require_gpus(2)) return;
+  check_against_host({
+      config("hot k=1 E=2R H=8", 2, 1, 8, {100, 0, 31, 7}, RoutingKind::hot),
+      config("hot k=1 E=16R H=7168 pad 128", 16, 1, 7168, {1024, 2048, 0, 300}, RoutingKind::hot, 128),
+      config("hot k=8 E=16R H=8", 16, 8, 8, {100, 64, 0, 9}, RoutingKind::hot),
+      config("hot k=8 E=1R H=4096", 8, 8, 4096, {200, 0, 64, 9}, RoutingKind::hot),
+      config("no tokens anywhere", 2, 2, 8, {0, 0, 0, 0}),
+  });
+}
+
+TEST(HybridEpMultiGpu, MultihotGivesTheSameRowsAsTopK) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  Config topk = config("zipf E=16R k=8 H=8 pad 16", 16, 8, 8, {200, 0, 77, 31}, RoutingKind::zipf, 16);
+  Config mh = topk;
+  mh.name += " multihot";
+  mh.multihot = true;
+  const std::vector<Outputs> want_topk = run_host(topk, R), want_mh = run_host(mh, R);
+  std::vector<Outputs> got_topk(static_cast<std::size_t>(R)), got_mh(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_dispatcher(g, mh);  // E slots: both forms fit
+        got_topk[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, topk);
+        got_mh[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, mh);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  expect_equal(want_topk, got_topk, topk.name);
+  expect_equal(want_mh, got_mh, mh.name);  // weight grads here are [T, E]
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const auto i = static_cast<std::size_t>(r);
+    EXPECT_TRUE(same_bytes(got_topk[i].tokens, got_mh[i].tokens));
+    EXPECT_TRUE(same_bytes(got_topk[i].combined, got_mh[i].combined));
+    EXPECT_EQ(got_mh[i].grad_weights.size(1), 16 * R);
+  }
+}
+
+TEST(HybridEpMultiGpu, BudgetModeMatchesHost) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  Config exact = config("budget exact size", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
+  exact.mode = DispatchMode::budget;  // budget = the largest rank's rows: one rank fills it exactly
+  Config roomy = exact;
+  roomy.name = "budget with room";
+  roomy.budget_fraction = 1.5;
+  Config drop = config("budget drop", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
+  drop.mode = DispatchMode::budget;
+  drop.budget_fraction = 0.4;
+  drop.overflow = OverflowPolicy::drop;
+  Config drop_big = config("budget drop H=7168", 16, 8, 7168, {1024, 700, 0, 64}, RoutingKind::hot, 128);
+  drop_big.mode = DispatchMode::budget;
+  drop_big.budget_fraction = 0.3;
+  drop_big.overflow = OverflowPolicy::drop;
+  check_against_host({exact, roomy, drop, drop_big});
+  std::int64_t dropped = 0;
+  for (const Outputs& o : run_host(drop, R)) dropped += o.dropped;
+  EXPECT_GT(dropped, 0);  // the drop case really drops (and the GPU matched the counts above)
+}
+
+TEST(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  Config c = config("budget overflow", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
+  c.mode = DispatchMode::budget;
+  c.budget_fraction = 0.5;
+  c.overflow = OverflowPolicy::error;
+  auto overflow = [](const Error& e) { return std::string(e.what()).find("overflow") != std::string::npos; };
+  std::vector<std::exception_ptr> at_check(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_dispatcher(g, c);
+        const Inputs in = make_inputs(c, R, g.rank);
+        const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
+        const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
+        const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
+        DispatchInput di;
+        di.hidden = hidden;
+        di.indices = indices;
+        di.weights = weights;
+        d->dispatch(di, dispatch_options(c, R));  // budget mode: returns without waiting
+        try {
+          d->check_errors();
+        } catch (...) {
+          at_check[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+        d->check_errors();  // cleared: nothing left to raise
+        Config fits = c;
+        fits.budget_fraction = 1.0;
+        DispatchResult ok = d->dispatch(di, dispatch_options(fits, R));  // the dispatcher still works
+        d->combine(ok.handle, ok.tokens);
+        d->check_errors();
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_threw<Error>(at_check, overflow));
+}
+
+// ---- determinism -----------------------------------------------------------------------------------------
+
+TEST(HybridEpMultiGpu, CombineIsIdenticalRunToRun) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const Config c = config("zipf E=16R k=8 H=7168", 16, 8, 7168, {1024, 512, 0, 300}, RoutingKind::zipf);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_dispatcher(g, c);
+        const Outputs a = run_gpu_rank(g, *d, c), b = run_gpu_rank(g, *d, c);
+        EXPECT_TRUE(same_bytes(a.tokens, b.tokens));
+        EXPECT_TRUE(same_bytes(a.combined, b.combined));
+        EXPECT_TRUE(same_bytes(a.grad_hidden, b.grad_hidden));
+        EXPECT_TRUE(same_bytes(a.grad_weights, b.grad_weights));
+        EXPECT_TRUE(same_bytes(a.grad_expert_out, b.grad_expert_out));
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+}
+
+// ---- CUDA graph: dispatch + experts + combine, replayed with new inputs -------------------------------------
+
+TEST(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks(), replays = 100;
+  Config c = config("graph", 4, 4, 64, {96, 0, 57, 128}, RoutingKind::uniform, 16);
+  c.mode = DispatchMode::budget;
+  c.budget_fraction = 1.0;
+  // A budget no routing can exceed: every token to min(k, L) experts on one rank, plus padding.
+  const int E = c.experts_per_rank * R, L = c.experts_per_rank;
+  DispatchOptions o;
+  o.mode = DispatchMode::budget;
+  o.pad_multiple = c.pad;
+  o.budget_rows = (R * 128 * std::min(c.k, L) + L * (c.pad - 1) + c.pad - 1) / c.pad * c.pad;
+
+  // The host reference of every replay: experts = 2 * x (exact in bf16), identity combine.
+  struct Want {
+    Tensor tokens, probs, tpe, combined;
+  };
+  std::vector<std::vector<Want>> want(static_cast<std::size_t>(replays), std::vector<Want>(static_cast<std::size_t>(R)));
+  for (int rep = 0; rep < replays; ++rep) {
+    auto world = std::make_shared<HostWorld>(R, 60.0);
+    Config cr = c;
+    cr.routing.kind = rep % 3 == 0 ? RoutingKind::zipf : RoutingKind::uniform;
+    const auto errors = run_ranks(R, [&](int r) {
+      auto d = make_host_dispatcher(world, r, E);
+      const Inputs in = make_inputs(cr, R, r, 500 + static_cast<std::uint64_t>(rep));
+      DispatchInput di;
+      di.hidden = in.hidden;
+      di.indices = in.indices;
+      di.weights = in.weights;
+      DispatchResult res = d->dispatch(di, o);
+      Tensor doubled = res.tokens.clone();
+      for (std::int64_t i = 0; i < doubled.numel(); ++i)
+        doubled.data<bf16>()[i] = bf16::from_float(2.0f * doubled.data<bf16>()[i].to_float());
+      Want& w = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(r)];
+      w.tokens = res.tokens;
+      w.probs = res.token_probs;
+      w.tpe = res.tokens_per_expert;
+      w.combined = d->combine(res.handle, doubled);
+    });
+    ASSERT_TRUE(all_ok(errors));
+  }
+
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        HybridEpOptions ho = hybridep_options(c);
+        ho.max_tokens_per_rank = 128;
+        ho.max_recv_rows = o.budget_rows;
+        ho.stream = g.stream;
+        auto d = make_hybridep_dispatcher(g.comm, E, ho);
+        const std::int64_t T = c.tokens[static_cast<std::size_t>(g.rank)], H = c.hidden, N = o.budget_rows;
+        const Device dev = Device::cuda(g.rank);
+        const Tensor x = Tensor::zeros({T, H}, DType::bf16, dev);
+        const Tensor idx = Tensor::zeros({T, c.k}, DType::i64, dev);  // expert 0 until the first copy
+        const Tensor w = Tensor::zeros({T, c.k}, DType::f32, dev);
+        const Tensor experts = Tensor::empty({N, H}, DType::bf16, dev);
+        const Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+        DispatchInput di;
+        di.hidden = x;
+        di.indices = idx;
+        di.weights = w;
+        for (std::int64_t t = 0; t < T; ++t) {  // a valid warm-up routing: slot j -> expert j
+          std::vector<std::int64_t> row(static_cast<std::size_t>(c.k));
+          for (int j = 0; j < c.k; ++j) row[static_cast<std::size_t>(j)] = j;
+          FLEXEP_CUDA_CHECK(cudaMemcpyAsync(idx.data<std::int64_t>() + t * c.k, row.data(), c.k * 8,
+                                            cudaMemcpyHostToDevice, g.stream));
+        }
+        // Warm-up outside the capture: loads the kernels and checks the path eagerly.
+        DispatchResult warm = d->dispatch(di, o);
+        d->combine_into(warm.handle, warm.tokens, out);
+        d->check_errors();
+
+        cudaGraph_t graph = nullptr;
+        DispatchResult res;
+        FLEXEP_CUDA_CHECK(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal));
+        try {
+          res = d->dispatch(di, o);
+          FLEXEP_CUDA_CHECK(cudaMemcpyAsync(experts.raw(), res.tokens.raw(), res.tokens.nbytes(),
+                                            cudaMemcpyDeviceToDevice, g.stream));
+          cuda::add_into(experts, res.tokens, g.stream);  // the "experts": y = 2 x
+          d->combine_into(res.handle, experts, out);
+        } catch (...) {
+          cudaStreamEndCapture(g.stream, &graph);
+          if (graph) cudaGraphDestroy(graph);
+          throw;
+        }
+        FLEXEP_CUDA_CHECK(cudaStreamEndCapture(g.stream, &graph));
+        cudaGraphExec_t exec = nullptr;
+        FLEXEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        Config cr = c;
+        for (int rep = 0; rep < replays; ++rep) {
+          SCOPED_TRACE("replay " + std::to_string(rep) + ", rank " + std::to_string(g.rank));
+          cr.routing.kind = rep % 3 == 0 ? RoutingKind::zipf : RoutingKind::uniform;
+          const Inputs in = make_inputs(cr, R, g.rank, 500 + static_cast<std::uint64_t>(rep));
+          cuda::copy_async(x, in.hidden, g.stream);
+          cuda::copy_async(idx, in.indices, g.stream);
+          cuda::copy_async(w, in.weights, g.stream);
+          FLEXEP_CUDA_CHECK(cudaGraphLaunch(exec, g.stream));
+          const Want& want_r = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(g.rank)];
+          EXPECT_TRUE(same_bytes(want_r.tokens, cuda::to_host(res.tokens, g.stream))) << "tokens";
+          EXPECT_TRUE(same_bytes(want_r.probs, cuda::to_host(res.token_probs, g.stream))) << "probs";
+          EXPECT_TRUE(same_bytes(want_r.tpe, cuda::to_host(res.tokens_per_expert, g.stream))) << "tokens_per_expert";
+          EXPECT_TRUE(same_bytes(want_r.combined, cuda::to_host(out, g.stream))) << "combine";
+        }
+        d->check_errors();
+        FLEXEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        FLEXEP_CUDA_CHECK(cudaGraphDestroy(graph));
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+}
+
+// ---- SM counts, memory, resize, stale handles ---------------------------------------------------------------
+
+TEST(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const Config c = config("sms zipf E=16R k=8 H=2048", 16, 8, 2048, {700, 300, 0, 65}, RoutingKind::zipf, 16);
+  const std::vector<Outputs> want = run_host(c, R);
+  std::vector<std::vector<Outputs>> got(4, std::vector<Outputs>(static_cast<std::size_t>(R)));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_dispatcher(g, c);
+        const std::vector<HybridEpSms> settings = {{1, 1, 1}, {3, 5, 2}, {16, 16, 20}, {0, 0, 0}};
+        for (std::size_t i = 0; i < settings.size(); ++i) {
+          d->set_num_sms(settings[i].dispatch, settings[i].combine, settings[i].preprocess);
+          const HybridEpSms s = d->num_sms();
+          if (i < 3) {
+            EXPECT_EQ(s.dispatch, settings[i].dispatch);
+            EXPECT_EQ(s.combine, settings[i].combine);
+            EXPECT_EQ(s.preprocess, settings[i].preprocess);
+          } else {
+            EXPECT_EQ(s.dispatch, hybridep_num_sms().dispatch);  // 0: the process-wide setting
+          }
+          got[i][static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, c);
+        }
+        EXPECT_THROW(d->set_num_sms(100000), ArgumentError);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t i = 0; i < got.size(); ++i) expect_equal(want, got[i], c.name + " sms setting " + std::to_string(i));
+}
+
+TEST(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const Config small = config("small", 4, 2, 64, {40, 20, 0, 8});
+  Config big = small;
+  big.name = "big";
+  big.tokens = {300, 10, 256, 0};
+  const std::vector<Outputs> want_small = run_host(small, R), want_big = run_host(big, R);
+  std::vector<Outputs> got_small(static_cast<std::size_t>(R)), got_big(static_cast<std::size_t>(R));
+  std::vector<std::exception_ptr> stale(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_dispatcher(g, small);
+        const int E = small.experts_per_rank * g.size;
+        HybridEpOptions o = hybridep_options(small);
+        o.stream = g.stream;
+        EXPECT_EQ(d->memory().total(), HybridEpDispatcher::size_hint(o, g.size, E).total());
+        EXPECT_GT(d->memory().dispatch_window, 0u);
+        EXPECT_GT(d->memory().combine_window, 0u);
+
+        // A handle is valid until the next dispatch on the same dispatcher.
+        const Inputs in = make_inputs(small, g.size, g.rank);
+        const Tensor h = cuda::to_device(in.hidden, g.rank, g.stream);
+        const Tensor i = cuda::to_device(in.indices, g.rank, g.stream);
+        const Tensor w = cuda::to_device(in.weights, g.rank, g.stream);
+        DispatchInput di;
+        di.hidden = h;
+        di.indices = i;
+        di.weights = w;
+        DispatchResult first = d->dispatch(di, {});
+        DispatchResult second = d->dispatch(di, {});
+        try {
+          d->combine(first.handle, first.tokens);
+        } catch (...) {
+          stale[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+        d->combine(second.handle, second.tokens);  // the current one works (all ranks call it)
+
+        d->release();
+        EXPECT_EQ(d->memory().total(), 0u);
+        got_small[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, small);  // re-initialises
+        HybridEpOptions ob = hybridep_options(big);
+        ob.stream = g.stream;
+        d->resize(ob);
+        EXPECT_EQ(d->memory().total(), HybridEpDispatcher::size_hint(ob, g.size, E).total());
+        got_big[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, big);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  expect_equal(want_small, got_small, small.name);
+  expect_equal(want_big, got_big, big.name);
+  EXPECT_TRUE(all_threw<ArgumentError>(stale, [](const ArgumentError& e) {
+    return e.argument() == "handle" && std::string(e.what()).find("stale") != std::string::npos;
+  }));
+}
+
+// ---- errors raised on every rank ---------------------------------------------------------------------------
+
+struct DeviceInputs {
+  Tensor hidden, indices, weights;
+  DispatchInput view() const {
+    DispatchInput di;
+    di.hidden = hidden;
+    di.indices = indices;
+    di.weights = weights;
+    return di;
+  }
+};
+
+DeviceInputs device_inputs(GpuRank& g, int E, std::int64_t T, std::int64_t H, int k) {
+  TopK tk = synthetic_topk(T, k, E, RoutingSpec{}, 3, g.rank);
+  DeviceInputs in;
+  in.hidden = cuda::to_device(random_tensor({T, H}, DType::bf16, 1, "hidden", g.rank), g.rank, g.stream);
+  in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+  in.weights = cuda::to_device(tk.weights, g.rank, g.stream);
+  return in;
+}
+
+std::unique_ptr<HybridEpDispatcher> small_dispatcher(GpuRank& g, int E, std::int64_t H, double timeout = 60) {
+  HybridEpOptions o;
+  o.max_tokens_per_rank = 64;
+  o.hidden = H;
+  o.max_topk = 4;
+  o.timeout_seconds = timeout;
+  o.stream = g.stream;
+  return make_hybridep_dispatcher(g.comm, E, o);
+}
+
+template <class Check>
+auto argument_is(std::string argument, Check check) {
+  return [argument, check](const ArgumentError& e) { return e.argument() == argument && check(std::string(e.what())); };
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+TEST(HybridEpMultiGpu, ConfigMismatchRaisesOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks(), E = 4 * R;
+  std::vector<std::exception_ptr> mismatch_h(static_cast<std::size_t>(R)), mismatch_k(mismatch_h);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = small_dispatcher(g, E, 8);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        try {  // rank 1 passes H = 16 to a dispatcher made for H = 8: its checks fail
+          d->dispatch(device_inputs(g, E, 20, g.rank == 1 ? 16 : 8, 2).view(), {});
+        } catch (...) {
+          mismatch_h[r] = std::current_exception();
+        }
+        try {  // rank 1 routes to top-3, the others to top-2: the headers differ
+          d->dispatch(device_inputs(g, E, 20, 8, g.rank == 1 ? 3 : 2).view(), {});
+        } catch (...) {
+          mismatch_k[r] = std::current_exception();
+        }
+        d->dispatch(device_inputs(g, E, 20, 8, 2).view(), {});  // still in step
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_threw<ArgumentError>(mismatch_h, argument_is("hidden", [](const std::string&) { return true; })));
+  for (int r = 0; r < R; ++r)
+    if (r != 1) {
+      EXPECT_TRUE(contains(what_of(mismatch_h[static_cast<std::size_t>(r)]), "rank 1 failed its checks"));
+    }
+  EXPECT_TRUE(all_threw<ArgumentError>(mismatch_k, argument_is("indices", [](const std::string& w) {
+    return contains(w, "rank 1 has k=3 but rank 0 has k=2");
+  })));
+}
+
+TEST(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const auto errors = run_gpu_ranks(
+      R, [&](GpuRank& g) { small_dispatcher(g, g.rank == 1 ? 4 * R : 2 * R, 8); }, test_comm_options());
+  EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("num_experts", [&](const std::string& w) {
+    return contains(w, "rank 1 has E=" + std::to_string(4 * R) + " but rank 0 has E=" + std::to_string(2 * R));
+  })));
+}
+
+TEST(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = small_dispatcher(g, E, 8);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        const int last = g.size - 1;
+        try {  // the last rank routes token 2 to expert E
+          TopK tk = synthetic_topk(6, 2, E, RoutingSpec{}, 3, g.rank);
+          if (g.rank == last) tk.indices.data<std::int64_t>()[2 * 2 + 1] = E;
+          DeviceInputs in = device_inputs(g, E, 6, 8, 2);
+          in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+          d->dispatch(in.view(), {});
+        } catch (...) {
+          bad_id[r] = std::current_exception();
+        }
+        try {  // rank 0 lists expert 1 twice in token 4
+          TopK tk = synthetic_topk(6, 2, E, RoutingSpec{}, 3, g.rank);
+          if (g.rank == 0) {
+            tk.indices.data<std::int64_t>()[4 * 2] = 1;
+            tk.indices.data<std::int64_t>()[4 * 2 + 1] = 1;
+          }
+          DeviceInputs in = device_inputs(g, E, 6, 8, 2);
+          in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+          d->dispatch(in.view(), {});
+        } catch (...) {
+          repeated[r] = std::current_exception();
+        }
+        try {  // rank 1 passes f64 weights
+          DeviceInputs in = device_inputs(g, E, 6, 8, 2);
+          if (g.rank == 1) in.weights = cuda::to_device(Tensor::zeros({6, 2}, DType::f64), g.rank, g.stream);
+          d->dispatch(in.view(), {});
+        } catch (...) {
+          bad_dtype[r] = std::current_exception();
+        }
+        DispatchResult ok = d->dispatch(device_inputs(g, E, 6, 8, 2).view(), {});  // the records were cleared
+        d->combine(ok.handle, ok.tokens);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [&](const std::string& w) {
+    return contains(w, "value " + std::to_string(E) + " at [2, 1] is out of range");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(repeated, argument_is("indices", [](const std::string& w) {
+    return contains(w, "token 4 lists expert 1 twice");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(bad_dtype, argument_is("weights", [](const std::string&) { return true; })));
+  for (int r = 0; r < R; ++r)
+    if (r != 1) {
+      EXPECT_TRUE(contains(what_of(bad_dtype[static_cast<std::size_t>(r)]), "rank 1 failed its checks"));
+    }
+}
+
+// ---- a rank that stops participating ---------------------------------------------------------------------
+
+// Rank 1 skips `skipped_call` (0: the second dispatch, 1: a combine); the others must fail with a
+// TimeoutError naming `phase` and rank 1 within the 3 s device deadline (plus slack).
+void check_missing_peer(int skipped_call, const std::string& phase) {
+  const int R = gpu_ranks(), E = 2 * R;
+  std::atomic<int> finished{0};
+  std::vector<double> seconds(static_cast<std::size_t>(R), 0.0);
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = small_dispatcher(g, E, 8, 3.0);
+        const DeviceInputs in = device_inputs(g, E, 16, 8, 1);
+        DispatchResult res = d->dispatch(in.view(), {});  // all ranks: works
+        if (g.rank == 1) {
+          // Stay alive (and silent) until the others gave up.
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+          while (finished.load() < g.size - 1 && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (skipped_call == 0) {
+            d->dispatch(in.view(), {});
+          } else {
+            const Tensor rows = cuda::to_device(random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank),
+                                                g.rank, g.stream);
+            d->combine(res.handle, rows);
+          }
+        } catch (...) {
+          failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+        seconds[static_cast<std::size_t>(g.rank)] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        // After a timeout the dispatcher refuses further calls (the ranks are out of step).
+        EXPECT_THROW(d->dispatch(in.view(), {}), Error);
+        ++finished;
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (int r = 0; r < R; ++r) {
+    if (r == 1) continue;
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const std::exception_ptr& e = failures[static_cast<std::size_t>(r)];
+    ASSERT_TRUE(e != nullptr) << "no error";
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError& t) {
+      EXPECT_EQ(t.phase(), phase) << t.what();
+      EXPECT_EQ(t.peer(), 1) << t.what();
+    } catch (...) {
+      ADD_FAILURE() << "not a TimeoutError: " << what_of(e);
+    }
+    EXPECT_GE(seconds[static_cast<std::size_t>(r)], 2.5);
+    EXPECT_LT(seconds[static_cast<std::size_t>(r)], 30.0);
+  }
+}
+
+TEST(HybridEpMultiGpu, MissingPeerInDispatchTimesOutNamingPhaseAndPeer) {
+  if (!require_gpus(2)) return;
+  check_missing_peer(0, "dispatch:count-exchange");
+}
+
+TEST(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
+  if (!require_gpus(2)) return;
+  check_missing_peer(1, "combine:partials");
+}
+
+}  // namespace
+}  // namespace flexep::testing
