@@ -5,14 +5,21 @@
 // together on all ranks by a barrier; rank 0's numbers are reported.
 //   algorithm bandwidth = received (token, rank) rows, own rank included, * H * 2 bytes / time
 //   NVLink bandwidth    = remote rows only * H * 2 bytes / time
+// The hybridep backend adds, per SM count of --sms (default: its process-wide 20): call records in
+// blocking mode (one host sync per call), a budget-mode dispatch (budget = the exact rows, no host
+// sync), and "kernel" records timed with CUDA events around its own kernels (dispatch kernel, with
+// the preprocess kernel in parts_us; combine kernel), every record with `sms` set.
 #include <mutex>
 
 #include "bench_cases.h"
 #include "bench_timing_cuda.h"
 #include "flexep/comm/communicator.h"
+#include "flexep/core/plan.h"
+#include "flexep/core/routing.h"
 #include "flexep/core/synthetic_routing.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/dispatch/alltoall.h"
+#include "flexep/dispatch/hybridep.h"
 #include "train_common.h"
 
 namespace flexep::tools {
@@ -62,6 +69,64 @@ TimeStats timed_collective(Communicator& comm, const std::function<void()>& fn, 
   return stats_of(us);
 }
 
+// hybridep on this rank; `record` appends a record to `mine` (as for the other backends).
+template <class Record>
+void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Communicator> comm_ptr,
+                    const DispatchInput& in, std::int64_t T, int H, int k, int E, std::int64_t exact_rows,
+                    cudaStream_t stream, std::vector<BenchRecord>& mine, Record record) {
+  HybridEpOptions ho;
+  ho.max_tokens_per_rank = T;
+  ho.hidden = H;
+  ho.max_topk = k;
+  ho.kernel_timing = true;
+  ho.stream = stream;
+  auto d = make_hybridep_dispatcher(std::move(comm_ptr), E, ho);
+  const std::vector<int> sweep = a.sms.empty() ? std::vector<int>{hybridep_num_sms().dispatch} : a.sms;
+  for (int sms : sweep) {
+    d->set_num_sms(sms, sms, sms);
+    auto tag = [&](std::size_t first) {
+      for (std::size_t i = first; i < mine.size(); ++i) mine[i].sms = sms;
+    };
+    const std::size_t first = mine.size();
+    DispatchOptions opt;  // blocking: tokens_per_expert on the host, one sync per call
+    DispatchResult res;
+    const TimeStats td = timed_collective(comm, [&] { res = d->dispatch(in, opt); }, a.warmup, a.reps, stream);
+    record("hybridep", "dispatch", td, "blocking: plan + count exchange + NVLink dispatch kernel + one host sync");
+    const TimeStats tc = timed_collective(comm, [&] { d->combine(res.handle, res.tokens); }, a.warmup, a.reps, stream);
+    record("hybridep", "combine", tc, "two-level pull combine of the dispatched rows (identity experts) + host check");
+    DispatchOptions budget;
+    budget.mode = DispatchMode::budget;
+    budget.budget_rows = exact_rows;
+    const TimeStats tb = timed_collective(comm, [&] { res = d->dispatch(in, budget); }, a.warmup, a.reps, stream);
+    record("hybridep", "dispatch", tb, "budget mode (budget = this run's exact rows): no host synchronisation");
+    d->check_errors();
+    const TimeStats tdc = timed_collective(comm, [&] {
+      DispatchResult r2 = d->dispatch(in, opt);
+      d->combine(r2.handle, r2.tokens);
+    }, a.warmup, a.reps, stream);
+    record("hybridep", "dispatch+combine", tdc, "one blocking dispatch and its combine");
+
+    // Kernels alone: events around the dispatch kernel (preprocess kernel in parts_us) and the
+    // combine kernel, budget mode so that no host sync sits between the repetitions' kernels.
+    std::vector<double> disp, pre, comb;
+    for (int i = 0; i < a.warmup + a.reps; ++i) {
+      comm.barrier("bench barrier");
+      DispatchResult r3 = d->dispatch(in, budget);
+      d->combine(r3.handle, r3.tokens);
+      const HybridEpKernelTimes kt = d->kernel_times();
+      if (i < a.warmup) continue;
+      disp.push_back(kt.dispatch);
+      pre.push_back(kt.preprocess);
+      comb.push_back(kt.combine);
+    }
+    d->check_errors();
+    record("hybridep", "dispatch", stats_of(disp), "dispatch kernel alone (events around it)", "kernel");
+    mine.back().parts_us = {{"preprocess_kernel", stats_of(pre).median}, {"dispatch_kernel", stats_of(disp).median}};
+    record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
+    tag(first);
+  }
+}
+
 void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
   const int ranks = cuda::device_count();
   const std::int64_t T = a.tokens ? a.tokens : shape.tokens;
@@ -73,8 +138,21 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
   std::vector<TopK> routing;
   for (int r = 0; r < ranks; ++r) routing.push_back(synthetic_topk(T, k, E, spec, 21, r));
   const auto [rows_all, rows_remote] = received_rows(routing, 0, ranks, E);
+  std::int64_t exact_rows = 0;  // budget of the hybridep budget-mode record: the largest rank's rows
+  {
+    std::vector<std::int64_t> counts;
+    for (const TopK& r : routing) {
+      const auto c = expert_counts(r.indices, E);
+      counts.insert(counts.end(), c.begin(), c.end());
+    }
+    PlanParams p;
+    p.ranks = ranks;
+    p.experts = E;
+    for (const auto& lay : DispatchPlan::build(counts, p).ranks) exact_rows = std::max(exact_rows, lay.required_rows);
+  }
   const double row_bytes = 2.0 * H;
   const bool want_alltoall = a.backend == "all" || a.backend == "alltoall" || a.backend == "torch";
+  const bool want_hybridep = a.backend == "all" || a.backend == "hybridep";
   const ncclUniqueId id = Communicator::new_unique_id();
   std::mutex m;
 
@@ -170,6 +248,13 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
       const TimeStats tk = timed_collective(*comm, [&] { d->combine_backward(res.handle, x); }, a.warmup, a.reps, stream);
       record("alltoall", "dispatch", tk, "pack + NCCL send/recv + placement along a saved handle (no planning)",
              "kernel");
+    }
+    if (want_hybridep) {
+      DispatchInput in;
+      in.hidden = x;
+      in.indices = idx;
+      in.weights = w;
+      bench_hybridep(a, *comm, comm, in, T, H, k, E, exact_rows, stream, mine, record);
     }
     if (rank == 0) {
       std::lock_guard<std::mutex> lock(m);

@@ -1,5 +1,6 @@
 // `flexep train --device cuda`: the student MoE layer on GPUs (one rank per GPU, one thread each;
-// EP size 1 uses the single-GPU dispatcher, larger sizes the alltoall backend over NCCL), the
+// EP size 1 uses the single-GPU dispatcher, larger sizes the alltoall backend over NCCL, or the
+// hybridep backend with --backend hybridep: one dispatcher per rank for the one layer), the
 // teacher and the optimiser on the host. Check 2 here compares one GPU step (all ranks) with the
 // CPU reference step on the same bf16-rounded weights and inputs.
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include "flexep/comm/communicator.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/dispatch/alltoall.h"
+#include "flexep/dispatch/hybridep.h"
 #include "flexep/layer/cuda_moe_layer.h"
 #include "progress.h"
 #include "train_common.h"
@@ -31,7 +33,15 @@ struct CudaRank {
     std::shared_ptr<TokenDispatcher> dispatcher;
     if (ranks > 1) {
       comm = Communicator::create(id, rank, ranks, device);
-      dispatcher = make_alltoall_dispatcher(comm, o.moe.n_routed_experts);
+      if (o.backend.dispatcher == DispatcherKind::hybridep) {
+        // Buffers for this run's tokens per rank (ragged split: at most ceil(tokens / ranks)).
+        HybridEpOptions ho =
+            HybridEpOptions::from_backend(o.backend, (o.tokens + ranks - 1) / ranks, o.moe.dim);
+        ho.max_topk = o.moe.n_activated_experts;
+        dispatcher = make_hybridep_dispatcher(comm, o.moe.n_routed_experts, ho);
+      } else {
+        dispatcher = make_alltoall_dispatcher(comm, o.moe.n_routed_experts);
+      }
     }
     CudaMoELayerOptions so;
     so.device = device;
@@ -151,9 +161,10 @@ std::pair<double, std::string> gpu_vs_cpu_step(const TrainOptions& o, int ranks)
 TrainReport run_training_cuda(const TrainOptions& o) {
   const int gpus = cuda::device_count();
   FLEXEP_CHECK_ARG(o.ranks <= gpus, "train.ranks", o.ranks, " ranks need as many GPUs; this machine has ", gpus);
-  FLEXEP_CHECK_ARG(o.backend.dispatcher == DispatcherKind::host || o.backend.dispatcher == DispatcherKind::alltoall,
+  FLEXEP_CHECK_ARG(o.backend.dispatcher == DispatcherKind::host || o.backend.dispatcher == DispatcherKind::alltoall ||
+                       o.backend.dispatcher == DispatcherKind::hybridep,
                    "backend.dispatcher", "'", to_string(o.backend.dispatcher),
-                   "' is not available for training on GPUs yet; allowed: alltoall (host means the default)");
+                   "' is not available for training on GPUs yet; allowed: alltoall, hybridep (host means the default)");
   TrainOptions oc = o;
   oc.moe.aux_loss_coeff = 0;  // as on the CPU: the per-rank aux loss depends on the split
   TrainReport report;

@@ -9,6 +9,7 @@
 //      raised; budget mode: nothing waits (errors surface at the next host check).
 #include <algorithm>
 #include <climits>
+#include <cstring>
 
 #include "dispatch/hybridep/hybridep_dispatcher.h"
 #include "flexep/core/checks.h"
@@ -201,16 +202,19 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   std::int64_t N = options.budget_rows;
   const std::shared_ptr<void> owner = dispatch_;
   if (options.mode == DispatchMode::blocking) {
-    // One copy of [control | tokens_per_expert], then the one wait (which raises device errors).
-    Tensor host = Tensor::empty({static_cast<std::int64_t>((sizeof(DispatchControl) + L * 8) / 8)}, DType::i64);
-    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(host.raw(), st.control(), sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8,
-                                      cudaMemcpyDeviceToHost, s));
+    // One copy of [control | tokens_per_expert] into pinned memory, then the one wait (which raises
+    // device errors).
+    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(readback_->control, st.control(),
+                                      sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8, cudaMemcpyDeviceToHost,
+                                      s));
     check(s, "dispatch");
-    const auto* control = static_cast<const DispatchControl*>(host.raw());
-    N = control->out_rows;
-    result.dropped = control->dropped;
-    const auto* tpe = reinterpret_cast<const std::int64_t*>(static_cast<const char*>(host.raw()) + sizeof(DispatchControl));
-    result.tokens_per_expert = Tensor::from_vector(std::vector<std::int64_t>(tpe, tpe + L), {L});
+    DispatchControl control;
+    std::memcpy(&control, readback_->control, sizeof control);
+    N = control.out_rows;
+    result.dropped = control.dropped;
+    std::vector<std::int64_t> tpe(static_cast<std::size_t>(L));
+    std::memcpy(tpe.data(), readback_->control + sizeof(DispatchControl), tpe.size() * 8);
+    result.tokens_per_expert = Tensor::from_vector(tpe, {L});
   } else {
     result.tokens_per_expert = Tensor::wrap(
         TensorView(st.local() + g.off_tpe, DType::i64, {L}, Device::cuda(comm_->device())), owner);

@@ -26,11 +26,13 @@ struct HepHandle final : HandleState {
   int slots = 1;  // k, or the buffer's slots in the multihot form
 };
 
-// Pinned host memory the checks copy into.
+// Pinned host memory the checks copy into (copies into pageable memory would block without the
+// deadline of wait_stream). `control` is [DispatchControl | tokens_per_expert [L]].
 struct Readback {
   Status status;
   cuda::DeviceErrorRecord errors;
   long long dropped;
+  alignas(16) unsigned char control[sizeof(DispatchControl) + 8 * 1024];  // L <= 1024 local experts
 };
 
 class Dispatcher final : public HybridEpDispatcher {
