@@ -124,7 +124,7 @@ DispatchOptions dispatch_options(const Config& c, int R) {
   return o;
 }
 
-HybridEpOptions hybridep_options(const Config& c) {
+HybridEpOptions hybridep_options(const Config& c, int R) {
   HybridEpOptions o;
   o.max_tokens_per_rank = 1;
   for (std::int64_t t : c.tokens) o.max_tokens_per_rank = std::max(o.max_tokens_per_rank, t);
@@ -132,6 +132,12 @@ HybridEpOptions hybridep_options(const Config& c) {
   o.max_topk = c.multihot ? 0 : c.k;  // multihot: E slots
   o.max_pad_multiple = std::max<std::int64_t>(c.pad, 1);
   o.timeout_seconds = 60;
+  if (c.mode == DispatchMode::budget) {
+    // The default capacity is the worst case of blocking mode; a budget above it needs room too.
+    const int L = c.experts_per_rank, width = std::min(c.multihot ? L * R : c.k, L);
+    const std::int64_t worst = R * o.max_tokens_per_rank * width + L * (o.max_pad_multiple - 1);
+    o.max_recv_rows = std::max(worst, dispatch_options(c, R).budget_rows);
+  }
   return o;
 }
 
@@ -209,7 +215,7 @@ Outputs run_gpu_rank(GpuRank& g, HybridEpDispatcher& d, const Config& c, std::ui
 }
 
 std::unique_ptr<HybridEpDispatcher> make_dispatcher(GpuRank& g, const Config& c) {
-  HybridEpOptions o = hybridep_options(c);
+  HybridEpOptions o = hybridep_options(c, g.size);
   o.stream = g.stream;
   return make_hybridep_dispatcher(g.comm, c.experts_per_rank * g.size, o);
 }
@@ -310,7 +316,7 @@ TEST(HybridEpMultiGpu, MatchesHostAllToOneExpert) {
       config("hot k=1 E=2R H=8", 2, 1, 8, {100, 0, 31, 7}, RoutingKind::hot),
       config("hot k=1 E=16R H=7168 pad 128", 16, 1, 7168, {1024, 2048, 0, 300}, RoutingKind::hot, 128),
       config("hot k=8 E=16R H=8", 16, 8, 8, {100, 64, 0, 9}, RoutingKind::hot),
-      config("hot k=8 E=1R H=4096", 8, 8, 4096, {200, 0, 64, 9}, RoutingKind::hot),
+      config("hot k=8 E=8R H=4096", 8, 8, 4096, {200, 0, 64, 9}, RoutingKind::hot),
       config("no tokens anywhere", 2, 2, 8, {0, 0, 0, 0}),
   });
 }
@@ -473,7 +479,7 @@ TEST(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
-        HybridEpOptions ho = hybridep_options(c);
+        HybridEpOptions ho = hybridep_options(c, g.size);
         ho.max_tokens_per_rank = 128;
         ho.max_recv_rows = o.budget_rows;
         ho.stream = g.stream;
@@ -587,7 +593,7 @@ TEST(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
       [&](GpuRank& g) {
         auto d = make_dispatcher(g, small);
         const int E = small.experts_per_rank * g.size;
-        HybridEpOptions o = hybridep_options(small);
+        HybridEpOptions o = hybridep_options(small, g.size);
         o.stream = g.stream;
         EXPECT_EQ(d->memory().total(), HybridEpDispatcher::size_hint(o, g.size, E).total());
         EXPECT_GT(d->memory().dispatch_window, 0u);
@@ -614,7 +620,7 @@ TEST(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
         d->release();
         EXPECT_EQ(d->memory().total(), 0u);
         got_small[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, small);  // re-initialises
-        HybridEpOptions ob = hybridep_options(big);
+        HybridEpOptions ob = hybridep_options(big, g.size);
         ob.stream = g.stream;
         d->resize(ob);
         EXPECT_EQ(d->memory().total(), HybridEpDispatcher::size_hint(ob, g.size, E).total());
