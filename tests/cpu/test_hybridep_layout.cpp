@@ -584,6 +584,7 @@ TEST(HybridEpLayout, HeadersRoundTripAndAgree) {
   EXPECT_TRUE(differs([](RankHeader& x) { x.pad_multiple = 2; }));
   EXPECT_TRUE(differs([](RankHeader& x) { x.mode = DispatchMode::budget; }));
   EXPECT_TRUE(differs([](RankHeader& x) { x.multihot = true; }));
+  EXPECT_TRUE(differs([](RankHeader& x) { x.fp8 = true; }));
   EXPECT_FALSE(differs([](RankHeader& x) { x.budget_rows = 5; }));  // compared in budget mode only
   EXPECT_TRUE(header_failed(encode(h).data()));
 }
@@ -622,6 +623,13 @@ TEST(HybridEpLayout, AbortReasons) {
     h[1].hidden = 32;
     const std::string w = what_of(abort_reason(snapshot_of(h, counts, E), 0, 1000));
     EXPECT_NE(w.find("rank 1 has H=32 but rank 0 has H=64"), std::string::npos) << w;
+  }
+  // FP8 rows on one rank, bf16 on the others.
+  {
+    std::vector<RankHeader> h = {header(E, 5), header(E, 5)};
+    h[1].fp8 = true;
+    const std::string w = what_of(abort_reason(snapshot_of(h, counts, E), 0, 1000));
+    EXPECT_NE(w.find("rank 1 has FP8 (dispatch_fp8) rows but rank 0 has bf16 (dispatch) rows"), std::string::npos) << w;
   }
   // Budget overflow under the error policy: DispatchPlan::build's message naming the rank.
   {
@@ -679,6 +687,13 @@ TEST(HybridEpLayout, BufferConfigAndGeometry) {
   EXPECT_GE(g.local_bytes, g.off_sort_temp + 12345);
   EXPECT_EQ(g.flag_chunks, 2u);
   EXPECT_GE(g.flag_bytes, (2 + 2 * static_cast<std::size_t>(g.max_chunks)) * 4);
+  EXPECT_EQ(g.off_scales, g.off_tokens + static_cast<std::size_t>(c.capacity_rows) * 7168 * 2);  // none: bf16 only
+  const BufferConfig c8 = make_buffer_config(2, 64, 4096, 7168, 8, 0, 128, true);
+  const DispatchGeometry g8 = dispatch_geometry(c8, 0);
+  EXPECT_LE(g8.off_scales + static_cast<std::size_t>(c8.capacity_rows) * (7168 / 128) * 4, g8.window_bytes);
+  EXPECT_EQ(g8.off_scales % 256, 0u);
+  EXPECT_GT(g8.window_bytes, g.window_bytes);
+  EXPECT_THROW(make_buffer_config(2, 64, 16, 2048 + 128, 0, 0, 1, true), ArgumentError);  // FP8: H % 512
   const CombineGeometry cg = combine_geometry(c);
   EXPECT_GE(cg.off_grads, 2ull * 4096 * 7168 * 2);
   EXPECT_EQ(cg.window_bytes % 4096, 0u);

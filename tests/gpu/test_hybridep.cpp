@@ -3,9 +3,9 @@
 // combine, combine_backward and dispatch_backward are all compared bit for bit. Also: budget mode
 // (exact size, room, drop counting, overflow error on every rank), the multihot form, run-to-run
 // determinism, a CUDA graph of dispatch + experts + combine replayed 100 times with new inputs,
-// SM counts, memory reporting, resize/release, stale handles, errors raised on every rank
-// (configuration mismatch, bad ids, bad arguments) and a missing peer turning into a TimeoutError
-// that names the phase and the rank.
+// SM counts, memory reporting, resize/release, stale handles, FP8 rows with their scales, errors
+// raised on every rank (configuration mismatch, bad ids, bad arguments) and a missing peer turning
+// into a TimeoutError that names the phase and the rank.
 //
 // Run order on a fresh machine (cheapest signal first): SmokeDispatchCombine, MatchesHostUniform,
 // then the rest (see docs/hybridep.md, "Testing").
@@ -544,6 +544,101 @@ TEST(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
       },
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
+}
+
+// ---- FP8 dispatch ------------------------------------------------------------------------------------------
+
+// dispatch_fp8 moves e4m3 rows and their scales exactly like bf16 rows: the host backend, given the
+// same bytes as bf16 containers ([T, H/2]) and the scales as f32 rows ([T, H/128]), places them in
+// the same rows. Probs, tokens_per_expert and combine (bf16 expert outputs) match the bf16 reference.
+TEST(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  for (const Config& base : {config("fp8 uniform E=16R k=8 H=2048 pad 16", 16, 8, 2048, {500, 0, 333, 64},
+                                    RoutingKind::uniform, 16),
+                             config("fp8 hot E=4R k=2 H=7168", 4, 2, 7168, {300, 200, 0, 17}, RoutingKind::hot)}) {
+    SCOPED_TRACE(base.name);
+    const int E = base.experts_per_rank * R;
+    const std::int64_t H = base.hidden, S = H / 128;
+    // Per rank: random e4m3 bytes and scales, the routing of make_inputs.
+    std::vector<Tensor> bytes(static_cast<std::size_t>(R)), scales(bytes);
+    for (int r = 0; r < R; ++r) {
+      const std::int64_t T = base.tokens[static_cast<std::size_t>(r)];
+      bytes[r] = Tensor::empty({T, H}, DType::e4m3);
+      for (std::int64_t i = 0; i < T * H; ++i)
+        static_cast<std::uint8_t*>(bytes[r].raw())[i] = static_cast<std::uint8_t>(splitmix64(i * 31 + r) & 0xff);
+      scales[r] = random_tensor({T, S}, DType::f32, 77, "scales", r);
+    }
+    // Host references: rows as bf16 containers, scales as f32 rows, and the bf16 run for combine.
+    struct Want {
+      Tensor rows, scales, probs, tpe, combined;
+    };
+    std::vector<Want> want(static_cast<std::size_t>(R));
+    {
+      auto world = std::make_shared<HostWorld>(R, 60.0);
+      const auto errors = run_ranks(R, [&](int r) {
+        auto d = make_host_dispatcher(world, r, E);
+        const Inputs in = make_inputs(base, R, r);
+        DispatchOptions o = dispatch_options(base, R);
+        o.check_finite = false;  // random bytes viewed as bf16 may be NaN
+        DispatchInput di;
+        di.indices = in.indices;
+        di.weights = in.weights;
+        const std::int64_t T = in.hidden.size(0);
+        di.hidden = TensorView(bytes[r].raw(), DType::bf16, {T, H / 2});
+        DispatchResult a = d->dispatch(di, o);
+        di.hidden = scales[r];
+        DispatchResult b = d->dispatch(di, o);
+        di.hidden = in.hidden;
+        DispatchResult c = d->dispatch(di, o);
+        Want& w = want[static_cast<std::size_t>(r)];
+        w.rows = a.tokens;
+        w.scales = b.tokens;
+        w.probs = c.token_probs;
+        w.tpe = c.tokens_per_expert;
+        w.combined = d->combine(c.handle, random_tensor({c.tokens.size(0), H}, DType::bf16, 5, "expert_out", r));
+      });
+      ASSERT_TRUE(all_ok(errors));
+    }
+    const auto errors = run_gpu_ranks(
+        R,
+        [&](GpuRank& g) {
+          HybridEpOptions ho = hybridep_options(base, g.size);
+          ho.fp8 = true;
+          ho.stream = g.stream;
+          auto d = make_hybridep_dispatcher(g.comm, E, ho);
+          const Inputs in = make_inputs(base, g.size, g.rank);
+          const Tensor x = cuda::to_device(bytes[static_cast<std::size_t>(g.rank)], g.rank, g.stream);
+          const Tensor sc = cuda::to_device(scales[static_cast<std::size_t>(g.rank)], g.rank, g.stream);
+          const Tensor idx = cuda::to_device(in.indices, g.rank, g.stream);
+          const Tensor w = cuda::to_device(in.weights, g.rank, g.stream);
+          DispatchInput di;
+          di.hidden = x;
+          di.indices = idx;
+          di.weights = w;
+          HybridEpFp8Result res = d->dispatch_fp8(di, sc, dispatch_options(base, g.size));
+          const Want& want_r = want[static_cast<std::size_t>(g.rank)];
+          const Tensor rows = cuda::to_host(res.dispatch.tokens, g.stream);
+          EXPECT_EQ(rows.dtype(), DType::e4m3);
+          ASSERT_EQ(rows.nbytes(), want_r.rows.nbytes());
+          EXPECT_EQ(std::memcmp(rows.raw(), want_r.rows.raw(), rows.nbytes()), 0) << "e4m3 rows";
+          EXPECT_TRUE(same_bytes(want_r.scales, cuda::to_host(res.scales, g.stream))) << "scales";
+          EXPECT_TRUE(same_bytes(want_r.probs, cuda::to_host(res.dispatch.token_probs, g.stream))) << "probs";
+          EXPECT_TRUE(same_bytes(want_r.tpe, res.dispatch.tokens_per_expert)) << "tokens_per_expert";
+          const std::int64_t N = res.dispatch.tokens.size(0);
+          const Tensor eo = cuda::to_device(random_tensor({N, H}, DType::bf16, 5, "expert_out", g.rank), g.rank,
+                                            g.stream);
+          EXPECT_TRUE(same_bytes(want_r.combined, cuda::to_host(d->combine(res.dispatch.handle, eo), g.stream)))
+              << "combine after an FP8 dispatch";
+          // A bf16 dispatch on the same dispatcher still works.
+          const Tensor xb = cuda::to_device(in.hidden, g.rank, g.stream);
+          di.hidden = xb;
+          d->dispatch(di, dispatch_options(base, g.size));
+          d->check_errors();
+        },
+        test_comm_options());
+    ASSERT_TRUE(all_ok(errors));
+  }
 }
 
 // ---- SM counts, memory, resize, stale handles ---------------------------------------------------------------

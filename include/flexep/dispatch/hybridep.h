@@ -70,6 +70,7 @@ struct HybridEpOptions {
   cudaStream_t stream = nullptr;   // nullptr: cuda::current_stream() at each call
   bool check_blocking_calls = true;  // see "Modes" above
   bool kernel_timing = false;        // record events around the kernels (kernel_times())
+  bool fp8 = false;                  // also allow dispatch_fp8 (H a multiple of 512; a scales region)
 
   // SM counts from Automodel-style configuration: dispatch_sms(), combine_sms(), preprocess_sms().
   static HybridEpOptions from_backend(const BackendConfig& backend, std::int64_t max_tokens_per_rank,
@@ -84,6 +85,14 @@ struct HybridEpMemory {
   std::size_t total() const {
     return dispatch_window + dispatch_flags + dispatch_local + combine_window + combine_flags + combine_local;
   }
+};
+
+// FP8 dispatch: `dispatch.tokens` [N, H] e4m3 and `scales` [N, H / 128] f32 (views of the window,
+// valid like the tokens); probs, tokens_per_expert and the handle as for a bf16 dispatch. The handle
+// combines bf16 expert outputs ([N, H] bf16): combine and the backwards stay bf16.
+struct HybridEpFp8Result {
+  DispatchResult dispatch;
+  Tensor scales;
 };
 
 struct HybridEpSms {
@@ -122,6 +131,12 @@ class HybridEpDispatcher : public TokenDispatcher {
   // Waits and returns the pairs the last dispatch dropped on this rank as receiver (drop policy).
   virtual std::int64_t last_dropped() = 0;
   virtual HybridEpKernelTimes kernel_times() = 0;  // waits for the events
+
+  // FP8 dispatch (options().fp8): input.hidden [T, H] e4m3 (pre-quantized) with `scales` [T, H / 128]
+  // f32, one scale per 128 consecutive elements of a row; both travel with the token (the row once
+  // per destination rank, like bf16 rows) and land expert-major. Semantics as dispatch().
+  virtual HybridEpFp8Result dispatch_fp8(const DispatchInput& input, const TensorView& scales,
+                                         const DispatchOptions& options) = 0;
 
   // Allocation-free forms for CUDA graphs: `out` [T, H] bf16 (combine) / [N, H] bf16
   // (combine_backward) on this dispatcher's GPU.

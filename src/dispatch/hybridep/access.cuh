@@ -36,9 +36,13 @@ __device__ __forceinline__ unsigned char* staging_at(const DispatchView& v, int 
   return record_at(v.staging, d, t, v.max_tokens, v.record_bytes);
 }
 
-// Expert-major output rows and probs of rank `owner`.
-__device__ __forceinline__ uint4* token_row(const DispatchView& v, int owner, long long row) {
-  return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_tokens + static_cast<unsigned long long>(row) * v.hidden * 2);
+// Expert-major output rows, their FP8 scales and probs of rank `owner`. Rows are `row_bytes` long
+// (2H for bf16, H for e4m3 packed at the same offset), scales `scale_bytes` (H / 32, FP8 only).
+__device__ __forceinline__ uint4* token_row(const DispatchView& v, int owner, long long row, long long row_bytes) {
+  return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_tokens + static_cast<unsigned long long>(row) * row_bytes);
+}
+__device__ __forceinline__ uint4* scale_row(const DispatchView& v, int owner, long long row, long long scale_bytes) {
+  return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_scales + static_cast<unsigned long long>(row) * scale_bytes);
 }
 __device__ __forceinline__ float* prob_at(const DispatchView& v, int owner, long long row) {
   return reinterpret_cast<float*>(v.peers.window[owner] + v.off_probs) + row;

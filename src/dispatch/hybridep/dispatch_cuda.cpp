@@ -25,14 +25,27 @@ struct Routing {
   bool multihot = false;
 };
 
-Routing check_input(const DispatchInput& in, const DispatchOptions& opt, const BufferConfig& cfg, int device) {
+Routing check_input(const DispatchInput& in, const TensorView& scales, const DispatchOptions& opt,
+                    const BufferConfig& cfg, int device, bool fp8) {
   const Device dev = Device::cuda(device);
   check::rank(in.hidden, 2, "hidden");
-  check::dtype(in.hidden, {DType::bf16}, "hidden");
+  if (fp8) {
+    FLEXEP_CHECK_ARG(cfg.fp8, "hidden", "FP8 dispatch needs a dispatcher created with HybridEpOptions::fp8 = true");
+    check::dtype(in.hidden, {DType::e4m3}, "hidden");
+  } else {
+    check::dtype(in.hidden, {DType::bf16}, "hidden");
+  }
   check::device(in.hidden, dev, "hidden");
   Routing r;
   r.tokens = in.hidden.size(0);
   r.hidden = in.hidden.size(1);
+  if (fp8) {
+    check::shape(scales, {r.tokens, r.hidden / kFp8ScaleBlock}, "scales");
+    check::dtype(scales, {DType::f32}, "scales");
+    check::device(scales, dev, "scales");
+    FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(scales.data) % 16 == 0, "scales",
+                     "must be 16-byte aligned (scales move as 16-byte vectors)");
+  }
   FLEXEP_CHECK_ARG(r.hidden == cfg.hidden, "hidden", "has H=", r.hidden, " but this hybridep dispatcher was created for "
                    "HybridEpOptions::hidden=", cfg.hidden);
   FLEXEP_CHECK_ARG(r.tokens <= cfg.max_tokens, "hidden", "has ", r.tokens, " tokens, more than the ", cfg.max_tokens,
@@ -87,6 +100,18 @@ bool capturing(cudaStream_t s) {
 }  // namespace
 
 DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
+  return dispatch_impl(input, TensorView(), options, false, nullptr);
+}
+
+HybridEpFp8Result Dispatcher::dispatch_fp8(const DispatchInput& input, const TensorView& scales,
+                                           const DispatchOptions& options) {
+  HybridEpFp8Result r;
+  r.dispatch = dispatch_impl(input, scales, options, true, &r.scales);
+  return r;
+}
+
+DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const TensorView& scales,
+                                         const DispatchOptions& options, bool fp8, Tensor* scales_out) {
   cuda::init();
   cuda::DeviceGuard device_guard(comm_->device());
   const cudaStream_t s = stream();
@@ -94,7 +119,6 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   require_usable();
   ensure_initialized();
   const int E = experts_, L = local_experts(), me = rank();
-  const HybridEpSms sms = num_sms();
   DispatchStorage& st = *dispatch_;
   const DispatchGeometry& g = st.geometry();
 
@@ -102,8 +126,10 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   Routing rt;
   std::exception_ptr local;
   RankHeader mine;
+  HybridEpSms sms{1, 1, 1};  // a failed rank still runs the protocol, on one CTA if need be
   try {
-    rt = check_input(input, options, config_, comm_->device());
+    sms = num_sms();
+    rt = check_input(input, scales, options, config_, comm_->device(), fp8);
   } catch (const ArgumentError& e) {
     local = std::current_exception();
     mine.failed = true;
@@ -121,6 +147,7 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   mine.budget_rows = options.budget_rows;
   mine.overflow = options.overflow;
   mine.tokens = local ? 0 : rt.tokens;
+  mine.fp8 = fp8;
 
   // 2. The call's parameters and this rank's plan (skipped after a local failure: the inputs may
   //    not be safe to read; the rank then sends T = 0 and a failed header).
@@ -134,9 +161,12 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   c.budget = options.mode == DispatchMode::budget && !local ? options.budget_rows : -1;
   c.drop = options.overflow == OverflowPolicy::drop ? 1 : 0;
   c.errors = errors_.record();
+  c.row_bytes = fp8 ? config_.hidden : 2 * config_.hidden;
+  c.scale_bytes = fp8 ? config_.hidden / kFp8ScaleBlock * 4 : 0;
   if (!local) {
     const std::int64_t T = rt.tokens;
     c.hidden = input.hidden.data;
+    c.scales = fp8 ? scales.data : nullptr;
     if (rt.multihot) {
       int* slot_expert = st.at<int>(g.off_slot_expert);
       float* slot_weight = st.at<float>(g.off_slot_weight);
@@ -221,7 +251,12 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   }
   FLEXEP_CHECK(N >= 0 && N <= config_.capacity_rows, "hybridep dispatch: ", N, " output rows outside the buffer's ",
                config_.capacity_rows, " (internal error)");
-  result.tokens = Tensor::wrap(TensorView(st.window() + g.off_tokens, DType::bf16, {N, H}, Device::cuda(comm_->device())),
+  result.tokens = Tensor::wrap(
+      TensorView(st.window() + g.off_tokens, fp8 ? DType::e4m3 : DType::bf16, {N, H}, Device::cuda(comm_->device())),
+      owner);
+  if (scales_out)
+    *scales_out = Tensor::wrap(TensorView(st.window() + g.off_scales, DType::f32, {N, H / kFp8ScaleBlock},
+                                          Device::cuda(comm_->device())),
                                owner);
   result.token_probs =
       Tensor::wrap(TensorView(st.window() + g.off_probs, DType::f32, {N}, Device::cuda(comm_->device())), owner);
@@ -236,7 +271,7 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   h->hidden = H;
   h->rows = N;
   h->local_experts = L;
-  h->hidden_dtype = DType::bf16;
+  h->hidden_dtype = DType::bf16;  // of combine's expert_out and the gradients, also after dispatch_fp8
   h->prob_dtype = DType::f32;
   h->sequence = dispatch_seq_;
   h->storage = dispatch_;

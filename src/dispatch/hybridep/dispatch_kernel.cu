@@ -17,6 +17,9 @@
 //
 // No warp waits for another warp of this grid, and senders wait for nothing: the kernel makes
 // progress on any number of resident CTAs. The last CTA to finish publishes the new epoch.
+//
+// Row format: bf16 rows of 2H bytes, or (dispatch_fp8) e4m3 rows of H bytes plus H / 128 fp32 scales
+// that travel exactly like the row (same first row, same fan-out, zeroed padding).
 #include <cuda_runtime.h>
 
 #include "dispatch/hybridep/access.cuh"
@@ -32,10 +35,34 @@ namespace {
 constexpr int kUnroll = 4;  // 16-byte loads in flight per lane while sending a row
 constexpr int kReceiverWarps = kThreads / 32 - kDispatchSenderWarps;
 
+// Stores row `src` (words 16-byte words, loaded once) into row `dst_of(d)` of every destination d in
+// `dests`; lane d holds its destination's row address in `my_dst`. Loop bounds are the same in every
+// lane (the shuffles need all 32).
+__device__ __forceinline__ void store_to_destinations(const uint4* src, long long words, unsigned dests,
+                                                      unsigned long long my_dst, int lane) {
+  for (long long i0 = 0; i0 < words; i0 += 32 * kUnroll) {
+    uint4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const long long i = i0 + u * 32 + lane;
+      if (i < words) x[u] = __ldg(src + i);
+    }
+    for (unsigned m = dests; m != 0; m &= m - 1) {
+      uint4* dst = reinterpret_cast<uint4*>(__shfl_sync(kFullMask, my_dst, __ffs(m) - 1));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const long long i = i0 + u * 32 + lane;
+        if (i < words) dst[i] = x[u];
+      }
+    }
+  }
+}
+
 __device__ void send_chunk(const DispatchView& v, const DispatchCall& c, int chunk, unsigned epoch, bool move,
                            int lane) {
   const int R = v.ranks, me = v.rank;
-  const long long words = v.hidden / 8;  // 16-byte words per row
+  const long long words = c.row_bytes / 16;         // 16-byte words per row
+  const long long scale_words = c.scale_bytes / 16;  // 0 for bf16 rows
   const long long t0 = static_cast<long long>(chunk) * kChunkTokens;
   const long long t1 = c.tokens < t0 + kChunkTokens ? c.tokens : t0 + kChunkTokens;
   const uint4* hidden = static_cast<const uint4*>(c.hidden);
@@ -70,24 +97,15 @@ __device__ void send_chunk(const DispatchView& v, const DispatchCall& c, int chu
     }
 
     // The row: each 16-byte word loaded once from HBM, then stored into every destination's first
-    // row. The loop bounds are the same in every lane (the shuffles need all 32).
-    const unsigned long long my_dst = n > 0 ? reinterpret_cast<unsigned long long>(token_row(v, lane, row0)) : 0ull;
-    const uint4* src = hidden + t * words;
-    for (long long i0 = 0; i0 < words; i0 += 32 * kUnroll) {
-      uint4 x[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const long long i = i0 + u * 32 + lane;
-        if (i < words) x[u] = __ldg(src + i);
-      }
-      for (unsigned m = dests; m != 0; m &= m - 1) {
-        uint4* dst = reinterpret_cast<uint4*>(__shfl_sync(kFullMask, my_dst, __ffs(m) - 1));
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const long long i = i0 + u * 32 + lane;
-          if (i < words) dst[i] = x[u];
-        }
-      }
+    // row; FP8 scales likewise.
+    const unsigned long long my_dst =
+        n > 0 ? reinterpret_cast<unsigned long long>(token_row(v, lane, row0, c.row_bytes)) : 0ull;
+    store_to_destinations(hidden + t * words, words, dests, my_dst, lane);
+    if (scale_words > 0) {
+      const unsigned long long my_scales =
+          n > 0 ? reinterpret_cast<unsigned long long>(scale_row(v, lane, row0, c.scale_bytes)) : 0ull;
+      store_to_destinations(static_cast<const uint4*>(c.scales) + t * scale_words, scale_words, dests, my_scales,
+                            lane);
     }
   }
   // Publish the chunk on every rank: this warp's record and row stores happen-before the flag.
@@ -97,8 +115,8 @@ __device__ void send_chunk(const DispatchView& v, const DispatchCall& c, int chu
 }
 
 // Returns false when the wait failed (timeout): the warp then stops.
-__device__ bool receive_chunk(const DispatchView& v, int s, int chunk, unsigned epoch, bool move,
-                              const WaitContext& wait, int lane) {
+__device__ bool receive_chunk(const DispatchView& v, const DispatchCall& c, int s, int chunk, unsigned epoch,
+                              bool move, const WaitContext& wait, int lane) {
   const int me = v.rank;
   bool ok = true;
   if (lane == 0) ok = wait_flag_at_least(chunk_flag(v, me, s, chunk), epoch, wait, s);
@@ -106,7 +124,7 @@ __device__ bool receive_chunk(const DispatchView& v, int s, int chunk, unsigned 
   if (!__shfl_sync(kFullMask, ok, 0)) return false;
   if (!move) return true;
 
-  const long long words = v.hidden / 8;
+  const long long words = c.row_bytes / 16, scale_words = c.scale_bytes / 16;
   const long long out_rows = v.control->out_rows;
   const long long Ts = tokens_of(v.control, s, v.max_tokens);
   const long long t0 = static_cast<long long>(chunk) * kChunkTokens;
@@ -133,10 +151,17 @@ __device__ bool receive_chunk(const DispatchView& v, int s, int chunk, unsigned 
     for (unsigned q = lane; q < n; q += 32) *prob_at(v, me, __ldcg(&entries[q].row)) = __ldcg(&entries[q].prob);
     // The row landed in entries[0]; copy it into the others: each word read once.
     if (n > 1) {
-      const uint4* first = token_row(v, me, static_cast<long long>(head.z));
+      const uint4* first = token_row(v, me, static_cast<long long>(head.z), c.row_bytes);
       for (long long i = lane; i < words; i += 32) {
         const uint4 x = __ldcg(first + i);
-        for (unsigned q = 1; q < n; ++q) token_row(v, me, __ldcg(&entries[q].row))[i] = x;
+        for (unsigned q = 1; q < n; ++q) token_row(v, me, __ldcg(&entries[q].row), c.row_bytes)[i] = x;
+      }
+      if (scale_words > 0) {
+        const uint4* first_scales = scale_row(v, me, static_cast<long long>(head.z), c.scale_bytes);
+        for (long long i = lane; i < scale_words; i += 32) {
+          const uint4 x = __ldcg(first_scales + i);
+          for (unsigned q = 1; q < n; ++q) scale_row(v, me, __ldcg(&entries[q].row), c.scale_bytes)[i] = x;
+        }
       }
     }
   }
@@ -162,16 +187,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int chunk = w; chunk < chunks; chunk += W) send_chunk(v, c, chunk, epoch, move, lane);
     } else {
       const int W = gridDim.x * kReceiverWarps, w = blockIdx.x * kReceiverWarps + (warp - kDispatchSenderWarps);
-      if (move)
-        zero_unfilled_rows(token_row(v, v.rank, 0), prob_at(v, v.rank, 0), v.hidden / 8, v.begin, v.kept, v.tpe,
-                           v.local_experts, v.control->used_rows, v.control->out_rows, w, W, lane);
+      if (move) {
+        zero_unfilled_rows(token_row(v, v.rank, 0, c.row_bytes), prob_at(v, v.rank, 0), c.row_bytes / 16, v.begin,
+                           v.kept, v.tpe, v.local_experts, v.control->used_rows, v.control->out_rows, w, W, lane);
+        if (c.scale_bytes > 0)
+          zero_unfilled_rows(scale_row(v, v.rank, 0, c.scale_bytes), nullptr, c.scale_bytes / 16, v.begin, v.kept,
+                             v.tpe, v.local_experts, v.control->used_rows, v.control->out_rows, w, W, lane);
+      }
       const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_tokens};
       int item = 0;
       bool ok = true;
       for (int s = 0; ok && s < v.ranks; ++s) {
         const int chunks = num_chunks(tokens_of(v.control, s, v.max_tokens));
         for (int chunk = 0; ok && chunk < chunks; ++chunk, ++item)
-          if (item % W == w) ok = receive_chunk(v, s, chunk, epoch, move, wait, lane);
+          if (item % W == w) ok = receive_chunk(v, c, s, chunk, epoch, move, wait, lane);
       }
     }
   }

@@ -21,7 +21,7 @@ hybridep::BufferConfig config_of(const HybridEpOptions& o, int ranks, int expert
   FLEXEP_CHECK_ARG(o.dispatch_sms >= 0 && o.combine_sms >= 0 && o.preprocess_sms >= 0, "sms",
                    "SM counts must be >= 0 (0 = the process-wide setting)");
   return hybridep::make_buffer_config(ranks, experts, o.max_tokens_per_rank, o.hidden, o.max_topk, o.max_recv_rows,
-                                      o.max_pad_multiple);
+                                      o.max_pad_multiple, o.fp8);
 }
 
 HybridEpMemory memory_of(const hybridep::DispatchGeometry& d, const hybridep::CombineGeometry& c) {
@@ -120,7 +120,7 @@ void Dispatcher::init() {
     for (std::size_t i = 0; i < n; ++i)
       FLEXEP_CHECK_ARG(all[static_cast<std::size_t>(r) * n + i] == all[i], "options", "rank ", r,
                        " configures its hybridep buffers differently from rank 0 (ranks, experts, max_tokens_per_rank, "
-                       "hidden, max_topk, max_recv_rows, max_pad_multiple: word ", i, " is ",
+                       "hidden, max_topk, max_recv_rows, max_pad_multiple, fp8: word ", i, " is ",
                        all[static_cast<std::size_t>(r) * n + i], " vs ", all[i],
                        "); create every rank's dispatcher with the same options and num_experts");
   dispatch_ = std::make_shared<DispatchStorage>(comm_, config_);

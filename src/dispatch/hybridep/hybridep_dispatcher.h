@@ -46,6 +46,8 @@ class Dispatcher final : public HybridEpDispatcher {
   int num_experts() const override { return experts_; }
 
   DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
+  HybridEpFp8Result dispatch_fp8(const DispatchInput& input, const TensorView& scales,
+                                 const DispatchOptions& options) override;
   Tensor combine(const Handle& handle, const TensorView& expert_out) override;
   DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
                                   const TensorView& grad_token_probs) override;
@@ -80,6 +82,9 @@ class Dispatcher final : public HybridEpDispatcher {
     return options_.check_blocking_calls && h.mode == DispatchMode::blocking;
   }
 
+  // dispatch and dispatch_fp8 (fp8: e4m3 rows + `scales`; the scales output view goes to *scales_out).
+  DispatchResult dispatch_impl(const DispatchInput& input, const TensorView& scales, const DispatchOptions& options,
+                               bool fp8, Tensor* scales_out);
   HandleView handle_view(const HepHandle& h) const;
   void run_combine(const HepHandle& h, const TensorView& rows, const TensorView& out, const TensorView& grad_probs,
                    const TensorView& grad_weights, Phase data, Phase reuse, cudaStream_t s);

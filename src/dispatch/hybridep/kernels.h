@@ -27,7 +27,7 @@ struct DispatchView {
   int rank = 0, ranks = 1, experts = 1, local_experts = 1;
   int width = 1, record_bytes = 16, max_chunks = 1;
   long long max_tokens = 0, hidden = 0, capacity_rows = 0;
-  unsigned long long off_counts = 0, slot_bytes = 0, off_records = 0, off_probs = 0, off_tokens = 0;
+  unsigned long long off_counts = 0, slot_bytes = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0;
   int flag_counts = 0, flag_chunks = 0;  // uint32 index of the first count flag / chunk flag
   // Plain device memory of this rank.
   DispatchControl* control = nullptr;
@@ -43,7 +43,10 @@ struct DispatchView {
 
 // One dispatch call.
 struct DispatchCall {
-  const void* hidden = nullptr;  // [T, H] bf16
+  const void* hidden = nullptr;  // [T, H] bf16, or e4m3 (dispatch_fp8)
+  const void* scales = nullptr;  // [T, H / 128] f32 (dispatch_fp8), moved with the rows
+  long long row_bytes = 0;       // bytes of one row: 2H (bf16) or H (e4m3); a multiple of 16
+  long long scale_bytes = 0;     // bytes of one row's scales: 0, or H / 32 (a multiple of 16)
   long long tokens = 0;          // T (0 when this rank's checks failed: it then reads no input)
   int slots = 1;                 // k (top-k form) or the buffer's slots (multihot form)
   const void* indices = nullptr;  // [T, slots] expert ids (user indices, or the multihot slots)

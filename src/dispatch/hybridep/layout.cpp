@@ -58,6 +58,10 @@ std::exception_ptr compare_headers(const std::vector<RankHeader>& h) {
     return fail("routing_map", form_name(h[r].multihot), form_name(h0.multihot), "use the same routing form");
   if ((r = first_different(h, [](const auto& x) { return x.hidden; })) >= 0)
     return fail("hidden", num("H", h[r].hidden), num("H", h0.hidden), "pass the same hidden size");
+  if ((r = first_different(h, [](const auto& x) { return x.fp8; })) >= 0) {
+    auto fmt = [](bool fp8) { return std::string(fp8 ? "FP8 (dispatch_fp8)" : "bf16 (dispatch)"); };
+    return fail("hidden", fmt(h[r].fp8) + " rows", fmt(h0.fp8) + " rows", "dispatch rows of the same format");
+  }
   if (!h0.multihot && (r = first_different(h, [](const auto& x) { return x.topk; })) >= 0)
     return fail("indices", num("k", h[r].topk), num("k", h0.topk), "route every token to the same top-k");
   if ((r = first_different(h, [](const auto& x) { return x.mode; })) >= 0)
@@ -78,7 +82,7 @@ std::exception_ptr compare_headers(const std::vector<RankHeader>& h) {
 }  // namespace
 
 BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens, std::int64_t hidden, int max_topk,
-                                std::int64_t max_recv_rows, std::int64_t max_pad_multiple) {
+                                std::int64_t max_recv_rows, std::int64_t max_pad_multiple, bool fp8) {
   FLEXEP_CHECK_ARG(ranks >= 1 && ranks <= kMaxRanks, "comm", "hybridep handles 1 to ", kMaxRanks,
                    " ranks in one NVLink domain, got ", ranks);
   FLEXEP_CHECK_ARG(experts >= 1 && experts % ranks == 0, "num_experts", experts,
@@ -89,6 +93,10 @@ BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens,
                    max_tokens);
   FLEXEP_CHECK_ARG(hidden >= 8 && hidden % 8 == 0, "hidden",
                    "must be a positive multiple of 8 (rows move as 16-byte vectors), got ", hidden);
+  // FP8 rows: H e4m3 bytes and H / 128 fp32 scales, both moved as 16-byte words.
+  FLEXEP_CHECK_ARG(!fp8 || hidden % (4 * kFp8ScaleBlock) == 0, "hidden",
+                   "must be a multiple of 512 for FP8 dispatch (e4m3 rows and one fp32 scale per 128 elements move "
+                   "as 16-byte vectors), got ", hidden);
   FLEXEP_CHECK_ARG(max_topk >= 0 && max_topk <= 1024, "max_topk", "must be in [0, 1024] (0 = num_experts), got ",
                    max_topk);
   FLEXEP_CHECK_ARG(max_recv_rows >= 0, "max_recv_rows", "must be >= 0 (0 = the worst case), got ", max_recv_rows);
@@ -101,6 +109,7 @@ BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens,
   c.hidden = hidden;
   c.slots = max_topk > 0 ? max_topk : std::min(experts, 1024);
   c.max_pad_multiple = max_pad_multiple;
+  c.fp8 = fp8;
   FLEXEP_CHECK_ARG(max_tokens * c.slots <= INT_MAX, "max_tokens_per_rank", max_tokens, " tokens * ", c.slots,
                    " slots exceed the 2^31 - 1 pairs the single-GPU plan indexes; lower max_tokens_per_rank or set "
                    "max_topk");
@@ -113,7 +122,7 @@ BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens,
 }
 
 std::vector<long long> config_words(const BufferConfig& c) {
-  return {c.ranks, c.experts, c.max_tokens, c.hidden, c.slots, c.capacity_rows, c.max_pad_multiple};
+  return {c.ranks, c.experts, c.max_tokens, c.hidden, c.slots, c.capacity_rows, c.max_pad_multiple, c.fp8 ? 1 : 0};
 }
 
 DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_bytes) {
@@ -135,7 +144,9 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_
   g.off_records = align_up(g.off_counts + R * g.slot_bytes);
   g.off_probs = align_up(g.off_records + R * T * rec);
   g.off_tokens = align_up(g.off_probs + cap * 4);
-  g.window_bytes = align_up(g.off_tokens + cap * static_cast<std::size_t>(c.hidden) * 2, 4096);
+  g.off_scales = align_up(g.off_tokens + cap * static_cast<std::size_t>(c.hidden) * 2);
+  const std::size_t scale_bytes = c.fp8 ? cap * static_cast<std::size_t>(c.hidden / kFp8ScaleBlock) * 4 : 0;
+  g.window_bytes = align_up(g.off_scales + scale_bytes, 4096);
 
   g.flag_counts = 0;
   g.flag_chunks = R;
@@ -210,6 +221,7 @@ std::vector<long long> encode(const RankHeader& h) {
   w[word::budget_rows] = h.budget_rows;
   w[word::overflow] = h.overflow == OverflowPolicy::drop ? 1 : 0;
   w[word::tokens] = h.tokens;
+  w[word::fp8] = h.fp8 ? 1 : 0;
   return w;
 }
 
@@ -233,6 +245,7 @@ RankHeader decode(const long long* w) {
   h.budget_rows = w[word::budget_rows];
   h.overflow = w[word::overflow] ? OverflowPolicy::drop : OverflowPolicy::error;
   h.tokens = w[word::tokens];
+  h.fp8 = w[word::fp8] != 0;
   return h;
 }
 

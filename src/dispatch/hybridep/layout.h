@@ -29,6 +29,7 @@ struct BufferConfig {
   int slots = 1;                   // slots per token: the largest top-k (multihot rows are limited to it)
   std::int64_t capacity_rows = 0;  // expert-major rows the receive window holds
   std::int64_t max_pad_multiple = 1;
+  bool fp8 = false;                // also holds e4m3 rows' scales (dispatch_fp8)
 
   int local_experts() const { return experts / ranks; }
   // Entries of one record: a token has at most min(slots, L) kept pairs on one rank.
@@ -40,7 +41,7 @@ struct BufferConfig {
 // Validates and completes a configuration (ArgumentErrors name the HybridEpOptions field).
 // max_topk 0 means E; max_recv_rows 0 means the worst case R * T * width + L * (max_pad - 1).
 BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens, std::int64_t hidden, int max_topk,
-                                std::int64_t max_recv_rows, std::int64_t max_pad_multiple);
+                                std::int64_t max_recv_rows, std::int64_t max_pad_multiple, bool fp8 = false);
 // Words exchanged at init so that every rank can verify the others use the same configuration.
 std::vector<long long> config_words(const BufferConfig& c);
 
@@ -52,7 +53,9 @@ inline std::size_t align_up(std::size_t x, std::size_t a = kRegionAlign) { retur
 //     counts  [R] slots of (word::count + E) int64: rank s writes slot s (header + pair counts)
 //     records [R][T] records of record_bytes(width): source s's token t at (s * T + t)
 //     probs   [capacity] f32   the output token_probs (a view of the window)
-//     tokens  [capacity][H] bf16  the output tokens (a view of the window)
+//     tokens  [capacity][H] bf16  the output tokens (a view of the window; dispatch_fp8 packs
+//             [capacity][H] e4m3 rows at the same offset)
+//     scales  [capacity][H/128] f32  (fp8 buffers only) the output scales of dispatch_fp8
 //   flags (NCCL resource buffer, uint32): count flags [R], then chunk flags [R][max_chunks]
 //   local (plain device memory): the DispatchControl + tokens_per_expert [L], begin [L], kept [L],
 //     the abort snapshot (a copy of the count slots), the sender's staging records [R][T], the
@@ -63,7 +66,7 @@ struct DispatchGeometry {
   int width = 1, record_bytes = 16, max_chunks = 1;
   std::int64_t max_pairs = 0;  // max_tokens * slots
   std::size_t slot_words = 0, slot_bytes = 0;
-  std::size_t off_counts = 0, off_records = 0, off_probs = 0, off_tokens = 0, window_bytes = 0;
+  std::size_t off_counts = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0, window_bytes = 0;
   std::size_t flag_counts = 0, flag_chunks = 0, flag_bytes = 0;  // uint32 indices, then bytes
   std::size_t off_control = 0, off_tpe = 0, off_begin = 0, off_kept = 0, off_snapshot = 0, off_staging = 0,
               off_slot_entry = 0, off_slot_expert = 0, off_slot_weight = 0;
@@ -104,6 +107,7 @@ struct RankHeader {
   std::int64_t budget_rows = 0;
   OverflowPolicy overflow = OverflowPolicy::error;
   std::int64_t tokens = 0;
+  bool fp8 = false;
 };
 
 std::vector<long long> encode(const RankHeader& h);  // word::count words

@@ -205,8 +205,12 @@ constexpr int pad_multiple = 15;
 constexpr int budget_rows = 16;
 constexpr int overflow = 17;  // 0 error, 1 drop
 constexpr int tokens = 18;
-constexpr int count = 19;
+constexpr int fp8 = 19;  // 1: rows travel as e4m3 with fp32 scales per 128 elements (dispatch_fp8)
+constexpr int count = 20;
 }  // namespace word
+
+// FP8 rows: one fp32 scale per this many elements travels with each row.
+constexpr int kFp8ScaleBlock = 128;
 
 // A rank whose header says it failed makes every rank abort the call.
 FLEXEP_HD bool header_failed(const long long* h) { return h[word::status] != 0 || h[word::device_arg] != 0; }
@@ -215,7 +219,7 @@ FLEXEP_HD bool header_failed(const long long* h) { return h[word::status] != 0 |
 FLEXEP_HD bool header_agrees(const long long* h0, const long long* h) {
   if (h[word::experts] != h0[word::experts] || h[word::multihot] != h0[word::multihot] ||
       h[word::hidden] != h0[word::hidden] || h[word::mode] != h0[word::mode] ||
-      h[word::pad_multiple] != h0[word::pad_multiple])
+      h[word::pad_multiple] != h0[word::pad_multiple] || h[word::fp8] != h0[word::fp8])
     return false;
   if (h0[word::multihot] == 0 && h[word::topk] != h0[word::topk]) return false;
   if (h0[word::mode] != 0 && (h[word::budget_rows] != h0[word::budget_rows] || h[word::overflow] != h0[word::overflow]))
