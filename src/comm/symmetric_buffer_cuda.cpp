@@ -1,8 +1,7 @@
-#include "flexep/comm/symmetric_buffer.h"
-
 #include <chrono>
 #include <thread>
 
+#include "flexep/comm/symmetric_buffer.h"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
 
@@ -69,9 +68,9 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
                   "between all GPUs of the group, cuMem (NCCL_CUMEM_ENABLE unset or 1) and NCCL_WIN_ENABLE=1");
     comm_->wait_enqueued(name_ + ":ncclDevCommCreate");
     dev_comm_created_ = true;
-    FLEXEP_CHECK(dev_comm_.lsaSize == R && dev_comm_.lsaRank == me, name_, ": rank ", me,
-                 " is LSA rank ", dev_comm_.lsaRank, " of an LSA team of ", dev_comm_.lsaSize,
-                 " ranks; hybridep needs all ", R, " ranks in one NVLink domain, numbered consecutively");
+    FLEXEP_CHECK(dev_comm_.lsaSize == R && dev_comm_.lsaRank == me, name_, ": rank ", me, " is LSA rank ",
+                 dev_comm_.lsaRank, " of an LSA team of ", dev_comm_.lsaSize, " ranks; hybridep needs all ", R,
+                 " ranks in one NVLink domain, numbered consecutively");
 
     // 2. The window: one ncclMemAlloc allocation (a window must lie inside one cuMem allocation in
     //    2.28.9), registered with NCCL_WIN_DEFAULT.

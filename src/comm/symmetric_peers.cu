@@ -17,8 +17,8 @@ __global__ void resolve_peers_kernel(ncclWindow_t window, ncclDevComm dev_comm, 
   // LSA peer index p is world rank p: the buffer refuses communicators whose LSA team is not the
   // whole, consecutively numbered group.
   out->window[p] = p < ranks ? static_cast<char*>(ncclGetLsaPointer(window, 0, p)) : nullptr;
-  out->flags[p] = p < ranks && has_flags ? static_cast<char*>(ncclGetResourceBufferLsaPointer(dev_comm, flags, p))
-                                         : nullptr;
+  out->flags[p] =
+      p < ranks && has_flags ? static_cast<char*>(ncclGetResourceBufferLsaPointer(dev_comm, flags, p)) : nullptr;
 }
 }  // namespace
 
@@ -28,8 +28,8 @@ void resolve_symmetric_peers(ncclWindow_t window, const ncclDevComm& dev_comm, n
   FLEXEP_CUDA_CHECK(cudaMalloc(&dev, sizeof(SymmetricPeers)));
   resolve_peers_kernel<<<1, kMaxSymmetricPeers>>>(window, dev_comm, flags, has_flags, ranks, dev);
   const cudaError_t launch = cudaGetLastError();
-  const cudaError_t copy = launch == cudaSuccess ? cudaMemcpy(out, dev, sizeof(SymmetricPeers), cudaMemcpyDeviceToHost)
-                                                 : launch;
+  const cudaError_t copy =
+      launch == cudaSuccess ? cudaMemcpy(out, dev, sizeof(SymmetricPeers), cudaMemcpyDeviceToHost) : launch;
   cudaFree(dev);
   FLEXEP_CUDA_CHECK(copy);
 }

@@ -261,9 +261,9 @@ std::vector<Outputs> run_host(const Config& c, int R) {
 // ascending experts in `slots` slots (multihot_slots_kernel).
 struct Slots {
   int k = 1;
-  std::vector<int> expert;     // [T * k], -1 = none
-  std::vector<float> weight;   // [T * k]
-  std::vector<int> local_row;  // the single-GPU plan (pad 1): prefix of the expert's count + rank
+  std::vector<int> expert;                     // [T * k], -1 = none
+  std::vector<float> weight;                   // [T * k]
+  std::vector<int> local_row;                  // the single-GPU plan (pad 1): prefix of the expert's count + rank
   std::vector<long long> local_begin, counts;  // [E]
 };
 
@@ -399,8 +399,7 @@ std::vector<Outputs> emulate(const Config& c, int R) {
         if (record_header(r)->n == 0) continue;
         std::fill(part.begin(), part.end(), 0.f);
         for (unsigned q = 0; q < record_header(r)->n; ++q)
-          for (std::int64_t h = 0; h < H; ++h)
-            part[h] += f(rows[d].data<bf16>()[record_entries(r)[q].row * H + h]);
+          for (std::int64_t h = 0; h < H; ++h) part[h] += f(rows[d].data<bf16>()[record_entries(r)[q].row * H + h]);
         for (std::int64_t h = 0; h < H; ++h) acc[h] += bf16::from_float(part[h]).to_float();
       }
       for (std::int64_t h = 0; h < H; ++h) out.data<bf16>()[t * H + h] = bf16::from_float(acc[h]);
@@ -426,8 +425,10 @@ std::vector<Outputs> emulate(const Config& c, int R) {
       if (entry < 0) continue;
       const int d = entry / width, q = entry % width;
       const float g = grad_probs[d].data<float>()[record_entries(record(s, d, i / x.k))[q].row];
-      if (c.multihot) outs[s].grad_weights.data<float>()[i / x.k * E + x.expert[i]] = g;
-      else outs[s].grad_weights.data<float>()[i] = g;
+      if (c.multihot)
+        outs[s].grad_weights.data<float>()[i / x.k * E + x.expert[i]] = g;
+      else
+        outs[s].grad_weights.data<float>()[i] = g;
     }
   }
   // combine_backward: every row of a record gets grad_out of its token; other rows zero.
@@ -454,8 +455,8 @@ std::vector<Outputs> emulate(const Config& c, int R) {
     const std::size_t es = element_size(a.dtype());
     for (std::int64_t i = 0; i < a.numel(); ++i)
       if (std::memcmp(static_cast<const char*>(a.raw()) + i * es, static_cast<const char*>(b.raw()) + i * es, es))
-        return ::testing::AssertionFailure() << "first difference at element " << i << ": " << read_as_double(a, i)
-                                             << " vs " << read_as_double(b, i);
+        return ::testing::AssertionFailure()
+               << "first difference at element " << i << ": " << read_as_double(a, i) << " vs " << read_as_double(b, i);
   }
   return ::testing::AssertionSuccess();
 }

@@ -205,11 +205,9 @@ Outputs run_gpu_rank(GpuRank& g, HybridEpDispatcher& d, const Config& c, std::ui
   auto up = [&](const Tensor& t) { return cuda::to_device(t, g.rank, g.stream); };
   auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
   // Budget mode returns no drop count on the host (no synchronisation): ask for it.
-  auto dropped = [&](const DispatchResult& r) {
-    return c.mode == DispatchMode::budget ? d.last_dropped() : r.dropped;
-  };
-  Outputs out = run_sequence(d, make_inputs(c, g.size, g.rank, seed), c, dispatch_options(c, g.size), g.rank, up, down,
-                             dropped);
+  auto dropped = [&](const DispatchResult& r) { return c.mode == DispatchMode::budget ? d.last_dropped() : r.dropped; };
+  Outputs out =
+      run_sequence(d, make_inputs(c, g.size, g.rank, seed), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
   d.check_errors();  // budget mode raises device errors only here
   return out;
 }
@@ -451,7 +449,8 @@ TEST(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
   struct Want {
     Tensor tokens, probs, tpe, combined;
   };
-  std::vector<std::vector<Want>> want(static_cast<std::size_t>(replays), std::vector<Want>(static_cast<std::size_t>(R)));
+  std::vector<std::vector<Want>> want(static_cast<std::size_t>(replays),
+                                      std::vector<Want>(static_cast<std::size_t>(R)));
   for (int rep = 0; rep < replays; ++rep) {
     auto world = std::make_shared<HostWorld>(R, 60.0);
     Config cr = c;
@@ -554,9 +553,9 @@ TEST(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
 TEST(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
-  for (const Config& base : {config("fp8 uniform E=16R k=8 H=2048 pad 16", 16, 8, 2048, {500, 0, 333, 64},
-                                    RoutingKind::uniform, 16),
-                             config("fp8 hot E=4R k=2 H=7168", 4, 2, 7168, {300, 200, 0, 17}, RoutingKind::hot)}) {
+  for (const Config& base :
+       {config("fp8 uniform E=16R k=8 H=2048 pad 16", 16, 8, 2048, {500, 0, 333, 64}, RoutingKind::uniform, 16),
+        config("fp8 hot E=4R k=2 H=7168", 4, 2, 7168, {300, 200, 0, 17}, RoutingKind::hot)}) {
     SCOPED_TRACE(base.name);
     const int E = base.experts_per_rank * R;
     const std::int64_t H = base.hidden, S = H / 128;
@@ -626,8 +625,8 @@ TEST(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
           EXPECT_TRUE(same_bytes(want_r.probs, cuda::to_host(res.dispatch.token_probs, g.stream))) << "probs";
           EXPECT_TRUE(same_bytes(want_r.tpe, res.dispatch.tokens_per_expert)) << "tokens_per_expert";
           const std::int64_t N = res.dispatch.tokens.size(0);
-          const Tensor eo = cuda::to_device(random_tensor({N, H}, DType::bf16, 5, "expert_out", g.rank), g.rank,
-                                            g.stream);
+          const Tensor eo =
+              cuda::to_device(random_tensor({N, H}, DType::bf16, 5, "expert_out", g.rank), g.rank, g.stream);
           EXPECT_TRUE(same_bytes(want_r.combined, cuda::to_host(d->combine(res.dispatch.handle, eo), g.stream)))
               << "combine after an FP8 dispatch";
           // A bf16 dispatch on the same dispatcher still works.
@@ -798,8 +797,8 @@ TEST(HybridEpMultiGpu, ConfigMismatchRaisesOnEveryRank) {
       EXPECT_TRUE(contains(what_of(mismatch_h[static_cast<std::size_t>(r)]), "rank 1 failed its checks"));
     }
   EXPECT_TRUE(all_threw<ArgumentError>(mismatch_k, argument_is("indices", [](const std::string& w) {
-    return contains(w, "rank 1 has k=3 but rank 0 has k=2");
-  })));
+                                         return contains(w, "rank 1 has k=3 but rank 0 has k=2");
+                                       })));
 }
 
 TEST(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
@@ -808,8 +807,9 @@ TEST(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
   const auto errors = run_gpu_ranks(
       R, [&](GpuRank& g) { small_dispatcher(g, g.rank == 1 ? 4 * R : 2 * R, 8); }, test_comm_options());
   EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("num_experts", [&](const std::string& w) {
-    return contains(w, "rank 1 has E=" + std::to_string(4 * R) + " but rank 0 has E=" + std::to_string(2 * R));
-  })));
+                                         return contains(w, "rank 1 has E=" + std::to_string(4 * R) +
+                                                                " but rank 0 has E=" + std::to_string(2 * R));
+                                       })));
 }
 
 TEST(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
@@ -856,11 +856,12 @@ TEST(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
   EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [&](const std::string& w) {
-    return contains(w, "value " + std::to_string(E) + " at [2, 1] is out of range");
-  })));
+                                         return contains(w,
+                                                         "value " + std::to_string(E) + " at [2, 1] is out of range");
+                                       })));
   EXPECT_TRUE(all_threw<ArgumentError>(repeated, argument_is("indices", [](const std::string& w) {
-    return contains(w, "token 4 lists expert 1 twice");
-  })));
+                                         return contains(w, "token 4 lists expert 1 twice");
+                                       })));
   EXPECT_TRUE(all_threw<ArgumentError>(bad_dtype, argument_is("weights", [](const std::string&) { return true; })));
   for (int r = 0; r < R; ++r)
     if (r != 1) {
@@ -895,8 +896,8 @@ void check_missing_peer(int skipped_call, const std::string& phase) {
           if (skipped_call == 0) {
             d->dispatch(in.view(), {});
           } else {
-            const Tensor rows = cuda::to_device(random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank),
-                                                g.rank, g.stream);
+            const Tensor rows =
+                cuda::to_device(random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank), g.rank, g.stream);
             d->combine(res.handle, rows);
           }
         } catch (...) {

@@ -66,8 +66,8 @@ struct HybridEpOptions {
   std::int64_t max_pad_multiple = 128;      // the pad_multiple the worst case allows for
   // SM counts (grid sizes, honoured exactly); 0 = the process-wide setting (set_hybridep_num_sms).
   int dispatch_sms = 0, combine_sms = 0, preprocess_sms = 0;
-  double timeout_seconds = 100.0;  // deadline of every wait on the device
-  cudaStream_t stream = nullptr;   // nullptr: cuda::current_stream() at each call
+  double timeout_seconds = 100.0;    // deadline of every wait on the device
+  cudaStream_t stream = nullptr;     // nullptr: cuda::current_stream() at each call
   bool check_blocking_calls = true;  // see "Modes" above
   bool kernel_timing = false;        // record events around the kernels (kernel_times())
   bool fp8 = false;                  // also allow dispatch_fp8 (H a multiple of 512; a scales region)

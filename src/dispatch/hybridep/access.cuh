@@ -13,16 +13,17 @@ namespace flexep::hybridep {
 
 // Slot of rank `s` in the count region of rank `owner`'s window.
 __device__ __forceinline__ long long* count_slot(const DispatchView& v, int owner, int s) {
-  return reinterpret_cast<long long*>(v.peers.window[owner] + v.off_counts + static_cast<unsigned long long>(s) * v.slot_bytes);
+  return reinterpret_cast<long long*>(v.peers.window[owner] + v.off_counts +
+                                      static_cast<unsigned long long>(s) * v.slot_bytes);
 }
 
 // Record of source `s`'s token `t` in a records region [R][max_tokens].
 __device__ __forceinline__ unsigned char* record_at(unsigned char* region, int s, long long t, long long max_tokens,
-                                                   int record_bytes) {
+                                                    int record_bytes) {
   return region + (static_cast<long long>(s) * max_tokens + t) * record_bytes;
 }
 __device__ __forceinline__ const unsigned char* record_at(const unsigned char* region, int s, long long t,
-                                                         long long max_tokens, int record_bytes) {
+                                                          long long max_tokens, int record_bytes) {
   return region + (static_cast<long long>(s) * max_tokens + t) * record_bytes;
 }
 
@@ -39,10 +40,12 @@ __device__ __forceinline__ unsigned char* staging_at(const DispatchView& v, int 
 // Expert-major output rows, their FP8 scales and probs of rank `owner`. Rows are `row_bytes` long
 // (2H for bf16, H for e4m3 packed at the same offset), scales `scale_bytes` (H / 32, FP8 only).
 __device__ __forceinline__ uint4* token_row(const DispatchView& v, int owner, long long row, long long row_bytes) {
-  return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_tokens + static_cast<unsigned long long>(row) * row_bytes);
+  return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_tokens +
+                                  static_cast<unsigned long long>(row) * row_bytes);
 }
 __device__ __forceinline__ uint4* scale_row(const DispatchView& v, int owner, long long row, long long scale_bytes) {
-  return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_scales + static_cast<unsigned long long>(row) * scale_bytes);
+  return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_scales +
+                                  static_cast<unsigned long long>(row) * scale_bytes);
 }
 __device__ __forceinline__ float* prob_at(const DispatchView& v, int owner, long long row) {
   return reinterpret_cast<float*>(v.peers.window[owner] + v.off_probs) + row;
@@ -53,7 +56,8 @@ __device__ __forceinline__ unsigned* count_flag(const DispatchView& v, int owner
   return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_counts + s;
 }
 __device__ __forceinline__ unsigned* chunk_flag(const DispatchView& v, int owner, int s, int c) {
-  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_chunks + static_cast<long long>(s) * v.max_chunks + c;
+  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_chunks + static_cast<long long>(s) * v.max_chunks +
+         c;
 }
 
 // ---- combine buffer ------------------------------------------------------------------------------------
@@ -70,7 +74,8 @@ __device__ __forceinline__ float* grad_at(const CombineView& v, int owner, int s
          (static_cast<long long>(s) * v.max_tokens + t) * v.width + i;
 }
 __device__ __forceinline__ unsigned* ready_flag(const CombineView& v, int owner, int producer, int c) {
-  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_ready + static_cast<long long>(producer) * v.max_chunks + c;
+  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_ready +
+         static_cast<long long>(producer) * v.max_chunks + c;
 }
 __device__ __forceinline__ unsigned* consumed_flag(const CombineView& v, int owner, int reader) {
   return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_consumed + reader;

@@ -1,7 +1,6 @@
-#include "dispatch/hybridep/buffers.h"
-
 #include <cmath>
 
+#include "dispatch/hybridep/buffers.h"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
 
@@ -37,7 +36,7 @@ unsigned long long timeout_ns(double seconds) {
 std::size_t DispatchStorage::sort_temp_bytes(std::int64_t pairs, int experts) {
   if (pairs <= 0) return 0;
   return cuda::local_plan_detail::sort_temp_bytes(static_cast<int>(pairs),
-                                                   cuda::local_plan_detail::sort_key_bits(experts));
+                                                  cuda::local_plan_detail::sort_key_bits(experts));
 }
 
 DispatchStorage::DispatchStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)

@@ -29,8 +29,8 @@ namespace {
 
 constexpr int kConsumerWarps = kThreads / 32 - kCombineProducerWarps;
 
-__device__ void stage_chunk(const CombineView& v, const HandleView& h, const uint4* grad_out, int chunk,
-                            unsigned epoch, int lane) {
+__device__ void stage_chunk(const CombineView& v, const HandleView& h, const uint4* grad_out, int chunk, unsigned epoch,
+                            int lane) {
   const int me = v.rank;
   const long long words = v.hidden / 8;
   const long long t0 = static_cast<long long>(chunk) * kChunkTokens;

@@ -59,11 +59,13 @@ __device__ void produce_item(const CombineView& v, const HandleView& h, const Co
     uint4* partial = partial_row(v, me, s, t);
     for (long long i = lane; i < words; i += 32) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (unsigned q = 0; q < n; ++q) add_bf16x8(acc, rows[static_cast<long long>(__ldcg(&entries[q].row)) * words + i]);
+      for (unsigned q = 0; q < n; ++q)
+        add_bf16x8(acc, rows[static_cast<long long>(__ldcg(&entries[q].row)) * words + i]);
       partial[i] = to_bf16x8(acc);
     }
     if (c.grad_probs)
-      for (unsigned q = lane; q < n; q += 32) *grad_at(v, me, s, t, static_cast<int>(q)) = c.grad_probs[__ldcg(&entries[q].row)];
+      for (unsigned q = lane; q < n; q += 32)
+        *grad_at(v, me, s, t, static_cast<int>(q)) = c.grad_probs[__ldcg(&entries[q].row)];
   }
   warp_publish(ready_flag(v, s, me, chunk), epoch, lane, 0);
 }
@@ -81,7 +83,8 @@ __device__ bool consume_chunk(const CombineView& v, const HandleView& h, const C
   for (long long t = t0; t < t1; ++t) {
     // Lane d: did rank d get token t (the staged record of the dispatch has entries)?
     unsigned n = 0;
-    if (lane < R) n = reinterpret_cast<const RecordHeader*>(record_at(h.staging, lane, t, h.max_tokens, h.record_bytes))->n;
+    if (lane < R)
+      n = reinterpret_cast<const RecordHeader*>(record_at(h.staging, lane, t, h.max_tokens, h.record_bytes))->n;
     const unsigned owners = __ballot_sync(kFullMask, n > 0);
     for (long long i = lane; i < words; i += 32) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

@@ -22,12 +22,12 @@ struct OpControl {
 // needs with one copy.
 struct DispatchControl {
   OpControl op;
-  int abort;        // 1: every rank skips the data movement of this call (all ranks decide alike)
+  int abort;  // 1: every rank skips the data movement of this call (all ranks decide alike)
   int reserved;
-  long long out_rows;       // rows of this rank's output
-  long long used_rows;      // rows covered by its expert groups
-  long long required_rows;  // rows the blocking layout needs
-  long long dropped;        // pairs dropped on this rank by the budget
+  long long out_rows;           // rows of this rank's output
+  long long used_rows;          // rows covered by its expert groups
+  long long required_rows;      // rows the blocking layout needs
+  long long dropped;            // pairs dropped on this rank by the budget
   long long tokens[kMaxRanks];  // T of every rank in this call (0 for a rank that failed its checks)
 };
 static_assert(sizeof(DispatchControl) % 16 == 0, "tokens_per_expert follows, 16-byte aligned");

@@ -46,8 +46,10 @@ Routing check_input(const DispatchInput& in, const TensorView& scales, const Dis
     FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(scales.data) % 16 == 0, "scales",
                      "must be 16-byte aligned (scales move as 16-byte vectors)");
   }
-  FLEXEP_CHECK_ARG(r.hidden == cfg.hidden, "hidden", "has H=", r.hidden, " but this hybridep dispatcher was created for "
-                   "HybridEpOptions::hidden=", cfg.hidden);
+  FLEXEP_CHECK_ARG(r.hidden == cfg.hidden, "hidden", "has H=", r.hidden,
+                   " but this hybridep dispatcher was created for "
+                   "HybridEpOptions::hidden=",
+                   cfg.hidden);
   FLEXEP_CHECK_ARG(r.tokens <= cfg.max_tokens, "hidden", "has ", r.tokens, " tokens, more than the ", cfg.max_tokens,
                    " the buffers hold (HybridEpOptions::max_tokens_per_rank; resize() to raise it)");
   FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(in.hidden.data) % 16 == 0, "hidden",
@@ -86,8 +88,8 @@ Routing check_input(const DispatchInput& in, const TensorView& scales, const Dis
   p.overflow = opt.overflow;
   validate(p);
   if (opt.mode == DispatchMode::budget)
-    FLEXEP_CHECK_ARG(opt.budget_rows <= cfg.capacity_rows, "options.budget_rows", opt.budget_rows,
-                     " rows exceed the ", cfg.capacity_rows,
+    FLEXEP_CHECK_ARG(opt.budget_rows <= cfg.capacity_rows, "options.budget_rows", opt.budget_rows, " rows exceed the ",
+                     cfg.capacity_rows,
                      " rows of the receive buffer (HybridEpOptions::max_recv_rows; resize() to raise it)");
   return r;
 }
@@ -189,8 +191,8 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     const lp::Outputs out = st.plan_outputs();
     lp::Layout layout;
     layout.experts = E;
-    lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws,
-                              errors_.record(), s);
+    lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws, errors_.record(),
+                              s);
     if (n > 0) {
       FLEXEP_CHECK(DispatchStorage::sort_temp_bytes(n, E) <= ws.sort_temp_bytes, "hybridep: the sort of ", n,
                    " pairs needs more scratch than reserved for ", g.max_pairs, " (internal error)");
@@ -246,8 +248,8 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     std::memcpy(tpe.data(), readback_->control + sizeof(DispatchControl), tpe.size() * 8);
     result.tokens_per_expert = Tensor::from_vector(tpe, {L});
   } else {
-    result.tokens_per_expert = Tensor::wrap(
-        TensorView(st.local() + g.off_tpe, DType::i64, {L}, Device::cuda(comm_->device())), owner);
+    result.tokens_per_expert =
+        Tensor::wrap(TensorView(st.local() + g.off_tpe, DType::i64, {L}, Device::cuda(comm_->device())), owner);
   }
   FLEXEP_CHECK(N >= 0 && N <= config_.capacity_rows, "hybridep dispatch: ", N, " output rows outside the buffer's ",
                config_.capacity_rows, " (internal error)");
@@ -255,9 +257,9 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
       TensorView(st.window() + g.off_tokens, fp8 ? DType::e4m3 : DType::bf16, {N, H}, Device::cuda(comm_->device())),
       owner);
   if (scales_out)
-    *scales_out = Tensor::wrap(TensorView(st.window() + g.off_scales, DType::f32, {N, H / kFp8ScaleBlock},
-                                          Device::cuda(comm_->device())),
-                               owner);
+    *scales_out = Tensor::wrap(
+        TensorView(st.window() + g.off_scales, DType::f32, {N, H / kFp8ScaleBlock}, Device::cuda(comm_->device())),
+        owner);
   result.token_probs =
       Tensor::wrap(TensorView(st.window() + g.off_probs, DType::f32, {N}, Device::cuda(comm_->device())), owner);
 

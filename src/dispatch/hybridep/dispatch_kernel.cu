@@ -61,7 +61,7 @@ __device__ __forceinline__ void store_to_destinations(const uint4* src, long lon
 __device__ void send_chunk(const DispatchView& v, const DispatchCall& c, int chunk, unsigned epoch, bool move,
                            int lane) {
   const int R = v.ranks, me = v.rank;
-  const long long words = c.row_bytes / 16;         // 16-byte words per row
+  const long long words = c.row_bytes / 16;          // 16-byte words per row
   const long long scale_words = c.scale_bytes / 16;  // 0 for bf16 rows
   const long long t0 = static_cast<long long>(chunk) * kChunkTokens;
   const long long t1 = c.tokens < t0 + kChunkTokens ? c.tokens : t0 + kChunkTokens;
@@ -104,8 +104,7 @@ __device__ void send_chunk(const DispatchView& v, const DispatchCall& c, int chu
     if (scale_words > 0) {
       const unsigned long long my_scales =
           n > 0 ? reinterpret_cast<unsigned long long>(scale_row(v, lane, row0, c.scale_bytes)) : 0ull;
-      store_to_destinations(static_cast<const uint4*>(c.scales) + t * scale_words, scale_words, dests, my_scales,
-                            lane);
+      store_to_destinations(static_cast<const uint4*>(c.scales) + t * scale_words, scale_words, dests, my_scales, lane);
     }
   }
   // Publish the chunk on every rank: this warp's record and row stores happen-before the flag.
@@ -115,8 +114,8 @@ __device__ void send_chunk(const DispatchView& v, const DispatchCall& c, int chu
 }
 
 // Returns false when the wait failed (timeout): the warp then stops.
-__device__ bool receive_chunk(const DispatchView& v, const DispatchCall& c, int s, int chunk, unsigned epoch,
-                              bool move, const WaitContext& wait, int lane) {
+__device__ bool receive_chunk(const DispatchView& v, const DispatchCall& c, int s, int chunk, unsigned epoch, bool move,
+                              const WaitContext& wait, int lane) {
   const int me = v.rank;
   bool ok = true;
   if (lane == 0) ok = wait_flag_at_least(chunk_flag(v, me, s, chunk), epoch, wait, s);
@@ -173,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned epoch = op_epoch(&v.control->op);
   __shared__ int s_broken, s_move;
   if (threadIdx.x == 0) {
-    s_broken = timed_out(v.status);  // the count exchange timed out: move nothing, wait for nothing
+    s_broken = timed_out(v.status);               // the count exchange timed out: move nothing, wait for nothing
     s_move = !s_broken && v.control->abort == 0;  // the preprocess kernel's decision, alike on all ranks
   }
   __syncthreads();

@@ -38,8 +38,10 @@ HybridEpMemory memory_of(const hybridep::DispatchGeometry& d, const hybridep::Co
 
 void set_hybridep_num_sms(int dispatch, int combine, int preprocess) {
   FLEXEP_CHECK_ARG(dispatch >= 1, "dispatch", "SM count must be >= 1, got ", dispatch);
-  FLEXEP_CHECK_ARG(combine >= 0 && preprocess >= 0, "sms", "combine and preprocess SM counts must be >= 0 (0 = the "
-                   "dispatch count), got ", combine, " and ", preprocess);
+  FLEXEP_CHECK_ARG(combine >= 0 && preprocess >= 0, "sms",
+                   "combine and preprocess SM counts must be >= 0 (0 = the "
+                   "dispatch count), got ",
+                   combine, " and ", preprocess);
   g_dispatch_sms = dispatch;
   g_combine_sms = combine ? combine : dispatch;
   g_preprocess_sms = preprocess ? preprocess : dispatch;
@@ -120,8 +122,8 @@ void Dispatcher::init() {
     for (std::size_t i = 0; i < n; ++i)
       FLEXEP_CHECK_ARG(all[static_cast<std::size_t>(r) * n + i] == all[i], "options", "rank ", r,
                        " configures its hybridep buffers differently from rank 0 (ranks, experts, max_tokens_per_rank, "
-                       "hidden, max_topk, max_recv_rows, max_pad_multiple, fp8: word ", i, " is ",
-                       all[static_cast<std::size_t>(r) * n + i], " vs ", all[i],
+                       "hidden, max_topk, max_recv_rows, max_pad_multiple, fp8: word ",
+                       i, " is ", all[static_cast<std::size_t>(r) * n + i], " vs ", all[i],
                        "); create every rank's dispatcher with the same options and num_experts");
   dispatch_ = std::make_shared<DispatchStorage>(comm_, config_);
   combine_ = std::make_shared<CombineStorage>(comm_, config_);
@@ -182,8 +184,10 @@ HybridEpMemory Dispatcher::memory() const {
 void Dispatcher::set_num_sms(int dispatch, int combine, int preprocess) {
   const int sms = cuda::sm_count(comm_->device());
   for (int v : {dispatch, combine, preprocess})
-    FLEXEP_CHECK_ARG(v >= 0 && v <= sms, "num_sms", "SM counts must be in [0, ", sms, "] on this GPU (0 = the "
-                     "process-wide setting), got ", v);
+    FLEXEP_CHECK_ARG(v >= 0 && v <= sms, "num_sms", "SM counts must be in [0, ", sms,
+                     "] on this GPU (0 = the "
+                     "process-wide setting), got ",
+                     v);
   own_sms_ = {dispatch, combine, preprocess};
 }
 
@@ -194,8 +198,9 @@ HybridEpSms Dispatcher::num_sms() const {
                       own_sms_.preprocess > 0 ? own_sms_.preprocess : global.preprocess};
   const int sms = cuda::sm_count(comm_->device());
   for (int v : {s.dispatch, s.combine, s.preprocess})
-    FLEXEP_CHECK_ARG(v >= 1 && v <= sms, "num_sms", "the hybridep kernels are persistent grids of one CTA per SM: ",
-                     "SM counts must be in [1, ", sms, "] on this GPU, got ", v);
+    FLEXEP_CHECK_ARG(v >= 1 && v <= sms, "num_sms",
+                     "the hybridep kernels are persistent grids of one CTA per SM: ", "SM counts must be in [1, ", sms,
+                     "] on this GPU, got ", v);
   return s;
 }
 
@@ -203,9 +208,9 @@ const HepHandle& Dispatcher::own_handle(const Handle& handle) const {
   check_handle(handle);
   const auto* h = dynamic_cast<const HepHandle*>(handle.get());
   FLEXEP_CHECK_ARG(h != nullptr, "handle", "claims this dispatcher as owner but is not a hybridep handle");
-  FLEXEP_CHECK_ARG(h->storage == dispatch_ && h->sequence == dispatch_seq_, "handle", "is stale: it belongs to dispatch #",
-                   h->sequence, " of this hybridep dispatcher, but dispatch #", dispatch_seq_,
-                   (h->storage == dispatch_ ? "" : " (after a resize or release)"),
+  FLEXEP_CHECK_ARG(h->storage == dispatch_ && h->sequence == dispatch_seq_, "handle",
+                   "is stale: it belongs to dispatch #", h->sequence, " of this hybridep dispatcher, but dispatch #",
+                   dispatch_seq_, (h->storage == dispatch_ ? "" : " (after a resize or release)"),
                    " has since overwritten its receive window and metadata. A dispatch's outputs and handle are valid "
                    "until the next dispatch on the same dispatcher: finish combine and the backwards first, or use "
                    "one dispatcher per layer");
@@ -251,8 +256,9 @@ void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
     if (std::chrono::steady_clock::now() > deadline) {
       broken_ = true;
       broken_why_ = "the GPU did not finish " + op;
-      throw TimeoutError(op, -1, detail::concat("rank ", rank(), ": the hybridep kernels did not finish within ",
-                                                seconds, " s although every device wait has a deadline"));
+      throw TimeoutError(op, -1,
+                         detail::concat("rank ", rank(), ": the hybridep kernels did not finish within ", seconds,
+                                        " s although every device wait has a deadline"));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
@@ -261,8 +267,8 @@ void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
 void Dispatcher::check(cudaStream_t s, const std::string& op) {
   cuda::DeviceGuard guard(comm_->device());
   FLEXEP_CUDA_CHECK(cudaMemcpyAsync(&readback_->status, status_, sizeof(Status), cudaMemcpyDeviceToHost, s));
-  FLEXEP_CUDA_CHECK(
-      cudaMemcpyAsync(&readback_->errors, errors_.record(), sizeof(cuda::DeviceErrorRecord), cudaMemcpyDeviceToHost, s));
+  FLEXEP_CUDA_CHECK(cudaMemcpyAsync(&readback_->errors, errors_.record(), sizeof(cuda::DeviceErrorRecord),
+                                    cudaMemcpyDeviceToHost, s));
   wait_stream(s, op);
   const Status st = readback_->status;
   const bool device_arg = readback_->errors.arg != 0;

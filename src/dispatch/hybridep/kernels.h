@@ -17,8 +17,8 @@ namespace flexep::hybridep {
 
 static_assert(kMaxRanks == kMaxSymmetricPeers, "one lane per rank in the kernels");
 
-constexpr int kThreads = 256;           // every hybridep kernel: 8 warps
-constexpr int kDispatchSenderWarps = 4;  // dispatch kernel: warps 0-3 send, warps 4-7 receive
+constexpr int kThreads = 256;             // every hybridep kernel: 8 warps
+constexpr int kDispatchSenderWarps = 4;   // dispatch kernel: warps 0-3 send, warps 4-7 receive
 constexpr int kCombineProducerWarps = 4;  // combine kernels: warps 0-3 produce, 4-7 consume
 
 // The dispatch buffer of this rank, as the dispatch-side kernels see it.
@@ -31,10 +31,10 @@ struct DispatchView {
   int flag_counts = 0, flag_chunks = 0;  // uint32 index of the first count flag / chunk flag
   // Plain device memory of this rank.
   DispatchControl* control = nullptr;
-  long long* tpe = nullptr;    // [L] tokens_per_expert of this rank (follows control)
-  long long* begin = nullptr;  // [L]
-  long long* kept = nullptr;   // [L]
-  long long* snapshot = nullptr;   // [R * slot_bytes / 8]
+  long long* tpe = nullptr;          // [L] tokens_per_expert of this rank (follows control)
+  long long* begin = nullptr;        // [L]
+  long long* kept = nullptr;         // [L]
+  long long* snapshot = nullptr;     // [R * slot_bytes / 8]
   unsigned char* staging = nullptr;  // [R][max_tokens] records
   int* slot_entry = nullptr;         // [T * slots]: destination rank * width + entry, or -1
   Status* status = nullptr;
@@ -43,12 +43,12 @@ struct DispatchView {
 
 // One dispatch call.
 struct DispatchCall {
-  const void* hidden = nullptr;  // [T, H] bf16, or e4m3 (dispatch_fp8)
-  const void* scales = nullptr;  // [T, H / 128] f32 (dispatch_fp8), moved with the rows
-  long long row_bytes = 0;       // bytes of one row: 2H (bf16) or H (e4m3); a multiple of 16
-  long long scale_bytes = 0;     // bytes of one row's scales: 0, or H / 32 (a multiple of 16)
-  long long tokens = 0;          // T (0 when this rank's checks failed: it then reads no input)
-  int slots = 1;                 // k (top-k form) or the buffer's slots (multihot form)
+  const void* hidden = nullptr;   // [T, H] bf16, or e4m3 (dispatch_fp8)
+  const void* scales = nullptr;   // [T, H / 128] f32 (dispatch_fp8), moved with the rows
+  long long row_bytes = 0;        // bytes of one row: 2H (bf16) or H (e4m3); a multiple of 16
+  long long scale_bytes = 0;      // bytes of one row's scales: 0, or H / 32 (a multiple of 16)
+  long long tokens = 0;           // T (0 when this rank's checks failed: it then reads no input)
+  int slots = 1;                  // k (top-k form) or the buffer's slots (multihot form)
   const void* indices = nullptr;  // [T, slots] expert ids (user indices, or the multihot slots)
   int indices_i64 = 0;
   const float* weights = nullptr;  // [T, slots]
@@ -97,8 +97,8 @@ struct CombineView {
 
 // combine (grad_probs null) or dispatch_backward.
 struct CombineCall {
-  const void* rows = nullptr;       // [N, H] bf16: expert_out or grad_tokens
-  void* out = nullptr;              // [T, H] bf16
+  const void* rows = nullptr;         // [N, H] bf16: expert_out or grad_tokens
+  void* out = nullptr;                // [T, H] bf16
   const float* grad_probs = nullptr;  // [N] (dispatch_backward)
   float* grad_weights = nullptr;      // [T, k] or [T, E] (zeroed by the caller in the multihot form)
   Phase data_phase = Phase::combine_partials;

@@ -29,8 +29,8 @@ int first_different(const std::vector<RankHeader>& h, Key key) {
 std::string device_violation(const RankHeader& h) {
   std::ostringstream os;
   if (h.device_arg == 2) {
-    os << "token " << h.device_row << " routes to " << h.device_value << " experts, more than the "
-       << h.device_limit << " slots per token the hybridep buffers hold (HybridEpOptions::max_topk)";
+    os << "token " << h.device_row << " routes to " << h.device_value << " experts, more than the " << h.device_limit
+       << " slots per token the hybridep buffers hold (HybridEpOptions::max_topk)";
   } else if (h.device_value >= -1 && h.device_value < h.device_limit) {
     os << "token " << h.device_row << " lists expert " << h.device_value
        << " twice; each expert may appear once per token";
@@ -85,8 +85,8 @@ BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens,
                                 std::int64_t max_recv_rows, std::int64_t max_pad_multiple, bool fp8) {
   FLEXEP_CHECK_ARG(ranks >= 1 && ranks <= kMaxRanks, "comm", "hybridep handles 1 to ", kMaxRanks,
                    " ranks in one NVLink domain, got ", ranks);
-  FLEXEP_CHECK_ARG(experts >= 1 && experts % ranks == 0, "num_experts", experts,
-                   " must be >= 1 and divisible by the ", ranks, " ranks");
+  FLEXEP_CHECK_ARG(experts >= 1 && experts % ranks == 0, "num_experts", experts, " must be >= 1 and divisible by the ",
+                   ranks, " ranks");
   FLEXEP_CHECK_ARG(experts / ranks <= 1024, "num_experts", "hybridep handles at most 1024 experts per rank, got ",
                    experts / ranks);
   FLEXEP_CHECK_ARG(max_tokens >= 1 && max_tokens <= INT_MAX, "max_tokens_per_rank", "must be in [1, 2^31), got ",
@@ -96,7 +96,8 @@ BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens,
   // FP8 rows: H e4m3 bytes and H / 128 fp32 scales, both moved as 16-byte words.
   FLEXEP_CHECK_ARG(!fp8 || hidden % (4 * kFp8ScaleBlock) == 0, "hidden",
                    "must be a multiple of 512 for FP8 dispatch (e4m3 rows and one fp32 scale per 128 elements move "
-                   "as 16-byte vectors), got ", hidden);
+                   "as 16-byte vectors), got ",
+                   hidden);
   FLEXEP_CHECK_ARG(max_topk >= 0 && max_topk <= 1024, "max_topk", "must be in [0, 1024] (0 = num_experts), got ",
                    max_topk);
   FLEXEP_CHECK_ARG(max_recv_rows >= 0, "max_recv_rows", "must be >= 0 (0 = the worst case), got ", max_recv_rows);
@@ -281,7 +282,8 @@ std::exception_ptr abort_reason(const Snapshot& snap, int me, std::int64_t capac
       return std::make_exception_ptr(
           ArgumentError(h.argument, who + "see the error raised on rank " + std::to_string(r)));
     }
-    return std::make_exception_ptr(ArgumentError(device_arg_name(h.device_arg), who + "dispatch: " + device_violation(h)));
+    return std::make_exception_ptr(
+        ArgumentError(device_arg_name(h.device_arg), who + "dispatch: " + device_violation(h)));
   }
   if (auto err = compare_headers(snap.headers)) return err;
   const RankHeader& h0 = snap.headers[0];
@@ -336,12 +338,12 @@ std::exception_ptr status_error(const Status& s, int me, double timeout_seconds)
                          " (it stopped participating, called a different operation, or its GPU stalled); the "
                          "dispatcher cannot be used any more: create a new one")));
     case StatusCode::corrupt:
-      return std::make_exception_ptr(Error(detail::concat(
-          "flexep: hybridep ", phase, ": rank ", me, " received an index ", s.value, " from rank ", s.peer,
-          " outside [0, ", s.limit, "); the ranks disagree about the layout (internal error); the dispatcher cannot "
-          "be used any more")));
-    default:
-      return nullptr;
+      return std::make_exception_ptr(
+          Error(detail::concat("flexep: hybridep ", phase, ": rank ", me, " received an index ", s.value, " from rank ",
+                               s.peer, " outside [0, ", s.limit,
+                               "); the ranks disagree about the layout (internal error); the dispatcher cannot "
+                               "be used any more")));
+    default: return nullptr;
   }
 }
 

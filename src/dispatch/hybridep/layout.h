@@ -29,7 +29,7 @@ struct BufferConfig {
   int slots = 1;                   // slots per token: the largest top-k (multihot rows are limited to it)
   std::int64_t capacity_rows = 0;  // expert-major rows the receive window holds
   std::int64_t max_pad_multiple = 1;
-  bool fp8 = false;                // also holds e4m3 rows' scales (dispatch_fp8)
+  bool fp8 = false;  // also holds e4m3 rows' scales (dispatch_fp8)
 
   int local_experts() const { return experts / ranks; }
   // Entries of one record: a token has at most min(slots, L) kept pairs on one rank.

@@ -177,8 +177,10 @@ FLEXEP_HD int record_find(const unsigned char* rec, int row) {
   int lo = 0, hi = static_cast<int>(record_header(rec)->n);
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (e[mid].row < row) lo = mid + 1;
-    else hi = mid;
+    if (e[mid].row < row)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo < static_cast<int>(record_header(rec)->n) && e[lo].row == row ? lo : -1;
 }
@@ -188,7 +190,7 @@ FLEXEP_HD int record_find(const unsigned char* rec, int row) {
 // pair counts per global expert. The device_* words come from the DeviceErrorRecord of the
 // single-GPU plan (bad expert ids found on the device).
 namespace word {
-constexpr int status = 0;  // 1: this rank's host-side checks failed
+constexpr int status = 0;    // 1: this rank's host-side checks failed
 constexpr int argument = 1;  // 4 words: the failing argument's name, 8 chars each (truncated)
 constexpr int argument_words = 4;
 constexpr int device_arg = 5;  // cuda::DeviceArg of a device-side violation (0 = none)

@@ -70,10 +70,10 @@ __global__ void __launch_bounds__(kThreads)
     preprocess_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c) {
   extern __shared__ long long smem[];
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
-  long long* s_begin = smem;          // [E] first row of every expert's group on its owner
-  long long* s_kept = smem + E;       // [E] real rows kept per group
-  long long* s_tpe = smem + 2 * E;    // [E] tokens_per_expert per group
-  long long* s_src = smem + 3 * E;    // [E] first row of THIS rank's pairs in the group
+  long long* s_begin = smem;        // [E] first row of every expert's group on its owner
+  long long* s_kept = smem + E;     // [E] real rows kept per group
+  long long* s_tpe = smem + 2 * E;  // [E] tokens_per_expert per group
+  long long* s_src = smem + 3 * E;  // [E] first row of THIS rank's pairs in the group
   __shared__ long long s_head[kMaxRanks][word::count];
   __shared__ long long s_out_rows[kMaxRanks], s_used[kMaxRanks], s_required[kMaxRanks], s_dropped[kMaxRanks];
   __shared__ int s_bad[kMaxRanks];
@@ -90,13 +90,20 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = tid; i < R * W; i += blockDim.x) {
     const int d = i / W, w = i - d * W;
     long long value = 0;
-    if (w >= word::count) value = c.plan_counts ? c.plan_counts[w - word::count] : 0;
-    else if (w == word::device_arg) value = has_error ? c.errors->arg : 0;
-    else if (w == word::device_row) value = has_error ? c.errors->row : 0;
-    else if (w == word::device_column) value = has_error ? c.errors->column : -1;
-    else if (w == word::device_value) value = has_error ? c.errors->value : 0;
-    else if (w == word::device_limit) value = has_error ? c.errors->limit : 0;
-    else value = c.header[w];
+    if (w >= word::count)
+      value = c.plan_counts ? c.plan_counts[w - word::count] : 0;
+    else if (w == word::device_arg)
+      value = has_error ? c.errors->arg : 0;
+    else if (w == word::device_row)
+      value = has_error ? c.errors->row : 0;
+    else if (w == word::device_column)
+      value = has_error ? c.errors->column : -1;
+    else if (w == word::device_value)
+      value = has_error ? c.errors->value : 0;
+    else if (w == word::device_limit)
+      value = has_error ? c.errors->limit : 0;
+    else
+      value = c.header[w];
     count_slot(v, d, me)[w] = value;
   }
   fence_sys();      // each thread's slot stores are ordered before the barrier...
