@@ -30,29 +30,33 @@ def load(paths):
     return records
 
 
-def bandwidth_vs_sms(records, out):
-    series = defaultdict(list)
-    flat = defaultdict(list)
-    for r in records:
-        if r["phase"] not in ("dispatch", "combine") or r.get("algo_gbps") is None:
+def bandwidth_vs_sms(records, out, case="dsv3-ep2", routing="uniform"):
+    """Dispatch/combine algorithm bandwidth of one case against the SM count (whole calls); backends
+    without an SM setting are horizontal lines. The newest run wins for every point."""
+    series = defaultdict(dict)
+    flat = {}
+    for r in records:  # oldest first: later records overwrite earlier points
+        if (r["case"] != case or r["routing"] != routing or r["timing"] != "call"
+                or r["phase"] not in ("dispatch", "combine") or r.get("algo_gbps") is None):
             continue
-        key = (r["case"], r["routing"], r["backend"], r["phase"], r["timing"])
+        key = f"{r['backend']} {r['phase']}"
         if r["sms"] is None:
-            flat[key].append(r["algo_gbps"])
+            flat[key] = r["algo_gbps"]
         else:
-            series[key].append((r["sms"], r["algo_gbps"]))
+            series[key][r["sms"]] = r["algo_gbps"]
     if not series and not flat:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5))
     for key, pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
-    for key, vals in sorted(flat.items()):
-        ax.axhline(max(vals), linestyle=":", label=" ".join(key) + " (no SM setting)")
-    ax.axhline(COPY_ENGINE_GBPS, color="black", linestyle="--", label="NVLink copy engine, one way")
+        xs = sorted(pts)
+        ax.plot(xs, [pts[x] for x in xs], marker="o", label=key)
+    for key, v in sorted(flat.items()):
+        ax.axhline(v, linestyle=":", color="gray" if "nccl" in key else None, label=key + " (no SM setting)")
+    ax.axhline(COPY_ENGINE_GBPS, color="black", linestyle="--", label="NVLink copy engine, one way (393)")
     ax.set_xlabel("SMs")
-    ax.set_ylabel("algorithm bandwidth (GB/s)")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("algorithm bandwidth (GB/s), whole call")
+    ax.set_title(f"{case}, {routing} routing")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
     path = os.path.join(out, "bandwidth_vs_sms.png")
     fig.tight_layout()
