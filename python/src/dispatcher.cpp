@@ -77,8 +77,7 @@ const DispatcherFactory& dispatcher_factory(const std::string& name) {
     std::string known;
     for (const auto& [k, v] : factories()) known += (known.empty() ? "" : ", ") + k;
     throw_argument_error("backend.dispatcher", "'", name, "' has no GPU dispatcher in this build",
-                         name == "hybridep" ? " (the hybridep backend is not connected yet: python/src/hybridep_hook.cpp)"
-                                            : "",
+                         name == "hybridep" ? " (hybridep needs a CUDA build)" : "",
                          "; available: ", known.empty() ? std::string("none (CPU-only build)") : known);
   }
   return it->second;
@@ -181,13 +180,15 @@ void bind_dispatcher(nb::module_& m) {
       nb::arg("world"), nb::arg("rank"), nb::arg("num_experts"));
   m.def(
       "make_gpu_dispatcher",
-      [](const std::string& name, std::shared_ptr<ProcessGroup> comm, int num_experts, const std::string& backend_json) {
+      [](const std::string& name, std::shared_ptr<ProcessGroup> comm, int num_experts, const std::string& backend_json,
+         std::int64_t hidden, std::int64_t max_tokens_per_rank, int max_topk) {
         const DispatcherFactory& f = dispatcher_factory(name);
         const BackendConfig b = backend_config_from_json(backend_json);
         nb::gil_scoped_release release;
-        return f(std::move(comm), num_experts, b);
+        return f(std::move(comm), num_experts, b, GpuDispatcherSizes{hidden, max_tokens_per_rank, max_topk});
       },
-      nb::arg("name"), nb::arg("comm"), nb::arg("num_experts"), nb::arg("backend_json") = "{}",
+      nb::arg("name"), nb::arg("comm"), nb::arg("num_experts"), nb::arg("backend_json") = "{}", nb::arg("hidden") = 0,
+      nb::arg("max_tokens_per_rank") = 0, nb::arg("max_topk") = 0,
       "A GPU dispatcher by backend name ('alltoall', 'hybridep', ...) over a Communicator.");
   m.def("gpu_dispatcher_names", [] {
     std::lock_guard<std::mutex> lock(g_factories_mutex);
@@ -262,7 +263,8 @@ void bind_dispatcher(nb::module_& m) {
 
 void register_builtin_factories() {
 #ifdef FLEXEP_WITH_CUDA
-  register_dispatcher_factory("alltoall", [](std::shared_ptr<ProcessGroup> pg, int num_experts, const BackendConfig&) {
+  register_dispatcher_factory("alltoall", [](std::shared_ptr<ProcessGroup> pg, int num_experts, const BackendConfig&,
+                                             const GpuDispatcherSizes&) {
     auto comm = std::dynamic_pointer_cast<Communicator>(pg);
     FLEXEP_CHECK_ARG(comm != nullptr, "comm", "the alltoall backend needs a flexep Communicator");
     return std::shared_ptr<TokenDispatcher>(make_alltoall_dispatcher(std::move(comm), num_experts));

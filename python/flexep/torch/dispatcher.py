@@ -84,12 +84,18 @@ def set_num_sms(num_sms: int) -> None:
     _num_sms = int(num_sms)
 
 
-def get_dispatcher(backend: BackendConfig, num_experts: int, group=None, device: Optional[torch.device] = None):
+def get_dispatcher(backend: BackendConfig, num_experts: int, group=None, device: Optional[torch.device] = None,
+                   hidden: int = 0, max_tokens_per_rank: int = 0, max_topk: int = 0, owner=None):
     """The process-wide dispatcher of (backend, group, E), created on first use and shared by every
     layer (Automodel's shared managers); backward state lives in autograd ctx, never here.
 
     CPU: a HostRank group gives the host backend; no group means EP size 1 (returns None: the layer's
     local path). GPU: EP size 1 returns None too; otherwise the backend named by backend.dispatcher.
+
+    hybridep sizes its buffers once (hidden, max_tokens_per_rank, max_topk are required), and its
+    dispatch outputs are views of those buffers, valid until the next dispatch on the same
+    dispatcher: a layer that keeps its dispatched rows for backward passes itself as `owner` so it
+    gets a dispatcher of its own.
     """
     if isinstance(group, HostRank):
         key = ("host", id(group.world), group.rank, num_experts)
@@ -107,6 +113,8 @@ def get_dispatcher(backend: BackendConfig, num_experts: int, group=None, device:
     name = _GPU_BACKEND_NAMES.get(backend.dispatcher, backend.dispatcher)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     key = (name, _group_key(group), device.index, num_experts)
+    if name == "hybridep":
+        key += (hidden, max_tokens_per_rank, max_topk, id(owner) if owner is not None else None)
     if key not in _dispatchers:
         comm = create_communicator(group, device, reuse_nccl=os.environ.get("FLEXEP_REUSE_NCCL") == "1")
         cfg = backend.to_cpp()
@@ -114,7 +122,8 @@ def get_dispatcher(backend: BackendConfig, num_experts: int, group=None, device:
             cfg["dispatcher_num_sms"] = _num_sms
         import json
 
-        _dispatchers[key] = _flexep.make_gpu_dispatcher(name, comm, num_experts, json.dumps(cfg))
+        _dispatchers[key] = _flexep.make_gpu_dispatcher(name, comm, num_experts, json.dumps(cfg), hidden,
+                                                        max_tokens_per_rank, max_topk)
     return _dispatchers[key]
 
 

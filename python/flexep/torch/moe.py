@@ -8,6 +8,7 @@ shapes, names and autograd plumbing live here.
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Optional
@@ -124,8 +125,10 @@ class MoE(nn.Module):
             warnings.warn(f"flexep: {m}", UserWarning, stacklevel=2)
         self.backend = backend
         self._group = group
-        dispatcher = None if local_fallback or ep_size == 1 else get_dispatcher(backend, config.n_routed_experts,
-                                                                               group, device)
+        dispatcher = None if local_fallback or ep_size == 1 else get_dispatcher(
+            backend, config.n_routed_experts, group, device, hidden=config.dim,
+            max_tokens_per_rank=int(os.environ.get("FLEXEP_MAX_TOKENS_PER_RANK", "8192")),
+            max_topk=config.n_activated_experts, owner=self)
         moe_json, backend_json = config._cpp_json(), backend._cpp_json()
         if self._cuda:
             if not _flexep.HAS_CUDA:

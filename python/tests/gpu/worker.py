@@ -32,7 +32,8 @@ def functions(backend, rank, dev):
     idx[0, 1] = -1
     w = torch.rand(T, k, generator=g)
     up_out = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    d = ft.get_dispatcher(ft.BackendConfig(dispatcher=backend), E, None, dev)
+    d = ft.get_dispatcher(ft.BackendConfig(dispatcher=backend), E, None, dev, hidden=H, max_tokens_per_rank=64,
+                          max_topk=k)
     fn = ft.hybrid_ep_dispatch if backend == "hybridep" else ft.dispatch
     xd, wd = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
     tokens, probs, tpe, handle = fn(d, xd, idx.to(dev), wd)
