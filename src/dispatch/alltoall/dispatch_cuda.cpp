@@ -14,6 +14,7 @@
 #include "dispatch/alltoall/kernels.h"
 #include "dispatch/alltoall/layout.h"
 #include "dispatch/alltoall/transfer.h"
+#include "dispatch/common/routing_checks.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/runtime.h"
 
@@ -38,30 +39,10 @@ Routing check_input(const DispatchInput& in, const DispatchOptions& opt, int ran
   r.tokens = in.hidden.size(0);
   r.hidden = in.hidden.size(1);
   r.multihot = in.multihot();
-  if (r.multihot) {
-    FLEXEP_CHECK_ARG(!in.indices.defined() && !in.weights.defined(), "indices",
-                     "was given together with routing_map; pass either the top-k form (indices, weights) or the "
-                     "multihot form (routing_map, probs)");
-    check::shape(in.routing_map, {r.tokens, experts}, "routing_map");
-    check::dtype(in.routing_map, {DType::b8}, "routing_map");
-    check::device(in.routing_map, dev, "routing_map");
-    check::shape(in.probs, {r.tokens, experts}, "probs");
-    check::dtype(in.probs, {DType::f32}, "probs");
-    check::device(in.probs, dev, "probs");
-    r.slots = experts;
-  } else {
-    FLEXEP_CHECK_ARG(in.indices.defined(), "indices",
-                     "is required; pass the top-k form (indices, weights) or the multihot form (routing_map, probs)");
-    check::shape(in.indices, {r.tokens, -1}, "indices");
-    check::dtype(in.indices, {DType::i32, DType::i64}, "indices");
-    check::device(in.indices, dev, "indices");
-    FLEXEP_CHECK_ARG(in.indices.size(1) <= INT_MAX, "indices", "has ", in.indices.size(1), " columns; at most ",
-                     INT_MAX);
-    check::shape(in.weights, {r.tokens, in.indices.size(1)}, "weights");
-    check::dtype(in.weights, {DType::f32}, "weights");
-    check::device(in.weights, dev, "weights");
-    r.slots = static_cast<int>(in.indices.size(1));
-  }
+  check::routing_form(in, r.tokens, experts, dev, [](std::int64_t k) {
+    FLEXEP_CHECK_ARG(k <= INT_MAX, "indices", "has ", k, " columns; at most ", INT_MAX);
+  });
+  r.slots = r.multihot ? experts : static_cast<int>(in.indices.size(1));
   validate(plan_params(opt, ranks, experts));
   // Slots and send positions are indexed with 32-bit integers in the kernels.
   FLEXEP_CHECK_ARG(r.tokens * std::max(r.slots, ranks) <= INT_MAX, "hidden", "has ", r.tokens,
@@ -85,27 +66,10 @@ DispatchResult AlltoallDispatcher::dispatch(const DispatchInput& input, const Di
 
   // 1. Local checks.
   Routing rt;
-  std::exception_ptr local;
   RankHeader mine;
-  try {
-    rt = check_input(input, options, R, E, device);
-  } catch (const ArgumentError& e) {
-    local = std::current_exception();
-    mine.failed = true;
-    mine.argument = e.argument();
-  } catch (const Error&) {
-    local = std::current_exception();
-    mine.failed = true;
-  }
-  mine.experts = E;
-  mine.multihot = input.multihot();
-  mine.hidden = rt.hidden;
-  mine.topk = rt.multihot ? 0 : rt.slots;
-  mine.mode = options.mode;
-  mine.pad_multiple = options.pad_multiple;
-  mine.budget_rows = options.budget_rows;
-  mine.overflow = options.overflow;
-  mine.tokens = rt.tokens;
+  const std::exception_ptr local =
+      call_signature::run_local_checks(mine, [&] { rt = check_input(input, options, R, E, device); });
+  call_signature::set_call(mine, E, input.multihot(), rt.hidden, rt.multihot ? 0 : rt.slots, options, rt.tokens);
 
   // 2. Count kernel (skipped after a local failure: the inputs may not be safe to read).
   const std::int64_t T = rt.tokens, H = rt.hidden, P = payload_words(E, R);

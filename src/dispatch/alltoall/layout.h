@@ -12,49 +12,21 @@
 #include <string>
 #include <vector>
 
+#include "../common/call_signature.h"  // relative: the CPU tests include this header without src/ on the path
 #include "flexep/core/plan.h"
 #include "flexep/dispatch/dispatcher.h"
 
 namespace flexep::alltoall {
 
-// Word positions of the header (int64 words). The device_* words are written by the header kernel
-// from the DeviceErrorRecord of the count kernel.
+// Word positions of the header (int64 words): the call signature's (common/signature_words.h).
+// The device_* words are written by the header kernel from the DeviceErrorRecord of the count kernel.
 namespace word {
-constexpr int status = 0;         // 1: this rank's host-side checks failed
-constexpr int argument = 1;       // 4 words: the failing argument's name, 8 chars each (truncated)
-constexpr int argument_words = 4;
-constexpr int device_arg = 5;     // DeviceErrorRecord: arg (DeviceArg, 0 = none), row, column, value, limit
-constexpr int device_row = 6;
-constexpr int device_column = 7;
-constexpr int device_value = 8;
-constexpr int device_limit = 9;
-constexpr int experts = 10;
-constexpr int multihot = 11;
-constexpr int hidden = 12;
-constexpr int topk = 13;          // k in the top-k form; compared only there
-constexpr int mode = 14;
-constexpr int pad_multiple = 15;
-constexpr int budget_rows = 16;
-constexpr int overflow = 17;
-constexpr int tokens = 18;        // informational (T may differ per rank)
-constexpr int count = 19;
+using namespace call_signature::word;  // status, argument, device_*, experts ... tokens
+constexpr int count = call_signature::kWords;
 }  // namespace word
 
-struct RankHeader {
-  bool failed = false;    // host-side checks failed
-  std::string argument;   // their ArgumentError's argument ("" for other errors)
-  int device_arg = 0;     // DeviceArg of a violation found by the count kernel (1 = indices)
-  std::int64_t device_row = 0, device_column = -1, device_value = 0, device_limit = 0;
-  int experts = 0;
-  bool multihot = false;
-  std::int64_t hidden = 0;
-  std::int64_t topk = 0;
-  DispatchMode mode = DispatchMode::blocking;
-  std::int64_t pad_multiple = 1;
-  std::int64_t budget_rows = 0;
-  OverflowPolicy overflow = OverflowPolicy::error;
-  std::int64_t tokens = 0;
-};
+// The header of the count exchange (fp8 is always false: this backend has no FP8 dispatch).
+using RankHeader = call_signature::CallSignature;
 
 std::vector<std::int64_t> encode(const RankHeader& h);  // word::count words
 RankHeader decode(const std::int64_t* words);
@@ -77,9 +49,9 @@ Exchange parse_exchange(const std::vector<std::int64_t>& gathered, int ranks, in
 std::exception_ptr peer_failure(const Exchange& ex, int me);
 // Null when every rank agrees with rank 0 on the configuration; otherwise an ArgumentError naming
 // the first field that differs, the first rank that differs and both values.
-std::exception_ptr compare_headers(const std::vector<RankHeader>& headers);
+using call_signature::compare_headers;
 
-PlanParams plan_params(const DispatchOptions& options, int ranks, int experts);
+using call_signature::plan_params;
 
 // Metadata entries per sent row: a token has at most min(k, E_local) experts on one rank.
 inline int meta_width(std::int64_t slots, int local_experts) {

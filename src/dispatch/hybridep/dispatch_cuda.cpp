@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstring>
 
+#include "dispatch/common/routing_checks.h"
 #include "dispatch/hybridep/hybridep_dispatcher.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/runtime.h"
@@ -55,38 +56,12 @@ Routing check_input(const DispatchInput& in, const TensorView& scales, const Dis
   FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(in.hidden.data) % 16 == 0, "hidden",
                    "must be 16-byte aligned (rows move as 16-byte vectors)");
   r.multihot = in.multihot();
-  if (r.multihot) {
-    FLEXEP_CHECK_ARG(!in.indices.defined() && !in.weights.defined(), "indices",
-                     "was given together with routing_map; pass either the top-k form (indices, weights) or the "
-                     "multihot form (routing_map, probs)");
-    check::shape(in.routing_map, {r.tokens, cfg.experts}, "routing_map");
-    check::dtype(in.routing_map, {DType::b8}, "routing_map");
-    check::device(in.routing_map, dev, "routing_map");
-    check::shape(in.probs, {r.tokens, cfg.experts}, "probs");
-    check::dtype(in.probs, {DType::f32}, "probs");
-    check::device(in.probs, dev, "probs");
-    r.slots = cfg.slots;
-  } else {
-    FLEXEP_CHECK_ARG(in.indices.defined(), "indices",
-                     "is required; pass the top-k form (indices, weights) or the multihot form (routing_map, probs)");
-    check::shape(in.indices, {r.tokens, -1}, "indices");
-    check::dtype(in.indices, {DType::i32, DType::i64}, "indices");
-    check::device(in.indices, dev, "indices");
-    const std::int64_t k = in.indices.size(1);
+  check::routing_form(in, r.tokens, cfg.experts, dev, [&](std::int64_t k) {
     FLEXEP_CHECK_ARG(k >= 1 && k <= cfg.slots, "indices", "has k=", k, " columns; this hybridep dispatcher holds 1 to ",
                      cfg.slots, " slots per token (HybridEpOptions::max_topk)");
-    check::shape(in.weights, {r.tokens, k}, "weights");
-    check::dtype(in.weights, {DType::f32}, "weights");
-    check::device(in.weights, dev, "weights");
-    r.slots = static_cast<int>(k);
-  }
-  PlanParams p;
-  p.ranks = cfg.ranks;
-  p.experts = cfg.experts;
-  p.pad_multiple = opt.pad_multiple;
-  if (opt.mode == DispatchMode::budget) p.budget_rows = opt.budget_rows;
-  p.overflow = opt.overflow;
-  validate(p);
+  });
+  r.slots = r.multihot ? cfg.slots : static_cast<int>(in.indices.size(1));
+  validate(call_signature::plan_params(opt, cfg.ranks, cfg.experts));
   if (opt.mode == DispatchMode::budget)
     FLEXEP_CHECK_ARG(opt.budget_rows <= cfg.capacity_rows, "options.budget_rows", opt.budget_rows, " rows exceed the ",
                      cfg.capacity_rows,
@@ -126,29 +101,14 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
 
   // 1. Local checks.
   Routing rt;
-  std::exception_ptr local;
   RankHeader mine;
   HybridEpSms sms{1, 1, 1};  // a failed rank still runs the protocol, on one CTA if need be
-  try {
+  const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
     sms = num_sms();
     rt = check_input(input, scales, options, config_, comm_->device(), fp8);
-  } catch (const ArgumentError& e) {
-    local = std::current_exception();
-    mine.failed = true;
-    mine.argument = e.argument();
-  } catch (const Error&) {
-    local = std::current_exception();
-    mine.failed = true;
-  }
-  mine.experts = E;
-  mine.multihot = input.multihot();
-  mine.hidden = rt.hidden;
-  mine.topk = rt.multihot ? 0 : rt.slots;
-  mine.mode = options.mode;
-  mine.pad_multiple = options.pad_multiple;
-  mine.budget_rows = options.budget_rows;
-  mine.overflow = options.overflow;
-  mine.tokens = local ? 0 : rt.tokens;
+  });
+  call_signature::set_call(mine, E, input.multihot(), rt.hidden, rt.multihot ? 0 : rt.slots, options,
+                           local ? 0 : rt.tokens);
   mine.fp8 = fp8;
 
   // 2. The call's parameters and this rank's plan (skipped after a local failure: the inputs may

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstring>
 #include <sstream>
 
 #include "flexep/core/error.h"
@@ -10,74 +9,19 @@
 namespace flexep::hybridep {
 
 namespace {
-std::string mode_name(DispatchMode m) { return m == DispatchMode::budget ? "budget" : "blocking"; }
-std::string overflow_name(OverflowPolicy p) { return p == OverflowPolicy::drop ? "drop" : "error"; }
-std::string form_name(bool multihot) {
-  return multihot ? "the multihot form (routing_map, probs)" : "the top-k form (indices, weights)";
-}
-std::string num(const char* name, std::int64_t v) { return std::string(name) + "=" + std::to_string(v); }
-
-template <class Key>
-int first_different(const std::vector<RankHeader>& h, Key key) {
-  for (std::size_t r = 1; r < h.size(); ++r)
-    if (key(h[r]) != key(h[0])) return static_cast<int>(r);
-  return -1;
-}
-
 // The message of a device-side argument violation (cuda::DeviceArg 1 = indices, 2 = routing_map),
 // the same words as cuda::DeviceErrors::check.
 std::string device_violation(const RankHeader& h) {
+  if (h.device_arg != 2) return call_signature::index_violation(h);
   std::ostringstream os;
-  if (h.device_arg == 2) {
-    os << "token " << h.device_row << " routes to " << h.device_value << " experts, more than the " << h.device_limit
-       << " slots per token the hybridep buffers hold (HybridEpOptions::max_topk)";
-  } else if (h.device_value >= -1 && h.device_value < h.device_limit) {
-    os << "token " << h.device_row << " lists expert " << h.device_value
-       << " twice; each expert may appear once per token";
-  } else {
-    os << "value " << h.device_value << " at [" << h.device_row << ", " << h.device_column
-       << "] is out of range; allowed: -1 (no expert) <= id < " << h.device_limit;
-  }
+  os << "token " << h.device_row << " routes to " << h.device_value << " experts, more than the " << h.device_limit
+     << " slots per token the hybridep buffers hold (HybridEpOptions::max_topk)";
   return os.str();
 }
 std::string device_arg_name(int arg) { return arg == 2 ? "routing_map" : "indices"; }
 
-std::exception_ptr compare_headers(const std::vector<RankHeader>& h) {
-  const RankHeader& h0 = h[0];
-  int r = -1;
-  auto fail = [&](const std::string& arg, const std::string& what_r, const std::string& what_0,
-                  const std::string& rule) {
-    std::ostringstream os;
-    os << "rank " << r << " has " << what_r << " but rank 0 has " << what_0 << "; all ranks must " << rule;
-    return std::make_exception_ptr(ArgumentError(arg, os.str()));
-  };
-  if ((r = first_different(h, [](const auto& x) { return x.experts; })) >= 0)
-    return fail("num_experts", num("E", h[r].experts), num("E", h0.experts),
-                "create their dispatcher with the same num_experts");
-  if ((r = first_different(h, [](const auto& x) { return x.multihot; })) >= 0)
-    return fail("routing_map", form_name(h[r].multihot), form_name(h0.multihot), "use the same routing form");
-  if ((r = first_different(h, [](const auto& x) { return x.hidden; })) >= 0)
-    return fail("hidden", num("H", h[r].hidden), num("H", h0.hidden), "pass the same hidden size");
-  if ((r = first_different(h, [](const auto& x) { return x.fp8; })) >= 0) {
-    auto fmt = [](bool fp8) { return std::string(fp8 ? "FP8 (dispatch_fp8)" : "bf16 (dispatch)"); };
-    return fail("hidden", fmt(h[r].fp8) + " rows", fmt(h0.fp8) + " rows", "dispatch rows of the same format");
-  }
-  if (!h0.multihot && (r = first_different(h, [](const auto& x) { return x.topk; })) >= 0)
-    return fail("indices", num("k", h[r].topk), num("k", h0.topk), "route every token to the same top-k");
-  if ((r = first_different(h, [](const auto& x) { return x.mode; })) >= 0)
-    return fail("options.mode", mode_name(h[r].mode), mode_name(h0.mode), "dispatch in the same mode");
-  if ((r = first_different(h, [](const auto& x) { return x.pad_multiple; })) >= 0)
-    return fail("options.pad_multiple", num("pad_multiple", h[r].pad_multiple), num("pad_multiple", h0.pad_multiple),
-                "pad expert groups to the same multiple");
-  if (h0.mode == DispatchMode::budget) {
-    if ((r = first_different(h, [](const auto& x) { return x.budget_rows; })) >= 0)
-      return fail("options.budget_rows", num("budget_rows", h[r].budget_rows), num("budget_rows", h0.budget_rows),
-                  "use the same budget");
-    if ((r = first_different(h, [](const auto& x) { return x.overflow; })) >= 0)
-      return fail("options.overflow", overflow_name(h[r].overflow), overflow_name(h0.overflow),
-                  "use the same overflow policy");
-  }
-  return nullptr;
+call_signature::DeviceViolation describe_violation(const RankHeader& h) {
+  return {device_arg_name(h.device_arg), device_violation(h)};
 }
 }  // namespace
 
@@ -204,48 +148,13 @@ CombineGeometry combine_geometry(const BufferConfig& c) {
 
 std::vector<long long> encode(const RankHeader& h) {
   std::vector<long long> w(word::count, 0);
-  w[word::status] = h.failed ? 1 : 0;
-  char name[8 * word::argument_words] = {};
-  std::memcpy(name, h.argument.data(), std::min(h.argument.size(), sizeof name));
-  std::memcpy(&w[word::argument], name, sizeof name);
-  w[word::device_arg] = h.device_arg;
-  w[word::device_row] = h.device_row;
-  w[word::device_column] = h.device_column;
-  w[word::device_value] = h.device_value;
-  w[word::device_limit] = h.device_limit;
-  w[word::experts] = h.experts;
-  w[word::multihot] = h.multihot ? 1 : 0;
-  w[word::hidden] = h.hidden;
-  w[word::topk] = h.topk;
-  w[word::mode] = h.mode == DispatchMode::budget ? 1 : 0;
-  w[word::pad_multiple] = h.pad_multiple;
-  w[word::budget_rows] = h.budget_rows;
-  w[word::overflow] = h.overflow == OverflowPolicy::drop ? 1 : 0;
-  w[word::tokens] = h.tokens;
+  call_signature::encode_words(h, w.data());
   w[word::fp8] = h.fp8 ? 1 : 0;
   return w;
 }
 
 RankHeader decode(const long long* w) {
-  RankHeader h;
-  h.failed = w[word::status] != 0;
-  char name[8 * word::argument_words + 1] = {};
-  std::memcpy(name, &w[word::argument], 8 * word::argument_words);
-  h.argument = name;  // stops at the first NUL
-  h.device_arg = static_cast<int>(w[word::device_arg]);
-  h.device_row = w[word::device_row];
-  h.device_column = w[word::device_column];
-  h.device_value = w[word::device_value];
-  h.device_limit = w[word::device_limit];
-  h.experts = static_cast<int>(w[word::experts]);
-  h.multihot = w[word::multihot] != 0;
-  h.hidden = w[word::hidden];
-  h.topk = w[word::topk];
-  h.mode = w[word::mode] ? DispatchMode::budget : DispatchMode::blocking;
-  h.pad_multiple = w[word::pad_multiple];
-  h.budget_rows = w[word::budget_rows];
-  h.overflow = w[word::overflow] ? OverflowPolicy::drop : OverflowPolicy::error;
-  h.tokens = w[word::tokens];
+  RankHeader h = call_signature::decode_words(w);
   h.fp8 = w[word::fp8] != 0;
   return h;
 }
@@ -271,21 +180,8 @@ std::exception_ptr abort_reason(const Snapshot& snap, int me, std::int64_t capac
   if (mine.device_arg != 0)
     return std::make_exception_ptr(
         ArgumentError(device_arg_name(mine.device_arg), "dispatch: " + device_violation(mine)));
-  for (int r = 0; r < R; ++r) {
-    const RankHeader& h = snap.headers[static_cast<std::size_t>(r)];
-    if (r == me || (!h.failed && h.device_arg == 0)) continue;
-    const std::string who =
-        "rank " + std::to_string(r) + " failed its checks, so this collective call stops on every rank: ";
-    if (h.failed) {
-      if (h.argument.empty())
-        return std::make_exception_ptr(Error("flexep: " + who + "see the error raised on rank " + std::to_string(r)));
-      return std::make_exception_ptr(
-          ArgumentError(h.argument, who + "see the error raised on rank " + std::to_string(r)));
-    }
-    return std::make_exception_ptr(
-        ArgumentError(device_arg_name(h.device_arg), who + "dispatch: " + device_violation(h)));
-  }
-  if (auto err = compare_headers(snap.headers)) return err;
+  if (auto err = call_signature::peer_failure(snap.headers, me, describe_violation)) return err;
+  if (auto err = call_signature::compare_headers(snap.headers)) return err;
   const RankHeader& h0 = snap.headers[0];
   PlanParams p;
   p.ranks = R;

@@ -14,7 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "device_state.h"  // relative: the CPU tests include this header without src/ on the path
+#include "../common/call_signature.h"  // relative: the CPU tests include this header without src/ on the path
+#include "device_state.h"                // relative, as above
 #include "flexep/core/plan.h"
 #include "flexep/dispatch/dispatcher.h"
 
@@ -93,22 +94,8 @@ CombineGeometry combine_geometry(const BufferConfig& c);
 
 // ---- the count exchange header ----------------------------------------------------------------------
 
-struct RankHeader {
-  bool failed = false;   // host-side checks failed
-  std::string argument;  // their ArgumentError's argument ("" for other errors)
-  int device_arg = 0;    // cuda::DeviceArg of a device-side violation (1 indices, 2 routing_map)
-  std::int64_t device_row = 0, device_column = -1, device_value = 0, device_limit = 0;
-  int experts = 0;
-  bool multihot = false;
-  std::int64_t hidden = 0;
-  std::int64_t topk = 0;
-  DispatchMode mode = DispatchMode::blocking;
-  std::int64_t pad_multiple = 1;
-  std::int64_t budget_rows = 0;
-  OverflowPolicy overflow = OverflowPolicy::error;
-  std::int64_t tokens = 0;
-  bool fp8 = false;
-};
+// The header of the count exchange: the call signature, and fp8 in its own word.
+using RankHeader = call_signature::CallSignature;
 
 std::vector<long long> encode(const RankHeader& h);  // word::count words
 RankHeader decode(const long long* words);

@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "../common/signature_words.h"  // relative: see layout.h
+
 #if defined(__CUDACC__)
 #define FLEXEP_HD __host__ __device__ inline
 #else
@@ -190,25 +192,9 @@ FLEXEP_HD int record_find(const unsigned char* rec, int row) {
 // pair counts per global expert. The device_* words come from the DeviceErrorRecord of the
 // single-GPU plan (bad expert ids found on the device).
 namespace word {
-constexpr int status = 0;    // 1: this rank's host-side checks failed
-constexpr int argument = 1;  // 4 words: the failing argument's name, 8 chars each (truncated)
-constexpr int argument_words = 4;
-constexpr int device_arg = 5;  // cuda::DeviceArg of a device-side violation (0 = none)
-constexpr int device_row = 6;
-constexpr int device_column = 7;
-constexpr int device_value = 8;
-constexpr int device_limit = 9;
-constexpr int experts = 10;
-constexpr int multihot = 11;
-constexpr int hidden = 12;
-constexpr int topk = 13;  // k in the top-k form (0 in the multihot form); compared only there
-constexpr int mode = 14;  // 0 blocking, 1 budget
-constexpr int pad_multiple = 15;
-constexpr int budget_rows = 16;
-constexpr int overflow = 17;  // 0 error, 1 drop
-constexpr int tokens = 18;
-constexpr int fp8 = 19;  // 1: rows travel as e4m3 with fp32 scales per 128 elements (dispatch_fp8)
-constexpr int count = 20;
+using namespace call_signature::word;  // status, argument, device_*, experts ... tokens (signature_words.h)
+constexpr int fp8 = call_signature::kWords;  // 1: rows travel as e4m3 with fp32 scales per 128 elements (dispatch_fp8)
+constexpr int count = fp8 + 1;
 }  // namespace word
 
 // FP8 rows: one fp32 scale per this many elements travels with each row.

@@ -1,0 +1,34 @@
+#include "dispatch/common/routing_checks.h"
+
+#include "flexep/core/checks.h"
+#include "flexep/core/error.h"
+
+namespace flexep::check {
+
+void routing_form(const DispatchInput& in, std::int64_t tokens, int experts, Device dev,
+                  const std::function<void(std::int64_t k)>& check_k) {
+  if (in.multihot()) {
+    FLEXEP_CHECK_ARG(!in.indices.defined() && !in.weights.defined(), "indices",
+                     "was given together with routing_map; pass either the top-k form (indices, weights) or the "
+                     "multihot form (routing_map, probs)");
+    check::shape(in.routing_map, {tokens, experts}, "routing_map");
+    check::dtype(in.routing_map, {DType::b8}, "routing_map");
+    check::device(in.routing_map, dev, "routing_map");
+    check::shape(in.probs, {tokens, experts}, "probs");
+    check::dtype(in.probs, {DType::f32}, "probs");
+    check::device(in.probs, dev, "probs");
+  } else {
+    FLEXEP_CHECK_ARG(in.indices.defined(), "indices",
+                     "is required; pass the top-k form (indices, weights) or the multihot form (routing_map, probs)");
+    check::shape(in.indices, {tokens, -1}, "indices");
+    check::dtype(in.indices, {DType::i32, DType::i64}, "indices");
+    check::device(in.indices, dev, "indices");
+    const std::int64_t k = in.indices.size(1);
+    check_k(k);
+    check::shape(in.weights, {tokens, k}, "weights");
+    check::dtype(in.weights, {DType::f32}, "weights");
+    check::device(in.weights, dev, "weights");
+  }
+}
+
+}  // namespace flexep::check
