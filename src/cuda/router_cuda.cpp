@@ -10,6 +10,7 @@
 #include "flexep/core/checks.h"
 #include "flexep/cuda/cublas.h"
 #include "flexep/cuda/runtime.h"
+#include "layer/gate_rules.h"
 
 namespace flexep::cuda {
 
@@ -17,15 +18,12 @@ namespace {
 
 using router::launch_cast;
 
-// Plain softmax ignores groups and the correction bias (as the CPU Gate and Automodel do).
-bool uses_groups(const MoEConfig& c) { return c.grouped_routing() && c.score_func != ScoreFunc::softmax; }
-// Group score: sum of the top-2 biased scores, except sigmoid without a correction bias (max).
-bool top2_group_score(const MoEConfig& c) {
-  return c.score_func == ScoreFunc::softmax_with_bias || c.has_correction_bias();
-}
+using gate_rules::top2_group_score;
+using gate_rules::uses_groups;
 bool normalized(const MoEConfig& c) { return c.norm_topk_prob && c.n_activated_experts > 1; }
 
-// The CPU Gate's checks (src/layer/gate.cpp, validate_gate) plus the kernel limits.
+// The CPU Gate's checks (src/layer/gate.cpp, validate_gate; the shared tail in layer/gate_rules.h) plus the
+// kernel limits.
 void validate_config(const MoEConfig& c, std::optional<DType> precision) {
   const int E = c.n_routed_experts, k = c.n_activated_experts;
   FLEXEP_CHECK_ARG(E >= 1 && E <= kRouterMaxExperts, "moe.n_routed_experts", "must be in [1, ", kRouterMaxExperts,
@@ -38,21 +36,7 @@ void validate_config(const MoEConfig& c, std::optional<DType> precision) {
   FLEXEP_CHECK_ARG(std::isfinite(c.route_scale), "moe.route_scale", "must be finite, got ", c.route_scale);
   FLEXEP_CHECK_ARG(c.aux_loss_coeff >= 0 && std::isfinite(c.aux_loss_coeff), "moe.aux_loss_coeff",
                    "must be a finite value >= 0, got ", c.aux_loss_coeff);
-  if (precision)
-    FLEXEP_CHECK_ARG(*precision == DType::f32 || *precision == DType::f64, "backend.gate_precision", "dtype ",
-                     dtype_name(*precision), " is not supported; allowed: f32, f64 (or unset)");
-  FLEXEP_CHECK_ARG(c.n_expert_groups >= 1, "moe.n_expert_groups", "must be >= 1, got ", c.n_expert_groups);
-  if (!uses_groups(c)) return;
-  const int G = c.n_expert_groups;
-  FLEXEP_CHECK_ARG(E % G == 0, "moe.n_expert_groups", G, " does not divide moe.n_routed_experts = ", E);
-  FLEXEP_CHECK_ARG(!top2_group_score(c) || E / G >= 2, "moe.n_expert_groups", G, " groups of ", E / G,
-                   " expert(s): the group score sums the top-2 experts of a group, so each group needs >= 2 "
-                   "experts (at most ", E / 2, " groups)");
-  FLEXEP_CHECK_ARG(c.n_limited_groups >= 1 && c.n_limited_groups <= G, "moe.n_limited_groups",
-                   "must be in [1, moe.n_expert_groups = ", G, "], got ", c.n_limited_groups);
-  FLEXEP_CHECK_ARG(k <= c.n_limited_groups * (E / G), "moe.n_activated_experts", k,
-                   " exceeds the experts of the kept groups (moe.n_limited_groups * experts per group = ",
-                   c.n_limited_groups * (E / G), ")");
+  gate_rules::validate_precision_and_groups(c, precision);
 }
 
 // `t` is required, of `shape`, one of `dtypes`, on `device`.

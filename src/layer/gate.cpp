@@ -6,6 +6,7 @@
 
 #include "flexep/core/checks.h"
 #include "flexep/core/random.h"
+#include "layer/gate_rules.h"
 #include "layer/gate_saved.h"
 
 namespace flexep {
@@ -14,12 +15,8 @@ namespace {
 
 constexpr double kNormEps = 1e-20;  // Automodel's denominator guard for norm_topk_prob
 
-// Plain softmax ignores groups and the correction bias, as Automodel's softmax branch does.
-bool uses_groups(const MoEConfig& c) { return c.grouped_routing() && c.score_func != ScoreFunc::softmax; }
-// Group score: sum of the top-2 biased scores, except sigmoid without a correction bias (max).
-bool top2_group_score(const MoEConfig& c) {
-  return c.score_func == ScoreFunc::softmax_with_bias || c.has_correction_bias();
-}
+using gate_rules::top2_group_score;
+using gate_rules::uses_groups;
 
 void validate_gate(const MoEConfig& c, std::optional<DType> precision, DType param_dtype) {
   const int E = c.n_routed_experts, k = c.n_activated_experts;
@@ -36,21 +33,7 @@ void validate_gate(const MoEConfig& c, std::optional<DType> precision, DType par
                    "): the bias update is part of gate training");
   FLEXEP_CHECK_ARG(param_dtype == DType::f32 || param_dtype == DType::f64, "param_dtype", "dtype ",
                    dtype_name(param_dtype), " is not supported by the CPU gate; allowed: f32, f64");
-  if (precision)
-    FLEXEP_CHECK_ARG(*precision == DType::f32 || *precision == DType::f64, "backend.gate_precision", "dtype ",
-                     dtype_name(*precision), " is not supported; allowed: f32, f64 (or unset)");
-  FLEXEP_CHECK_ARG(c.n_expert_groups >= 1, "moe.n_expert_groups", "must be >= 1, got ", c.n_expert_groups);
-  if (!uses_groups(c)) return;
-  const int G = c.n_expert_groups;
-  FLEXEP_CHECK_ARG(E % G == 0, "moe.n_expert_groups", G, " does not divide moe.n_routed_experts = ", E);
-  FLEXEP_CHECK_ARG(!top2_group_score(c) || E / G >= 2, "moe.n_expert_groups", G, " groups of ", E / G,
-                   " expert(s): the group score sums the top-2 experts of a group, so each group needs >= 2 "
-                   "experts (at most ", E / 2, " groups)");
-  FLEXEP_CHECK_ARG(c.n_limited_groups >= 1 && c.n_limited_groups <= G, "moe.n_limited_groups",
-                   "must be in [1, moe.n_expert_groups = ", G, "], got ", c.n_limited_groups);
-  FLEXEP_CHECK_ARG(k <= c.n_limited_groups * (E / G), "moe.n_activated_experts", k,
-                   " exceeds the experts of the kept groups (moe.n_limited_groups * experts per group = ",
-                   c.n_limited_groups * (E / G), ")");
+  gate_rules::validate_precision_and_groups(c, precision);
 }
 
 template <class S>
