@@ -161,6 +161,32 @@ const char* bytes_at(const TensorView& t, std::int64_t elements) {
   return static_cast<const char*>(t.data) + elements * static_cast<std::int64_t>(element_size(t.dtype));
 }
 
+// The problems of forward and dgrad for grouped_bf16: one per non-empty group g (counts[g] rows, in
+// group order), with the weights b[g] (b is [G, K, M]), the group's rows of `x` (x_cols wide) and
+// its rows of `c` (c_cols wide).
+struct GroupProblems {
+  std::vector<int> n;
+  std::vector<const void*> weights, x;
+  std::vector<void*> c;
+};
+GroupProblems group_problems(const std::vector<std::int64_t>& counts, const TensorView& b, std::int64_t K,
+                             std::int64_t M, const TensorView& x, std::int64_t x_cols, const TensorView& c,
+                             std::int64_t c_cols) {
+  GroupProblems p;
+  std::int64_t row = 0;
+  for (std::size_t g = 0; g < counts.size(); ++g) {
+    const std::int64_t rows = counts[g];
+    if (rows > 0) {
+      p.n.push_back(static_cast<int>(rows));
+      p.weights.push_back(bytes_at(b, static_cast<std::int64_t>(g) * K * M));
+      p.x.push_back(bytes_at(x, row * x_cols));
+      p.c.push_back(const_cast<char*>(bytes_at(c, row * c_cols)));
+    }
+    row += rows;
+  }
+  return p;
+}
+
 }  // namespace
 
 void grouped_gemm_forward(const TensorView& a, const TensorView& b, const std::vector<std::int64_t>& counts,
@@ -183,21 +209,8 @@ void grouped_gemm_forward(const TensorView& a, const TensorView& b, const std::v
   as_int(N, "a", "N");
   DeviceGuard guard(a.device.index);
   // Column-major: C_g^T (M x n_g, ld M) = B_g^T (M x K, ld M) * A_g^T (K x n_g, ld K).
-  std::vector<int> n;
-  std::vector<const void*> pa, pb;
-  std::vector<void*> pc;
-  std::int64_t row = 0;
-  for (std::size_t g = 0; g < counts.size(); ++g) {
-    const std::int64_t rows = counts[g];
-    if (rows > 0) {
-      n.push_back(static_cast<int>(rows));
-      pa.push_back(bytes_at(b, static_cast<std::int64_t>(g) * K * M));
-      pb.push_back(bytes_at(a, row * K));
-      pc.push_back(const_cast<char*>(bytes_at(c, row * M)));
-    }
-    row += rows;
-  }
-  grouped_bf16(stream, a.device.index, CUBLAS_OP_N, CUBLAS_OP_N, m, k, m, k, m, n, pa, pb, pc);
+  const GroupProblems p = group_problems(counts, b, K, M, a, K, c, M);
+  grouped_bf16(stream, a.device.index, CUBLAS_OP_N, CUBLAS_OP_N, m, k, m, k, m, p.n, p.weights, p.x, p.c);
 }
 
 void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vector<std::int64_t>& counts,
@@ -220,21 +233,8 @@ void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vec
   as_int(N, "d", "N");
   DeviceGuard guard(d.device.index);
   // Column-major: C_g^T (K x n_g, ld K) = op_T(B_g^T stored M x K, ld M) * D_g^T (M x n_g, ld M).
-  std::vector<int> n;
-  std::vector<const void*> pa, pb;
-  std::vector<void*> pc;
-  std::int64_t row = 0;
-  for (std::size_t g = 0; g < counts.size(); ++g) {
-    const std::int64_t rows = counts[g];
-    if (rows > 0) {
-      n.push_back(static_cast<int>(rows));
-      pa.push_back(bytes_at(b, static_cast<std::int64_t>(g) * K * M));
-      pb.push_back(bytes_at(d, row * M));
-      pc.push_back(const_cast<char*>(bytes_at(c, row * K)));
-    }
-    row += rows;
-  }
-  grouped_bf16(stream, d.device.index, CUBLAS_OP_T, CUBLAS_OP_N, k, m, m, m, k, n, pa, pb, pc);
+  const GroupProblems p = group_problems(counts, b, K, M, d, M, c, K);
+  grouped_bf16(stream, d.device.index, CUBLAS_OP_T, CUBLAS_OP_N, k, m, m, m, k, p.n, p.weights, p.x, p.c);
 }
 
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
