@@ -26,6 +26,23 @@ void free_local(char* p, int device) noexcept {
   cudaFree(p);
   cudaSetDevice(previous);
 }
+
+// Sets up a buffer's window and flags (collective, one LSA barrier), then returns its zeroed plain
+// device memory; the window is freed again when that allocation fails.
+char* init_symmetric_and_local(SymmetricBuffer& sym, std::size_t window_bytes, std::size_t flag_bytes,
+                               std::size_t local_bytes) {
+  SymmetricBufferSpec spec;
+  spec.window_bytes = window_bytes;
+  spec.flag_bytes = flag_bytes;
+  spec.lsa_barriers = 1;
+  sym.init(spec);
+  try {
+    return allocate_zeroed(local_bytes, sym.comm().device());
+  } catch (...) {
+    sym.free();
+    throw;
+  }
+}
 }  // namespace
 
 unsigned long long timeout_ns(double seconds) {
@@ -42,17 +59,7 @@ std::size_t DispatchStorage::sort_temp_bytes(std::int64_t pairs, int experts) {
 DispatchStorage::DispatchStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)
     : geo_(dispatch_geometry(config, sort_temp_bytes(config.max_tokens * config.slots, config.experts))),
       sym_(comm, "hybridep dispatch buffer") {
-  SymmetricBufferSpec spec;
-  spec.window_bytes = geo_.window_bytes;
-  spec.flag_bytes = geo_.flag_bytes;
-  spec.lsa_barriers = 1;
-  sym_.init(spec);
-  try {
-    local_ = allocate_zeroed(geo_.local_bytes, sym_.comm().device());
-  } catch (...) {
-    sym_.free();
-    throw;
-  }
+  local_ = init_symmetric_and_local(sym_, geo_.window_bytes, geo_.flag_bytes, geo_.local_bytes);
   prepare_preprocess(config.experts);
 }
 
@@ -117,17 +124,7 @@ cuda::local_plan_detail::Outputs DispatchStorage::plan_outputs() const {
 
 CombineStorage::CombineStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)
     : geo_(combine_geometry(config)), sym_(comm, "hybridep combine buffer") {
-  SymmetricBufferSpec spec;
-  spec.window_bytes = geo_.window_bytes;
-  spec.flag_bytes = geo_.flag_bytes;
-  spec.lsa_barriers = 1;
-  sym_.init(spec);
-  try {
-    local_ = allocate_zeroed(geo_.local_bytes, sym_.comm().device());
-  } catch (...) {
-    sym_.free();
-    throw;
-  }
+  local_ = init_symmetric_and_local(sym_, geo_.window_bytes, geo_.flag_bytes, geo_.local_bytes);
 }
 
 CombineStorage::~CombineStorage() { free_local(local_, sym_.comm().device()); }

@@ -8,6 +8,11 @@
 
 namespace flexep::hybridep {
 
+void Dispatcher::check_rows(const TensorView& t, std::int64_t rows, const HepHandle& h, const std::string& arg) const {
+  check_handle_tensor(t, rows, h.hidden, h.hidden_dtype, arg);
+  check_tensor(t, arg);
+}
+
 void Dispatcher::run_combine(const HepHandle& h, const TensorView& rows, const TensorView& out,
                              const TensorView& grad_probs, const TensorView& grad_weights, Phase data, Phase reuse,
                              cudaStream_t s) {
@@ -38,8 +43,7 @@ Tensor Dispatcher::combine(const Handle& handle, const TensorView& expert_out) {
   cuda::StreamGuard stream_guard(s);
   require_usable();
   const HepHandle& h = own_handle(handle);
-  check_handle_tensor(expert_out, h.rows, h.hidden, h.hidden_dtype, "expert_out");
-  check_tensor(expert_out, "expert_out");
+  check_rows(expert_out, h.rows, h, "expert_out");
   Tensor out = Tensor::empty({h.tokens, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
   run_combine(h, expert_out, out, TensorView(), TensorView(), Phase::combine_partials, Phase::combine_reuse, s);
   if (blocking_check(h)) check(s, "combine");
@@ -51,10 +55,8 @@ void Dispatcher::combine_into(const Handle& handle, const TensorView& expert_out
   const cudaStream_t s = stream();
   require_usable();
   const HepHandle& h = own_handle(handle);
-  check_handle_tensor(expert_out, h.rows, h.hidden, h.hidden_dtype, "expert_out");
-  check_tensor(expert_out, "expert_out");
-  check_handle_tensor(out, h.tokens, h.hidden, h.hidden_dtype, "out");
-  check_tensor(out, "out");
+  check_rows(expert_out, h.rows, h, "expert_out");
+  check_rows(out, h.tokens, h, "out");
   run_combine(h, expert_out, out, TensorView(), TensorView(), Phase::combine_partials, Phase::combine_reuse, s);
   if (blocking_check(h)) check(s, "combine");
 }
@@ -67,8 +69,7 @@ DispatchGrads Dispatcher::dispatch_backward(const Handle& handle, const TensorVi
   cuda::StreamGuard stream_guard(s);
   require_usable();
   const HepHandle& h = own_handle(handle);
-  check_handle_tensor(grad_tokens, h.rows, h.hidden, h.hidden_dtype, "grad_tokens");
-  check_tensor(grad_tokens, "grad_tokens");
+  check_rows(grad_tokens, h.rows, h, "grad_tokens");
   check_handle_tensor(grad_token_probs, h.rows, -1, h.prob_dtype, "grad_token_probs");
   check::device(grad_token_probs, Device::cuda(comm_->device()), "grad_token_probs");
   const Device dev = Device::cuda(comm_->device());
@@ -90,8 +91,7 @@ Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad
   cuda::StreamGuard stream_guard(s);
   require_usable();
   const HepHandle& h = own_handle(handle);
-  check_handle_tensor(grad_out, h.tokens, h.hidden, h.hidden_dtype, "grad_out");
-  check_tensor(grad_out, "grad_out");
+  check_rows(grad_out, h.tokens, h, "grad_out");
   Tensor out = Tensor::empty({h.rows, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
   run_combine_backward(h, grad_out, out, s);
   if (blocking_check(h)) check(s, "combine_backward");
@@ -103,10 +103,8 @@ void Dispatcher::combine_backward_into(const Handle& handle, const TensorView& g
   const cudaStream_t s = stream();
   require_usable();
   const HepHandle& h = own_handle(handle);
-  check_handle_tensor(grad_out, h.tokens, h.hidden, h.hidden_dtype, "grad_out");
-  check_tensor(grad_out, "grad_out");
-  check_handle_tensor(out, h.rows, h.hidden, h.hidden_dtype, "out");
-  check_tensor(out, "out");
+  check_rows(grad_out, h.tokens, h, "grad_out");
+  check_rows(out, h.rows, h, "out");
   run_combine_backward(h, grad_out, out, s);
   if (blocking_check(h)) check(s, "combine_backward");
 }

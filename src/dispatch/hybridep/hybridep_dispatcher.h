@@ -74,6 +74,8 @@ class Dispatcher final : public HybridEpDispatcher {
   void ensure_initialized();
   const HepHandle& own_handle(const Handle& handle) const;
   void check_tensor(const TensorView& t, const std::string& arg) const;  // device + 16-byte alignment
+  // A [rows, H] tensor of the handle's hidden dtype (check_handle_tensor), then check_tensor.
+  void check_rows(const TensorView& t, std::int64_t rows, const HepHandle& h, const std::string& arg) const;
   // Waits for `s` (deadline) and raises what the kernels recorded, clearing it. `op` names the call.
   void check(cudaStream_t s, const std::string& op);
   void wait_stream(cudaStream_t s, const std::string& op);
