@@ -61,6 +61,7 @@ DispatchStorage::DispatchStorage(std::shared_ptr<Communicator> comm, const Buffe
       sym_(comm, "hybridep dispatch buffer") {
   local_ = init_symmetric_and_local(sym_, geo_.window_bytes, geo_.flag_bytes, geo_.local_bytes);
   prepare_preprocess(config.experts);
+  prepare_dispatch_v2();
 }
 
 DispatchStorage::~DispatchStorage() { free_local(local_, sym_.comm().device()); }
@@ -94,6 +95,7 @@ DispatchView DispatchStorage::view(Status* status, double timeout_seconds) const
   v.snapshot = at<long long>(geo_.off_snapshot);
   v.staging = at<unsigned char>(geo_.off_staging);
   v.slot_entry = at<int>(geo_.off_slot_entry);
+  v.work = at<unsigned>(geo_.off_work);
   v.status = status;
   v.timeout_ns = timeout_ns(timeout_seconds);
   return v;
@@ -125,6 +127,7 @@ cuda::local_plan_detail::Outputs DispatchStorage::plan_outputs() const {
 CombineStorage::CombineStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)
     : geo_(combine_geometry(config)), sym_(comm, "hybridep combine buffer") {
   local_ = init_symmetric_and_local(sym_, geo_.window_bytes, geo_.flag_bytes, geo_.local_bytes);
+  prepare_combine_v2();
 }
 
 CombineStorage::~CombineStorage() { free_local(local_, sym_.comm().device()); }
@@ -144,6 +147,7 @@ CombineView CombineStorage::view(Status* status, double timeout_seconds) const {
   v.flag_ready = static_cast<int>(geo_.flag_ready);
   v.flag_consumed = static_cast<int>(geo_.flag_consumed);
   v.control = reinterpret_cast<OpControl*>(local_ + geo_.off_control);
+  v.work = reinterpret_cast<unsigned*>(local_ + geo_.off_work);
   v.status = status;
   v.timeout_ns = timeout_ns(timeout_seconds);
   return v;

@@ -23,8 +23,12 @@ void Dispatcher::run_combine(const HepHandle& h, const TensorView& rows, const T
   c.grad_weights = grad_weights.defined() ? grad_weights.ptr<float>() : nullptr;
   c.data_phase = data;
   c.reuse_phase = reuse;
+  const CombineView view = combine_->view(status_, options_.timeout_seconds);
   record(ev_combine, s);
-  launch_combine(combine_->view(status_, options_.timeout_seconds), handle_view(h), c, num_sms().combine, s);
+  if (options_.kernels == 2 && combine_v2_supported(h.hidden))
+    launch_combine_v2(view, handle_view(h), c, num_sms().combine, s);
+  else
+    launch_combine(view, handle_view(h), c, num_sms().combine, s);
   record(ev_combine_end, s);
 }
 

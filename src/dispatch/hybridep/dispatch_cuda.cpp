@@ -165,12 +165,18 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     c.plan_slot_rows = out.slot_rows;
   }
 
-  // 3. The two kernels of the exchange.
+  // 3. The two kernels of the exchange. The dispatch kernel is launched as a programmatic dependent
+  //    of the preprocess kernel when nothing sits between them on the stream (kernel_timing puts
+  //    events there): it may be scheduled while the preprocess kernel runs, hiding its launch
+  //    latency, and waits (griddepcontrol.wait, its first instruction) for the preprocess grid to
+  //    complete before it reads anything, so the results cannot change.
   const DispatchView view = st.view(status_, options_.timeout_seconds);
+  const bool overlap = !options_.kernel_timing;
   record(ev_preprocess, s);
   launch_preprocess(view, c, sms.preprocess, s);
   record(ev_dispatch, s);
-  launch_dispatch(view, c, sms.dispatch, s);
+  const bool v2 = options_.kernels == 2 && dispatch_v2_supported(c.row_bytes, c.scale_bytes);
+  (v2 ? launch_dispatch_v2 : launch_dispatch)(view, c, sms.dispatch, s, overlap);
   record(ev_dispatch_end, s);
 
   if (local) {

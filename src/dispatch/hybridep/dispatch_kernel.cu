@@ -24,8 +24,10 @@
 
 #include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/rows.cuh"
+#include "dispatch/hybridep/tma.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::hybridep {
@@ -169,6 +171,7 @@ __device__ bool receive_chunk(const DispatchView& v, const DispatchCall& c, int 
 
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c) {
+  tma::grid_dependency_wait();  // launched right after the preprocess kernel: wait for its results
   const unsigned epoch = op_epoch(&v.control->op);
   __shared__ int s_broken, s_move;
   if (threadIdx.x == 0) {
@@ -208,9 +211,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-void launch_dispatch(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
-  dispatch_kernel<<<grid, kThreads, 0, stream>>>(v, c);
-  FLEXEP_CUDA_CHECK_LAUNCH("hybridep dispatch_kernel");
+void launch_dispatch(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                     bool after_preprocess) {
+  launch_kernel(dispatch_kernel, grid, kThreads, 0, stream, after_preprocess, v, c);
 }
 
 }  // namespace flexep::hybridep

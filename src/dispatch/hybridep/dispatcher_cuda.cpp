@@ -20,6 +20,7 @@ hybridep::BufferConfig config_of(const HybridEpOptions& o, int ranks, int expert
   FLEXEP_CHECK_ARG(o.timeout_seconds > 0, "timeout_seconds", "must be > 0, got ", o.timeout_seconds);
   FLEXEP_CHECK_ARG(o.dispatch_sms >= 0 && o.combine_sms >= 0 && o.preprocess_sms >= 0, "sms",
                    "SM counts must be >= 0 (0 = the process-wide setting)");
+  FLEXEP_CHECK_ARG(o.kernels == 1 || o.kernels == 2, "kernels", "must be 1 or 2, got ", o.kernels);
   return hybridep::make_buffer_config(ranks, experts, o.max_tokens_per_rank, o.hidden, o.max_topk, o.max_recv_rows,
                                       o.max_pad_multiple, o.fp8);
 }
@@ -248,7 +249,13 @@ void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
   // Every device wait has its own deadline, so the stream finishes; this bound only guards against
   // a GPU that stopped making progress altogether.
   const double seconds = 3 * options_.timeout_seconds + 30;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::duration<double>(seconds);
+  // Spin (yielding) for the first 200 us, then sleep: a blocking call's GPU work is often shorter
+  // than one sleep, and sleep_for(20 us) really sleeps ~70 us on Linux (50 us default timer slack),
+  // which added that much to every blocking dispatch and combine. After 200 us the sleeps keep a
+  // long wait (e.g. for a slow peer) from burning a core.
+  const auto spin_until = start + std::chrono::microseconds(200);
   while (true) {
     const cudaError_t q = cudaStreamQuery(s);
     if (q == cudaSuccess) return;
@@ -260,7 +267,10 @@ void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
                          detail::concat("rank ", rank(), ": the hybridep kernels did not finish within ", seconds,
                                         " s although every device wait has a deadline"));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (std::chrono::steady_clock::now() < spin_until)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 

@@ -1,5 +1,6 @@
 // Launchers of the hybridep kernels (preprocess.cu, dispatch_kernel.cu, combine_kernel.cu,
-// combine_backward_kernel.cu) and the views of the buffers they take by value. Nothing here
+// combine_backward_kernel.cu, and the v2 kernels dispatch_kernel_v2.cu / combine_kernel_v2.cu)
+// and the views of the buffers they take by value. Nothing here
 // synchronises or allocates, so a budget-mode dispatch and its combine can be captured in a CUDA
 // graph. Every kernel bounds-checks the indices it reads from memory a peer wrote.
 // Included only by *_cuda.cpp and .cu files.
@@ -37,6 +38,7 @@ struct DispatchView {
   long long* snapshot = nullptr;     // [R * slot_bytes / 8]
   unsigned char* staging = nullptr;  // [R][max_tokens] records
   int* slot_entry = nullptr;         // [T * slots]: destination rank * width + entry, or -1
+  unsigned* work = nullptr;          // [2 + max_chunks] v2 work counters (work_items.cuh), zero between kernels
   Status* status = nullptr;
   unsigned long long timeout_ns = 0;
 };
@@ -91,6 +93,7 @@ struct CombineView {
   unsigned long long off_partials = 0, off_grads = 0;
   int flag_ready = 0, flag_consumed = 0;
   OpControl* control = nullptr;
+  unsigned* work = nullptr;  // [2 + R * max_chunks] v2 work counters (work_items.cuh), zero between kernels
   Status* status = nullptr;
   unsigned long long timeout_ns = 0;
 };
@@ -119,10 +122,32 @@ void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, c
 void prepare_preprocess(int experts);
 
 // --- dispatch_kernel.cu -----------------------------------------------------------------------------------
-void launch_dispatch(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream);
+// `after_preprocess`: the launch directly follows launch_preprocess on `stream` (nothing in between),
+// so it may overlap the preprocess kernel's tail (programmatic dependent launch; the kernel still
+// waits for the preprocess grid's completion before it reads anything).
+void launch_dispatch(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                     bool after_preprocess = false);
+
+// --- dispatch_kernel_v2.cu (HybridEpOptions::kernels = 2) ------------------------------------------------------
+// Same protocol and results as launch_dispatch, with bulk copies through shared-memory rings.
+// False when a row (row_bytes + scale_bytes) is too large for the rings: use launch_dispatch.
+bool dispatch_v2_supported(long long row_bytes, long long scale_bytes);
+void launch_dispatch_v2(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                        bool after_preprocess = false);
+// Raises the kernel's dynamic shared-memory limit on the current device (once per buffer, outside
+// any graph capture).
+void prepare_dispatch_v2();
 
 // --- combine_kernel.cu -----------------------------------------------------------------------------------
 void launch_combine(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream);
+
+// --- combine_kernel_v2.cu (HybridEpOptions::kernels = 2) --------------------------------------------------------
+// Same protocol and bitwise the same results as launch_combine. False for rows it cannot hold
+// (H > 8192): use launch_combine.
+bool combine_v2_supported(long long hidden);
+void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid,
+                       cudaStream_t stream);
+void prepare_combine_v2();  // as prepare_dispatch_v2
 
 // --- combine_backward_kernel.cu ----------------------------------------------------------------------------
 // grad_out [T, H] -> out [N, H] along the handle.

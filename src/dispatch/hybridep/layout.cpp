@@ -112,6 +112,7 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_
   g.off_slot_entry = take(pairs * 4);
   g.off_slot_expert = take(pairs * 4);
   g.off_slot_weight = take(pairs * 4);
+  g.off_work = take((2 + static_cast<std::size_t>(g.max_chunks)) * 4);
   g.off_plan_tpe = take(E * 8);
   g.off_plan_used = take(8);
   g.off_plan_dropped = take(8);
@@ -142,7 +143,8 @@ CombineGeometry combine_geometry(const BufferConfig& c) {
   g.flag_consumed = R * static_cast<std::size_t>(g.max_chunks);
   g.flag_bytes = align_up((g.flag_consumed + R) * 4, 128);
   g.off_control = 0;
-  g.local_bytes = align_up(sizeof(OpControl));
+  g.off_work = align_up(sizeof(OpControl));
+  g.local_bytes = align_up(g.off_work + (2 + R * static_cast<std::size_t>(g.max_chunks)) * 4);
   return g;
 }
 

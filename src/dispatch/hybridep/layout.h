@@ -60,8 +60,9 @@ inline std::size_t align_up(std::size_t x, std::size_t a = kRegionAlign) { retur
 //   flags (NCCL resource buffer, uint32): count flags [R], then chunk flags [R][max_chunks]
 //   local (plain device memory): the DispatchControl + tokens_per_expert [L], begin [L], kept [L],
 //     the abort snapshot (a copy of the count slots), the sender's staging records [R][T], the
-//     slot entries [T * slots], the multihot slots [T * slots] (expert, prob), and the single-GPU
-//     plan's outputs and workspace (sized for T * slots pairs; the CUB sort storage last).
+//     slot entries [T * slots], the multihot slots [T * slots] (expert, prob), the v2 kernel's work
+//     counters [2 + max_chunks] uint32 (work_items.cuh), and the single-GPU plan's outputs and
+//     workspace (sized for T * slots pairs; the CUB sort storage last).
 struct DispatchGeometry {
   BufferConfig cfg;
   int width = 1, record_bytes = 16, max_chunks = 1;
@@ -70,7 +71,7 @@ struct DispatchGeometry {
   std::size_t off_counts = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0, window_bytes = 0;
   std::size_t flag_counts = 0, flag_chunks = 0, flag_bytes = 0;  // uint32 indices, then bytes
   std::size_t off_control = 0, off_tpe = 0, off_begin = 0, off_kept = 0, off_snapshot = 0, off_staging = 0,
-              off_slot_entry = 0, off_slot_expert = 0, off_slot_weight = 0;
+              off_slot_entry = 0, off_slot_expert = 0, off_slot_weight = 0, off_work = 0;
   std::size_t off_plan_tpe = 0, off_plan_used = 0, off_plan_dropped = 0, off_plan_begin = 0, off_plan_kept = 0,
               off_plan_slot_rows = 0, off_keys_in = 0, off_keys_out = 0, off_pairs_in = 0, off_pairs_out = 0,
               off_sorted_begin = 0, off_sort_temp = 0, sort_temp_bytes = 0, local_bytes = 0;
@@ -82,13 +83,13 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_
 //           t; combine_backward stages grad_out [T][H] at the same offset), then prob grads
 //           [R][T][width] f32 (dispatch_backward)
 //   flags:  ready [R][max_chunks], then consumed [R]
-//   local:  the OpControl
+//   local:  the OpControl, then the v2 kernel's work counters [2 + R * max_chunks] uint32
 struct CombineGeometry {
   BufferConfig cfg;
   int width = 1, max_chunks = 1;
   std::size_t off_partials = 0, off_grads = 0, window_bytes = 0;
   std::size_t flag_ready = 0, flag_consumed = 0, flag_bytes = 0;
-  std::size_t off_control = 0, local_bytes = 0;
+  std::size_t off_control = 0, off_work = 0, local_bytes = 0;
 };
 CombineGeometry combine_geometry(const BufferConfig& c);
 

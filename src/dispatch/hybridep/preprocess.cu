@@ -21,6 +21,7 @@
 #include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/tma.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::hybridep {
@@ -69,6 +70,11 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     preprocess_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c) {
   extern __shared__ long long smem[];
+  // The dispatch kernel that follows may be scheduled from now on (programmatic dependent launch):
+  // its CTAs get resident while this grid exchanges counts, and wait for this grid's completion
+  // before reading anything. All of this grid's CTAs are resident once every CTA has executed this,
+  // so the early dispatch CTAs cannot keep a preprocess CTA from running.
+  tma::allow_dependent_launch();
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
   long long* s_begin = smem;        // [E] first row of every expert's group on its owner
   long long* s_kept = smem + E;     // [E] real rows kept per group

@@ -1,0 +1,326 @@
+// The v2 hybridep combine kernel (also dispatch_backward; HybridEpOptions::kernels = 2): the
+// protocol of combine_kernel.cu (same partial rows, ready and consumed flags, epochs) and bitwise
+// the same results, with the rows brought into shared memory by bulk loads instead of 16-byte
+// register loads (v1 has 32 x 16 bytes in flight per warp and pulls over NVLink one row at a time).
+//
+// CTA = 2 pipelines x 5 warps; each pipeline owns one ring of row-sized stages:
+//   loader warp (lane 0 issues): first the "consumed" flags of the previous operation on this buffer
+//     (deadline: *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
+//     chunk) items (work_items.cuh); for every token with a record of the handle's dispatch it posts
+//     one job per row of the token here, in record order (= ascending local expert), each a bulk
+//     load of expert_out's row into the next stage; then "part end". Then LEVEL 2 (this rank as
+//     source): grabs parts of its own chunks, acquires the chunk's ready flag of every rank
+//     (deadline: *:partials), and for every token posts one job per owner rank in ascending order,
+//     a bulk load of the owner's partial row (a peer's window over NVLink, or this rank's); a token
+//     that went nowhere gets one job without data (its output is zero). Finally "exit".
+//   compute warps (4 = 128 threads, each owning 16-byte words tid, tid + 128, ... of a row):
+//     accumulate a token's stages in fp32 registers from +0.0f in job order, free each stage, and
+//     write bf16 once: the partial into this rank's window (level 1) or the output row (level 2);
+//     dispatch_backward also writes the prob gradients (level 1) and gathers them per slot
+//     (level 2), as v1. At a part end every thread fences at system scope, the group synchronises
+//     (named barrier), and one thread counts the part; the last part of (source, chunk) releases the
+//     ready flag on the source.
+// The additions are exactly v1's (add_bf16x8 in the same order, to_bf16x8 once), hence exactly the
+// host backend's. The last CTA releases "consumed" on every rank and publishes the new epoch.
+//
+// Progress: the loader waits for free stages (the compute warps free every stage they are given)
+// and for remote flags (deadlines); the compute warps wait only for their loader, which always ends
+// with an exit job. Level 1 never waits for level 2 anywhere, so every ready flag is released.
+#include <cuda_runtime.h>
+
+#include "dispatch/hybridep/access.cuh"
+#include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/kernel_launch.h"
+#include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/ring.cuh"
+#include "dispatch/hybridep/tma.cuh"
+#include "dispatch/hybridep/work_items.cuh"
+#include "flexep/core/error.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::hybridep {
+
+namespace {
+
+constexpr int kPipes = 2;
+constexpr int kComputeWarps = 4;
+constexpr int kComputeThreads = 32 * kComputeWarps;
+constexpr int kWarpsPerPipe = 1 + kComputeWarps;
+constexpr int kThreadsV2 = 32 * kPipes * kWarpsPerPipe;
+constexpr int kWordsPerThread = 8;  // 16-byte words of a row per compute thread: H <= 8 * 128 * 8
+constexpr long long kMaxHidden = 8LL * kComputeThreads * kWordsPerThread;
+constexpr int kMinStages = 2, kMaxStages = 8;
+
+enum Kind : int { kPartialRow = 0, kOutRow = 1, kPartEnd = 2, kExit = 3 };
+// kPartialRow: a = source, b = token, c = rows in the sum.   kOutRow: b = token, c = rows (0: zeros).
+// kPartEnd: a = source, b = chunk, c = parts per chunk.       kExit: none.
+
+// ---- loader -----------------------------------------------------------------------------------------------
+
+// Lane 0: a job whose data is one row (2H bytes) loaded from `src` into stage j.
+__device__ void post_row(const Ring& ring, unsigned j, const Job& job, const void* src, std::uint32_t row_bytes) {
+  ring.post_expecting(j, job, row_bytes);
+  tma::load_async(ring.stage(j), src, row_bytes, ring.full_bar(j));
+}
+
+// Level 1 for the tokens of part p (source p.source): one job per row of each token here.
+__device__ unsigned load_partial_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
+                                      unsigned j, const Part& p, unsigned dispatch_epoch, int lane) {
+  const int s = p.source;
+  const long long words = v.hidden / 8;
+  const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
+  const auto* rows = static_cast<const uint4*>(c.rows);
+  // Lane l checks token t0 + l (as v1's produce_item).
+  const long long t = p.t0 + lane;
+  unsigned n = 0;
+  bool valid = false;
+  if (t < p.t1) {
+    const unsigned char* rec = record_at(h.records, s, t, h.max_tokens, h.record_bytes);
+    const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));
+    if (head.x == dispatch_epoch) {  // else t has no row here: rank s will not read (s, t)
+      n = head.y;
+      const RecordEntry* e = record_entries(rec);
+      bool bad = n == 0 || n > static_cast<unsigned>(v.width);
+      long long bad_row = -1;
+      for (unsigned q = 0; !bad && q < n; ++q) {
+        const int row = __ldcg(&e[q].row);
+        if (row < 0 || row >= h.rows) bad = true, bad_row = row;
+      }
+      if (bad) report_status(v.status, StatusCode::corrupt, c.data_phase, s, bad_row, h.rows);
+      valid = !bad;
+    }
+  }
+  for (unsigned m = __ballot_sync(kFullMask, valid); m != 0; m &= m - 1) {
+    const int l = __ffs(m) - 1;
+    const long long tt = p.t0 + l;
+    const unsigned nn = __shfl_sync(kFullMask, n, l);
+    const RecordEntry* e = record_entries(record_at(h.records, s, tt, h.max_tokens, h.record_bytes));
+    for (unsigned base = 0; base < nn; base += 32) {
+      const int row = base + lane < nn ? __ldcg(&e[base + lane].row) : 0;
+      const unsigned batch = nn - base < 32 ? nn - base : 32;
+      for (unsigned i = 0; i < batch; ++i) {
+        const int r = __shfl_sync(kFullMask, row, static_cast<int>(i));
+        ring.acquire(j, lane);
+        if (lane == 0)
+          post_row(ring, j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
+                   rows + static_cast<long long>(r) * words, row_bytes);
+        ++j;
+      }
+    }
+  }
+  return j;
+}
+
+// Level 2 for this rank's tokens of part p: one job per owner rank of each token (ascending).
+__device__ unsigned load_out_part(const CombineView& v, const HandleView& h, const Ring& ring, unsigned j,
+                                  const Part& p, int lane) {
+  const int R = v.ranks, me = v.rank;
+  const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
+  // Lane l: the ranks token t0 + l went to (its staged records of the dispatch have entries).
+  const long long t = p.t0 + lane;
+  unsigned owners = 0;
+  if (t < p.t1)
+    for (int d = 0; d < R; ++d)
+      if (reinterpret_cast<const RecordHeader*>(record_at(h.staging, d, t, h.max_tokens, h.record_bytes))->n > 0)
+        owners |= 1u << d;
+  const int count = static_cast<int>(p.t1 - p.t0);
+  for (int l = 0; l < count; ++l) {  // every token gets an output row, zeros if it went nowhere
+    const unsigned m = __shfl_sync(kFullMask, owners, l);
+    const int tt = static_cast<int>(p.t0 + l);
+    const int rows = __popc(m);
+    if (rows == 0) {
+      ring.acquire(j, lane);
+      if (lane == 0) ring.post(j, Job{kOutRow, 0, tt, 0, 0, 0, 0, 0});
+      ++j;
+      continue;
+    }
+    for (unsigned mm = m; mm != 0; mm &= mm - 1) {
+      const int d = __ffs(mm) - 1;
+      ring.acquire(j, lane);
+      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, d, me, tt), row_bytes);
+      ++j;
+    }
+  }
+  return j;
+}
+
+__device__ void load(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring, unsigned epoch,
+                     unsigned dispatch_epoch, int lane) {
+  const int R = v.ranks, me = v.rank;
+  const int pipelines = static_cast<int>(gridDim.x) * kPipes;
+  unsigned j = 0;
+  const WaitContext reuse{v.status, v.timeout_ns, c.reuse_phase};
+  // Nobody still reads the partials we are about to overwrite (every rank's previous operation on
+  // this buffer is done).
+  if (warp_wait_ranks(consumed_flag(v, me, 0), 1, R, epoch - 1, reuse, lane)) {
+    // Level 1: every source's tokens that have rows here.
+    auto all = [](int) { return false; };
+    auto tokens = [&h](int s) { return tokens_of(h.control, s, h.max_tokens); };
+    const PartSplit split1 = part_split(chunks_of_ranks(R, tokens, all), pipelines);
+    const long long parts1 = parts_of_ranks(R, split1, tokens, all);
+    for (long long i = grab_item(&v.work[kWorkFirst], lane); i < parts1; i = grab_item(&v.work[kWorkFirst], lane)) {
+      Part p;
+      parts_of_ranks(R, split1, tokens, all, i, &p);
+      j = load_partial_part(v, h, c, ring, j, p, dispatch_epoch, lane);
+      ring.acquire(j, lane);
+      if (lane == 0) ring.post(j, Job{kPartEnd, p.source, p.chunk, split1.per_chunk, 0, 0, 0, 0});
+      ++j;
+    }
+    // Level 2: this rank's tokens, once every rank has published the chunk's partials.
+    const WaitContext wait{v.status, v.timeout_ns, c.data_phase};
+    const PartSplit split2 = part_split(num_chunks(h.tokens), pipelines);
+    const long long parts2 = static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
+    for (long long i = grab_item(&v.work[kWorkSecond], lane); i < parts2; i = grab_item(&v.work[kWorkSecond], lane)) {
+      const Part p = part_in_rank(i, split2, h.tokens, me);
+      bool ok = true;
+      if (lane == 0) {
+        // Every rank publishes every chunk of ours (also with no token of ours): wait for all.
+        for (int d = 0; ok && d < R; ++d) ok = wait_flag_at_least(ready_flag(v, me, d, p.chunk), epoch, wait, d);
+        if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flags published
+      }
+      __syncwarp();
+      if (!__shfl_sync(kFullMask, ok, 0)) break;
+      j = load_out_part(v, h, ring, j, p, lane);
+    }
+  }
+  ring.acquire(j, lane);
+  if (lane == 0) ring.post(j, Job{kExit, 0, 0, 0, 0, 0, 0, 0});
+}
+
+// ---- compute ----------------------------------------------------------------------------------------------
+
+// The group's stage of job j has been read by this warp; one arrival per warp frees it.
+__device__ void free_stage(const Ring& ring, unsigned j, int lane) {
+  __syncwarp();
+  if (lane == 0) ring.release(j);
+}
+
+__device__ void compute(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
+                        unsigned epoch, int tid, int pipe) {
+  const int lane = tid % 32, me = v.rank;
+  const long long words = v.hidden / 8;
+  unsigned j = 0;
+  while (true) {
+    Job job = ring.wait(j);
+    if (job.kind == kExit) break;
+    if (job.kind == kPartEnd) {
+      // Every thread's partial rows and prob gradients of the part are complete and ordered before
+      // the group's one count; the last part of (source, chunk) releases the ready flag there.
+      fence_sys();
+      tma::named_sync(1 + pipe, kComputeThreads);
+      if (tid == 0 && count_part(&v.work[kWorkChunks + job.a * v.max_chunks + job.b], job.c))
+        st_release_sys(ready_flag(v, job.a, me, job.b), epoch);
+      free_stage(ring, j, lane);
+      ++j;
+      continue;
+    }
+    // A sum over job.c stages (level 1: rows of one token here; level 2: partials of the owners),
+    // from +0.0f in job order, as v1.
+    float acc[kWordsPerThread][8];
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
+    const int rows = job.c;
+    for (int i = 0; i < rows; ++i) {
+      if (i > 0) ring.wait(j);
+      const uint4* stage = reinterpret_cast<const uint4*>(ring.stage(j));
+#pragma unroll
+      for (int k = 0; k < kWordsPerThread; ++k) {
+        const long long w = tid + static_cast<long long>(k) * kComputeThreads;
+        if (w < words) add_bf16x8(acc[k], stage[w]);
+      }
+      free_stage(ring, j, lane);
+      ++j;
+    }
+    if (rows == 0) {  // a token that went nowhere: a descriptor-only job
+      free_stage(ring, j, lane);
+      ++j;
+    }
+    const long long t = job.b;
+    uint4* dst = job.kind == kPartialRow ? partial_row(v, me, job.a, t) : static_cast<uint4*>(c.out) + t * words;
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      const long long w = tid + static_cast<long long>(k) * kComputeThreads;
+      if (w < words) dst[w] = to_bf16x8(acc[k]);
+    }
+    if (job.kind == kPartialRow && c.grad_probs) {
+      const RecordEntry* e = record_entries(record_at(h.records, job.a, t, h.max_tokens, h.record_bytes));
+      for (int q = tid; q < rows; q += kComputeThreads) *grad_at(v, me, job.a, t, q) = c.grad_probs[__ldcg(&e[q].row)];
+    }
+    if (job.kind == kOutRow && c.grad_weights) {
+      // As v1's consume_chunk: each slot's prob gradient from the owner's window (the loader
+      // acquired the chunk's ready flags before posting this job).
+      for (int jj = tid; jj < h.slots; jj += kComputeThreads) {
+        const long long i = t * h.slots + jj;
+        const int entry = h.slot_entry[i];
+        float g = 0.0f;
+        if (entry >= 0) {
+          const int d = entry / v.width, q = entry % v.width;
+          if (d < v.ranks) g = __ldcg(grad_at(v, d, me, t, q));
+        }
+        if (!h.multihot) {
+          c.grad_weights[i] = g;
+        } else {
+          const int e = h.slot_expert[i];
+          if (e >= 0 && e < h.experts) c.grad_weights[t * h.experts + e] = g;
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsV2, 1)
+    combine_kernel_v2(const __grid_constant__ CombineView v, const __grid_constant__ HandleView h,
+                      const __grid_constant__ CombineCall c, const RingLayout layout) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned epoch = op_epoch(v.control);
+  __shared__ int s_broken;
+  __shared__ unsigned s_dispatch_epoch;
+  if (threadIdx.x == 0) {
+    s_broken = timed_out(v.status);
+    s_dispatch_epoch = ld_volatile(&h.control->op.epoch);  // the handle's dispatch was the last one
+    for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(kComputeWarps);
+    tma::fence_mbar_init();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, pipe = warp / kWarpsPerPipe, role = warp % kWarpsPerPipe;
+  if (!s_broken) {
+    const Ring ring = Ring::make(smem, layout, pipe);
+    if (role == 0)
+      load(v, h, c, ring, epoch, s_dispatch_epoch, threadIdx.x % 32);
+    else
+      compute(v, h, c, ring, epoch, threadIdx.x - (pipe * kWarpsPerPipe + 1) * 32, pipe);
+  }
+  if (last_cta_to_finish(v.control)) {
+    // Every read of a peer's window by this grid is done: each rank may overwrite its partials.
+    if (threadIdx.x < v.ranks) st_release_sys(consumed_flag(v, threadIdx.x, v.rank), epoch);
+    if (threadIdx.x == 0) {
+      v.work[kWorkFirst] = 0;
+      v.work[kWorkSecond] = 0;
+      finish_op(v.control, epoch);
+    }
+  }
+}
+
+RingLayout layout_for(long long hidden) {
+  if (hidden > kMaxHidden) return RingLayout{1, 0, 128, 0};
+  return fit_rings(kPipes, static_cast<std::size_t>(hidden * 2), 0, kMinStages, kMaxStages,
+                   dynamic_smem_budget(combine_kernel_v2));
+}
+
+}  // namespace
+
+bool combine_v2_supported(long long hidden) { return layout_for(hidden).stages >= kMinStages; }
+
+void prepare_combine_v2() { raise_smem_limit(combine_kernel_v2); }
+
+void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid,
+                       cudaStream_t stream) {
+  const RingLayout layout = layout_for(v.hidden);
+  FLEXEP_CHECK(layout.stages >= kMinStages, "hybridep combine v2: H = ", v.hidden,
+               " does not fit its rings (internal error: combine_v2_supported decides)");
+  launch_kernel(combine_kernel_v2, grid, kThreadsV2, layout.total_bytes(), stream, false, v, h, c, layout);
+}
+
+}  // namespace flexep::hybridep

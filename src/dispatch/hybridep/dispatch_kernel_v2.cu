@@ -1,0 +1,462 @@
+// The v2 hybridep dispatch kernel (HybridEpOptions::kernels = 2): the protocol of dispatch_kernel.cu
+// (same records, chunk flags and epochs, same output bytes), with the data moved by the copy engine
+// of each SM (bulk copies, tma.cuh) through shared-memory rings instead of 16-byte register copies.
+//
+// Why: the v1 kernel moves one 14 KB row at a time per warp with 2 KB in flight, so its time is
+// latency x rows / warps (inversely proportional to the SM count, 9.3 ms at 8 SMs for dsv3-ep2).
+// Here each SM keeps up to 2 rings x `stages` rows (~200 KB) in flight, one thread per ring issues
+// whole-row copies, and the work is handed out in parts of chunks so that every ring is busy even
+// with 128 tokens per rank. docs/hybridep.md ("Performance") has the timing model.
+//
+// CTA = 5 warps:
+//   per pipeline p (2 per CTA), one ring of `stages` stages of one row (+ FP8 scales) each:
+//     producer warp  sends first: grabs parts of this rank's chunks (work_items.cuh); per part it
+//                    writes the probs of the token's LOCAL rows, posts one job per token with a
+//                    destination (a bulk load of the row into the next free stage), then copies the
+//                    part's records to every destination (epoch stamped; records with no entries
+//                    tell the receiver "not for you" like a stale epoch does) and posts "part end".
+//                    Then the fan-out: grabs parts of every OTHER rank's chunks; per part it acquires
+//                    the chunk flag (deadline: dispatch:tokens), writes the probs of each received
+//                    token and posts one job per token with more than one row here (a bulk load of
+//                    the row that arrived into its first row). Finally "exit".
+//     consumer warp  lane 0 issues the bulk stores of each job: a sent row once to each remote
+//                    destination's first row and to EVERY row it has on this rank (so own tokens
+//                    need no fan-out and no flag); a received row to its other rows. One bulk group
+//                    per job; a stage is freed once its stores have read it (wait_group.read). A part
+//                    is published once its stores are complete (wait_group, a few jobs later so that
+//                    the ring never drains): async-proxy fence, system fence, count the part in the
+//                    chunk's counter; the last part of a chunk releases the chunk flag on every rank.
+//   one warp zeroes this CTA's slice of the unfilled rows (padding, budget tail) with bulk stores
+//   from a block of zeros in shared memory.
+//
+// Progress: a producer waits only for free stages (its consumer frees them unconditionally) and for
+// remote chunk flags (with a deadline); a consumer waits only for its producer's jobs, and every
+// producer ends with an exit job. Sends never wait for anything remote, so every chunk flag of
+// every rank is released (the reuse argument of docs/hybridep.md holds unchanged).
+#include <cuda_runtime.h>
+
+#include "dispatch/hybridep/access.cuh"
+#include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/kernel_launch.h"
+#include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/ring.cuh"
+#include "dispatch/hybridep/tma.cuh"
+#include "dispatch/hybridep/work_items.cuh"
+#include "flexep/core/error.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::hybridep {
+
+namespace {
+
+constexpr int kPipes = 2;                  // rings (producer + consumer warp pairs) per CTA
+constexpr int kZeroWarp = 2 * kPipes;      // the warp that zeroes unfilled rows
+constexpr int kThreadsV2 = 32 * (2 * kPipes + 1);
+constexpr int kMinStages = 2, kMaxStages = 8;
+constexpr int kZeroBytes = 4096;           // block of zeros the zeroing bulk stores read
+constexpr int kFreeLag = 1;                // the newest job's stores may still be reading their stage
+constexpr int kReleaseLag = 4;             // a finished part is published after this many newer jobs
+constexpr long long kMaxStageBytes = 32768;  // larger rows: the v1 kernel
+
+enum Kind : int { kSendRow = 0, kFanOut = 1, kPartEnd = 2, kExit = 3 };
+// kSendRow: a = token.  kFanOut: a = source, b = token, c = n (rows), d = first row.
+// kPartEnd: a = chunk, b = parts per chunk.  kExit: none.
+
+struct Env {
+  unsigned epoch;
+  bool move;           // the preprocess kernel's decision (false: aborted call, flags only)
+  long long out_rows;  // rows of this rank's output
+  int pipelines;       // rings in the grid
+};
+
+// ---- records -----------------------------------------------------------------------------------------
+
+// The local rows of a staged record all lie in this rank's output. The producer (probs) and the
+// consumer (rows) apply this same test, so a bad record is skipped by both.
+__device__ bool local_rows_ok(const unsigned char* rec, unsigned n, int width, long long out_rows) {
+  if (n > static_cast<unsigned>(width)) return false;
+  const RecordEntry* e = record_entries(rec);
+  for (unsigned q = 0; q < n; ++q)
+    if (e[q].row < 0 || e[q].row >= out_rows) return false;
+  return true;
+}
+__device__ bool warp_local_rows_ok(const unsigned char* rec, unsigned n, int width, long long out_rows, int lane) {
+  bool bad = n > static_cast<unsigned>(width);
+  const RecordEntry* e = record_entries(rec);
+  for (unsigned q = lane; !bad && q < n; q += 32) bad = e[q].row < 0 || e[q].row >= out_rows;
+  return !__any_sync(kFullMask, bad);
+}
+
+// The staged records of tokens [t0, t1) to every destination's record slots (me, t): 16-byte words,
+// 4 loads in flight per lane; word 0 of each record gets the epoch when it has entries, else 0.
+__device__ void copy_records(const DispatchView& v, const Part& p, unsigned epoch, int lane) {
+  if (p.t1 <= p.t0) return;
+  constexpr int kBatch = 4;
+  const long long per_record = v.record_bytes / 16;
+  const long long words = (p.t1 - p.t0) * per_record;  // per destination
+  const long long total = words * v.ranks;
+  for (long long i0 = 0; i0 < total; i0 += 32 * kBatch) {
+    uint4 x[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const long long i = i0 + b * 32 + lane;
+      if (i < total) {
+        const int d = static_cast<int>(i / words);
+        x[b] = reinterpret_cast<const uint4*>(staging_at(v, d, p.t0))[i - d * words];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const long long i = i0 + b * 32 + lane;
+      if (i < total) {
+        const int d = static_cast<int>(i / words);
+        const long long w = i - d * words;
+        if (w % per_record == 0) x[b].x = x[b].y > 0 ? epoch : 0u;
+        reinterpret_cast<uint4*>(record_at(records_of(v, d), v.rank, p.t0, v.max_tokens, v.record_bytes))[w] = x[b];
+      }
+    }
+  }
+}
+
+// ---- producer -------------------------------------------------------------------------------------------
+
+// Lane 0: the job of token row `src` (+ its scales) into stage j.
+__device__ void post_row_job(const Ring& ring, unsigned j, const Job& job, const DispatchCall& c, const void* row,
+                             const void* scales) {
+  ring.post_expecting(j, job, static_cast<std::uint32_t>(c.row_bytes + c.scale_bytes));
+  tma::load_async(ring.stage(j), row, static_cast<std::uint32_t>(c.row_bytes), ring.full_bar(j));
+  if (c.scale_bytes > 0)
+    tma::load_async(ring.stage(j) + c.row_bytes, scales, static_cast<std::uint32_t>(c.scale_bytes), ring.full_bar(j));
+}
+
+__device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
+                                      const Part& p, const Env& env, int lane) {
+  const int R = v.ranks, me = v.rank;
+  // Lane l looks at token t0 + l: does it go anywhere, and the probs of its rows here.
+  const long long t = p.t0 + lane;
+  bool any = false;
+  if (t < p.t1) {
+    for (int d = 0; d < R; ++d) {
+      const unsigned n = record_header(staging_at(v, d, t))->n;
+      if (n == 0) continue;
+      any = true;
+      if (d != me) continue;
+      const unsigned char* rec = staging_at(v, me, t);
+      if (local_rows_ok(rec, n, v.width, env.out_rows)) {
+        const RecordEntry* e = record_entries(rec);
+        for (unsigned q = 0; q < n; ++q) *prob_at(v, me, e[q].row) = e[q].prob;
+      } else {
+        report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, me, t, env.out_rows);
+      }
+    }
+  }
+  const auto* hidden = static_cast<const unsigned char*>(c.hidden);
+  const auto* scales = static_cast<const unsigned char*>(c.scales);
+  for (unsigned m = __ballot_sync(kFullMask, any); m != 0; m &= m - 1) {
+    const long long tt = p.t0 + (__ffs(m) - 1);
+    ring.acquire(j, lane);
+    if (lane == 0)
+      post_row_job(ring, j, Job{kSendRow, static_cast<int>(tt), 0, 0, 0, 0, 0, 0}, c, hidden + tt * c.row_bytes,
+                   scales ? scales + tt * c.scale_bytes : nullptr);
+    ++j;
+  }
+  // The records, while the consumer stores the rows; fenced here (system scope) so that the part's
+  // release by the consumer publishes them too.
+  copy_records(v, p, env.epoch, lane);
+  fence_sys();
+  __syncwarp();
+  return j;
+}
+
+__device__ unsigned produce_fan_out_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
+                                         const Part& p, const Env& env, int lane) {
+  const int me = v.rank, s = p.source;
+  const long long t = p.t0 + lane;
+  unsigned n = 0;
+  int row0 = 0;
+  bool copy = false;
+  if (t < p.t1) {
+    const unsigned char* rec = record_at(records_of(v, me), s, t, v.max_tokens, v.record_bytes);
+    // Written by rank s over NVLink: read through L2.
+    const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));  // {epoch, n, row0, prob0}
+    if (head.x == env.epoch) {                                        // else: not for this rank
+      n = head.y;
+      row0 = static_cast<int>(head.z);
+      const RecordEntry* e = record_entries(rec);
+      bool bad = n == 0 || n > static_cast<unsigned>(v.width);
+      long long bad_row = -1;
+      for (unsigned q = 0; !bad && q < n; ++q) {
+        const int row = __ldcg(&e[q].row);
+        if (row < 0 || row >= env.out_rows) bad = true, bad_row = row;
+      }
+      if (bad) {
+        report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, s, bad_row, env.out_rows);
+      } else {
+        for (unsigned q = 0; q < n; ++q) *prob_at(v, me, __ldcg(&e[q].row)) = __ldcg(&e[q].prob);
+        copy = n > 1;  // the row landed in entries[0]; the others need a copy
+      }
+    }
+  }
+  for (unsigned m = __ballot_sync(kFullMask, copy); m != 0; m &= m - 1) {
+    const int l = __ffs(m) - 1;
+    const unsigned nn = __shfl_sync(kFullMask, n, l);
+    const int r0 = __shfl_sync(kFullMask, row0, l);
+    ring.acquire(j, lane);
+    if (lane == 0)
+      post_row_job(ring, j, Job{kFanOut, s, static_cast<int>(p.t0 + l), static_cast<int>(nn), r0, 0, 0, 0}, c,
+                   token_row(v, me, r0, c.row_bytes), c.scale_bytes > 0 ? scale_row(v, me, r0, c.scale_bytes) : nullptr);
+    ++j;
+  }
+  return j;
+}
+
+__device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
+  const int R = v.ranks, me = v.rank;
+  unsigned j = 0;
+  auto not_mine = [me](int s) { return s == me; };
+  auto received_tokens = [&v](int s) { return tokens_of(v.control, s, v.max_tokens); };
+
+  // 1. This rank's tokens: never waits for anything remote.
+  const PartSplit send = part_split(num_chunks(c.tokens), env.pipelines);
+  const long long send_parts = static_cast<long long>(num_chunks(c.tokens)) * send.per_chunk;
+  for (long long i = grab_item(&v.work[kWorkFirst], lane); i < send_parts; i = grab_item(&v.work[kWorkFirst], lane)) {
+    const Part p = part_in_rank(i, send, c.tokens, me);
+    if (env.move) j = produce_send_part(v, c, ring, j, p, env, lane);
+    ring.acquire(j, lane);
+    if (lane == 0) ring.post(j, Job{kPartEnd, p.chunk, send.per_chunk, 0, 0, 0, 0, 0});
+    ++j;
+  }
+
+  // 2. The other ranks' tokens that arrived here: probs and the copies into their other rows.
+  const PartSplit recv = part_split(chunks_of_ranks(R, received_tokens, not_mine), env.pipelines);
+  const long long recv_parts = parts_of_ranks(R, recv, received_tokens, not_mine);
+  const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_tokens};
+  for (long long i = grab_item(&v.work[kWorkSecond], lane); i < recv_parts;
+       i = grab_item(&v.work[kWorkSecond], lane)) {
+    Part p;
+    parts_of_ranks(R, recv, received_tokens, not_mine, i, &p);
+    bool ok = true;
+    if (lane == 0) {
+      ok = wait_flag_at_least(chunk_flag(v, me, p.source, p.chunk), env.epoch, wait, p.source);
+      if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flag published
+    }
+    __syncwarp();  // lane 0's acquire is ordered before every lane's reads below
+    if (!__shfl_sync(kFullMask, ok, 0)) break;
+    if (env.move) j = produce_fan_out_part(v, c, ring, j, p, env, lane);
+  }
+
+  ring.acquire(j, lane);
+  if (lane == 0) ring.post(j, Job{kExit, 0, 0, 0, 0, 0, 0, 0});
+}
+
+// ---- consumer -------------------------------------------------------------------------------------------
+
+// Lane 0: one row (+ scales) from `stage` to a destination row.
+__device__ void store_row(const DispatchCall& c, const unsigned char* stage, void* row, void* scales) {
+  tma::store_async(row, stage, static_cast<std::uint32_t>(c.row_bytes));
+  if (c.scale_bytes > 0) tma::store_async(scales, stage + c.row_bytes, static_cast<std::uint32_t>(c.scale_bytes));
+}
+
+// Lane 0 stores the stage to `rows[0..count)` of rank `owner`, rows given by lane-parallel
+// `row_at(q)` (the warp fetches 32 at a time and hands them to lane 0).
+template <class RowAt>
+__device__ void store_to_rows(const DispatchView& v, const DispatchCall& c, const unsigned char* stage, int owner,
+                              unsigned first, unsigned count, long long out_rows, RowAt row_at, int lane) {
+  for (unsigned base = first; base < count; base += 32) {
+    const unsigned q = base + lane;
+    const int row = q < count ? row_at(q) : -1;
+    const unsigned batch = count - base < 32 ? count - base : 32;
+    for (unsigned i = 0; i < batch; ++i) {
+      const int r = __shfl_sync(kFullMask, row, static_cast<int>(i));
+      if (lane == 0 && r >= 0 && r < out_rows)
+        store_row(c, stage, token_row(v, owner, r, c.row_bytes),
+                  c.scale_bytes > 0 ? scale_row(v, owner, r, c.scale_bytes) : nullptr);
+    }
+  }
+}
+
+__device__ void store_send_row(const DispatchView& v, const DispatchCall& c, const unsigned char* stage, long long t,
+                               const Env& env, int lane) {
+  const int R = v.ranks, me = v.rank;
+  unsigned n = 0;
+  int row0 = -1;
+  if (lane < R) {
+    const uint4 head = *reinterpret_cast<const uint4*>(staging_at(v, lane, t));  // {0, n, row0, prob0}
+    n = head.y;
+    row0 = static_cast<int>(head.z);
+  }
+  // Once to each remote destination, into the token's first row there (as v1: never outside the
+  // peer's window, whatever the staging says).
+  bool remote = lane < R && lane != me && n > 0;
+  if (remote && (n > static_cast<unsigned>(v.width) || row0 < 0 || row0 >= v.capacity_rows)) {
+    report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, me, row0, v.capacity_rows);
+    remote = false;
+  }
+  for (unsigned m = __ballot_sync(kFullMask, remote); m != 0; m &= m - 1) {
+    const int d = __ffs(m) - 1;
+    const int row = __shfl_sync(kFullMask, row0, d);
+    if (lane == 0)
+      store_row(c, stage, token_row(v, d, row, c.row_bytes),
+                c.scale_bytes > 0 ? scale_row(v, d, row, c.scale_bytes) : nullptr);
+  }
+  // Every row of the token on this rank, straight from the stage: no fan-out, no flag wait.
+  const unsigned n_me = __shfl_sync(kFullMask, n, me);
+  const unsigned char* rec = staging_at(v, me, t);
+  if (n_me > 0 && warp_local_rows_ok(rec, n_me, v.width, env.out_rows, lane)) {
+    const RecordEntry* e = record_entries(rec);
+    store_to_rows(v, c, stage, me, 0, n_me, env.out_rows, [e](unsigned q) { return e[q].row; }, lane);
+  }
+}
+
+__device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, const unsigned char* stage, const Job& job,
+                              const Env& env, int lane) {
+  const unsigned char* rec = record_at(records_of(v, v.rank), job.a, job.b, v.max_tokens, v.record_bytes);
+  const RecordEntry* e = record_entries(rec);
+  // Entries 1..n: the producer validated them (rows inside the output) before posting the job.
+  store_to_rows(v, c, stage, v.rank, 1, static_cast<unsigned>(job.c), env.out_rows,
+                [e](unsigned q) { return __ldcg(&e[q].row); }, lane);
+}
+
+// Lane 0: the stores of every job up to the part end `since` jobs ago are complete; count the part,
+// and the chunk's last part releases the chunk flag on every rank.
+__device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, int since, const Env& env) {
+  tma::wait_groups_dyn(since);  // the newest `since` groups were committed after the part's end
+  tma::fence_proxy_global();    // the completed bulk (async-proxy) writes before the generic fence and flags
+  if (count_part(&v.work[kWorkChunks + chunk], per_chunk))
+    for (int d = 0; d < v.ranks; ++d) st_release_sys(chunk_flag(v, d, v.rank, chunk), env.epoch);
+}
+
+__device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
+  unsigned j = 0, freed = 0;
+  int pending = -1, pending_parts = 0, since = 0;  // a part whose stores may still be in flight
+  while (true) {
+    const Job job = ring.wait(j);
+    if (job.kind == kExit) break;
+    if (job.kind == kSendRow) store_send_row(v, c, ring.stage(j), job.a, env, lane);
+    if (job.kind == kFanOut) store_fan_out(v, c, ring.stage(j), job, env, lane);
+    if (lane == 0) {
+      tma::commit();  // one group per job, also for a part end (empty)
+      if (pending >= 0) ++since;
+      if (job.kind == kPartEnd) {
+        if (pending >= 0) publish_part(v, pending, pending_parts, since, env);
+        pending = job.a, pending_parts = job.b, since = 0;
+      } else if (pending >= 0 && since >= kReleaseLag) {
+        publish_part(v, pending, pending_parts, since, env);
+        pending = -1;
+      }
+      // Stages whose stores have read them may be refilled.
+      tma::wait_groups_read<kFreeLag>();
+      for (; freed + kFreeLag <= j; ++freed) ring.release(freed);
+    }
+    __syncwarp();
+    ++j;
+  }
+  if (lane == 0) {
+    tma::wait_groups<0>();  // nothing may still read the ring when the CTA exits
+    if (pending >= 0) publish_part(v, pending, pending_parts, 0, env);
+  }
+  __syncwarp();
+}
+
+// ---- zeroing --------------------------------------------------------------------------------------------
+
+// This CTA's slice of bytes [0, bytes) at `base` (16-byte words split evenly over the grid), zeroed
+// with bulk stores from the zero block by lane 0.
+__device__ void zero_slice(unsigned char* base, long long bytes, const unsigned char* zeros, int lane) {
+  const long long words = bytes / 16, G = gridDim.x, b = blockIdx.x;
+  const long long lo = words * b / G, hi = words * (b + 1) / G;
+  if (lane != 0) return;
+  for (long long w = lo; w < hi; w += kZeroBytes / 16) {
+    const long long n = hi - w < kZeroBytes / 16 ? hi - w : kZeroBytes / 16;
+    tma::store_async(base + w * 16, zeros, static_cast<std::uint32_t>(n * 16));
+  }
+}
+
+// Rows [a, b) of this rank's output: rows, probs and (FP8) scales; this CTA's slice of each.
+__device__ void zero_rows(const DispatchView& v, const DispatchCall& c, long long a, long long b,
+                          const unsigned char* zeros, int lane) {
+  if (b <= a) return;
+  zero_slice(reinterpret_cast<unsigned char*>(token_row(v, v.rank, a, c.row_bytes)), (b - a) * c.row_bytes, zeros,
+             lane);
+  if (c.scale_bytes > 0)
+    zero_slice(reinterpret_cast<unsigned char*>(scale_row(v, v.rank, a, c.scale_bytes)), (b - a) * c.scale_bytes,
+               zeros, lane);
+  const long long G = gridDim.x, bid = blockIdx.x, n = b - a;
+  float* probs = prob_at(v, v.rank, a);
+  for (long long i = n * bid / G + lane; i < n * (bid + 1) / G; i += 32) probs[i] = 0.0f;
+}
+
+// The rows no (token, expert) pair fills (rows.cuh's zero_unfilled_rows, same ranges and clamps).
+__device__ void zero_unfilled(const DispatchView& v, const DispatchCall& c, unsigned char* zeros, int lane) {
+  for (int i = lane; i < kZeroBytes / 16; i += 32) reinterpret_cast<uint4*>(zeros)[i] = make_uint4(0u, 0u, 0u, 0u);
+  tma::fence_proxy_shared();  // the ordinary stores above before the bulk stores that read them
+  __syncwarp();
+  const long long out_rows = v.control->out_rows;
+  auto clamp_row = [out_rows](long long r) { return clamp_ll(r, 0, out_rows); };
+  for (int le = 0; le < v.local_experts; ++le)
+    zero_rows(v, c, clamp_row(v.begin[le] + v.kept[le]), clamp_row(v.begin[le] + v.tpe[le]), zeros, lane);
+  zero_rows(v, c, clamp_row(v.control->used_rows), out_rows, zeros, lane);
+  if (lane == 0) {
+    tma::commit();
+    tma::wait_groups<0>();
+  }
+  __syncwarp();
+}
+
+__global__ void __launch_bounds__(kThreadsV2, 1)
+    dispatch_kernel_v2(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c,
+                       const RingLayout layout) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  tma::grid_dependency_wait();  // launched right after the preprocess kernel: wait for its results
+  const unsigned epoch = op_epoch(&v.control->op);
+  __shared__ int s_broken, s_move;
+  if (threadIdx.x == 0) {
+    s_broken = timed_out(v.status);               // the count exchange timed out: move nothing, wait for nothing
+    s_move = !s_broken && v.control->abort == 0;  // the preprocess kernel's decision, alike on all ranks
+    for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(1);
+    tma::fence_mbar_init();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (!s_broken) {
+    const Env env{epoch, s_move != 0, v.control->out_rows, static_cast<int>(gridDim.x) * kPipes};
+    if (warp < 2 * kPipes) {
+      const Ring ring = Ring::make(smem, layout, warp / 2);
+      if (warp % 2 == 0)
+        produce(v, c, ring, env, lane);
+      else
+        consume(v, c, ring, env, lane);
+    } else if (warp == kZeroWarp && env.move) {
+      zero_unfilled(v, c, smem + layout.off_extra(), lane);
+    }
+  }
+  if (last_cta_to_finish(&v.control->op) && threadIdx.x == 0) {
+    v.work[kWorkFirst] = 0;  // every CTA has taken its last item
+    v.work[kWorkSecond] = 0;
+    finish_op(&v.control->op, epoch);
+  }
+}
+
+RingLayout layout_for(long long row_bytes, long long scale_bytes) {
+  if (row_bytes + scale_bytes > kMaxStageBytes) return RingLayout{1, 0, 128, 0};
+  return fit_rings(kPipes, static_cast<std::size_t>(row_bytes + scale_bytes), kZeroBytes, kMinStages, kMaxStages,
+                   dynamic_smem_budget(dispatch_kernel_v2));
+}
+
+}  // namespace
+
+bool dispatch_v2_supported(long long row_bytes, long long scale_bytes) {
+  return layout_for(row_bytes, scale_bytes).stages >= kMinStages;
+}
+
+void prepare_dispatch_v2() { raise_smem_limit(dispatch_kernel_v2); }
+
+void launch_dispatch_v2(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                        bool after_preprocess) {
+  const RingLayout layout = layout_for(c.row_bytes, c.scale_bytes);
+  FLEXEP_CHECK(layout.stages >= kMinStages, "hybridep dispatch v2: a row of ", c.row_bytes + c.scale_bytes,
+               " bytes does not fit its rings (internal error: dispatch_v2_supported decides)");
+  launch_kernel(dispatch_kernel_v2, grid, kThreadsV2, layout.total_bytes(), stream, after_preprocess, v, c, layout);
+}
+
+}  // namespace flexep::hybridep

@@ -1,0 +1,116 @@
+// The shared-memory stage ring of a v2 hybridep pipeline: one PRODUCER warp fills stages (a bulk
+// load of a row, or only a job descriptor) and one CONSUMER group drains them (bulk stores, or
+// arithmetic), in the same order. Job j uses stage j % stages; its k-th use (k = j / stages)
+// completes phase k of the stage's two mbarriers:
+//
+//   full[s]   count 1: the producer's arrive (with expect_tx = the bytes its bulk loads bring), so
+//             the phase completes when the descriptor is written AND the bytes have landed;
+//   empty[s]  count = the consumer's arrivals per stage: the stage may be refilled.
+//
+// The producer waits empty[s] with parity (k & 1) ^ 1 (a fresh barrier counts as "free"), the
+// consumer waits full[s] with parity k & 1. Descriptors (Job) are written by the producer's lane 0
+// before its arrive (release, CTA scope) and read by the consumer after its wait (acquire).
+//
+// Several rings share one dynamic shared-memory block (RingLayout): all stage data first (stage
+// sizes are multiples of 128, so every stage is 128-byte aligned for the copy engine), then an
+// optional extra region, the descriptors and the barriers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dispatch/hybridep/tma.cuh"
+
+namespace flexep::hybridep {
+
+// A job descriptor: `kind` and up to seven integers whose meaning belongs to the kernel.
+struct Job {
+  int kind;
+  int a, b, c, d, e, f, g;
+};
+static_assert(sizeof(Job) == 32, "descriptors are 32 bytes");
+
+struct RingLayout {
+  int rings = 1, stages = 2, stage_bytes = 128;
+  std::size_t extra_bytes = 0;  // e.g. a block of zeros for bulk zeroing
+
+  __host__ __device__ std::size_t data_bytes() const {
+    return static_cast<std::size_t>(rings) * stages * static_cast<std::size_t>(stage_bytes);
+  }
+  __host__ __device__ std::size_t off_extra() const { return data_bytes(); }
+  __host__ __device__ std::size_t off_jobs() const { return (off_extra() + extra_bytes + 127) / 128 * 128; }
+  __host__ __device__ std::size_t off_bars() const {
+    return off_jobs() + static_cast<std::size_t>(rings) * stages * sizeof(Job);
+  }
+  __host__ __device__ std::size_t total_bytes() const {
+    return off_bars() + static_cast<std::size_t>(rings) * stages * 2 * sizeof(std::uint64_t);
+  }
+};
+
+struct Ring {
+  unsigned char* data;
+  std::uint64_t* full;
+  std::uint64_t* empty;
+  Job* jobs;
+  int stages;
+  int stage_bytes;
+
+  __device__ static Ring make(unsigned char* smem, const RingLayout& l, int ring) {
+    Ring r;
+    r.stages = l.stages;
+    r.stage_bytes = l.stage_bytes;
+    r.data = smem + static_cast<std::size_t>(ring) * l.stages * static_cast<std::size_t>(l.stage_bytes);
+    r.jobs = reinterpret_cast<Job*>(smem + l.off_jobs()) + static_cast<std::size_t>(ring) * l.stages;
+    std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(smem + l.off_bars()) + static_cast<std::size_t>(ring) * 2 * l.stages;
+    r.full = bars;
+    r.empty = bars + l.stages;
+    return r;
+  }
+
+  __device__ int slot(unsigned j) const { return static_cast<int>(j % static_cast<unsigned>(stages)); }
+  __device__ unsigned char* stage(unsigned j) const {
+    return data + static_cast<std::size_t>(slot(j)) * static_cast<std::size_t>(stage_bytes);
+  }
+  __device__ std::uint32_t full_parity(unsigned j) const { return (j / static_cast<unsigned>(stages)) & 1u; }
+  __device__ std::uint32_t empty_parity(unsigned j) const { return full_parity(j) ^ 1u; }
+
+  // One thread, before the CTA barrier that precedes any use (then tma::fence_mbar_init()).
+  __device__ void init(unsigned consumer_arrivals) const {
+    for (int s = 0; s < stages; ++s) {
+      tma::mbar_init(&full[s], 1);
+      tma::mbar_init(&empty[s], consumer_arrivals);
+    }
+  }
+
+  // ---- producer side (a whole warp calls these; lane 0 acts) ----
+
+  // Waits until the stage of job j may be refilled.
+  __device__ void acquire(unsigned j, int lane) const {
+    if (lane == 0) tma::mbar_wait(&empty[slot(j)], empty_parity(j));
+    __syncwarp();
+  }
+  // Lane 0: a descriptor-only job (no data).
+  __device__ void post(unsigned j, const Job& job) const {
+    jobs[slot(j)] = job;
+    tma::mbar_arrive(&full[slot(j)]);
+  }
+  // Lane 0: a job whose data arrives through `bytes` of bulk loads into stage(j), issued right after
+  // this call with full_bar(j) as their barrier.
+  __device__ void post_expecting(unsigned j, const Job& job, std::uint32_t bytes) const {
+    jobs[slot(j)] = job;
+    tma::mbar_arrive_expect_tx(&full[slot(j)], bytes);
+  }
+  __device__ std::uint64_t* full_bar(unsigned j) const { return &full[slot(j)]; }
+
+  // ---- consumer side ----
+
+  // Every consumer thread waits for job j (descriptor written, data landed), then may read both.
+  __device__ Job wait(unsigned j) const {
+    tma::mbar_wait(&full[slot(j)], full_parity(j));
+    return jobs[slot(j)];
+  }
+  // One arrival that the stage of job j has been read (the count set at init() says how many).
+  __device__ void release(unsigned j) const { tma::mbar_arrive(&empty[slot(j)]); }
+};
+
+}  // namespace flexep::hybridep
