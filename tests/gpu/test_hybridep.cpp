@@ -7,6 +7,9 @@
 // raised on every rank (configuration mismatch, bad ids, bad arguments) and a missing peer turning
 // into a TimeoutError that names the phase and the rank.
 //
+// Every test runs once per kernel variant (HybridEpOptions::kernels; the fixture's parameter):
+// Kernels/HybridEpMultiGpu.<Test>/v1 and .../v2, with the same bodies and the same expectations.
+//
 // Run order on a fresh machine (cheapest signal first): SmokeDispatchCombine, MatchesHostUniform,
 // then the rest (see docs/hybridep.md, "Testing").
 #include <gtest/gtest.h>
@@ -30,6 +33,18 @@
 
 namespace flexep::testing {
 namespace {
+
+// The kernel variant the running test uses (set by the fixture before the body runs; read by every
+// place that builds HybridEpOptions).
+int kernels_under_test = 1;
+
+class HybridEpMultiGpu : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { kernels_under_test = GetParam(); }
+};
+
+INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpMultiGpu, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) { return "v" + std::to_string(info.param); });
 
 struct Config {
   std::string name;
@@ -132,6 +147,7 @@ HybridEpOptions hybridep_options(const Config& c, int R) {
   o.max_topk = c.multihot ? 0 : c.k;  // multihot: E slots
   o.max_pad_multiple = std::max<std::int64_t>(c.pad, 1);
   o.timeout_seconds = 60;
+  o.kernels = kernels_under_test;
   if (c.mode == DispatchMode::budget) {
     // The default capacity is the worst case of blocking mode; a budget above it needs room too.
     const int L = c.experts_per_rank, width = std::min(c.multihot ? L * R : c.k, L);
@@ -277,12 +293,12 @@ void check_against_host(const std::vector<Config>& configs) {
 
 // ---- bitwise agreement with the host backend ----------------------------------------------------------
 
-TEST(HybridEpMultiGpu, SmokeDispatchCombine) {
+TEST_P(HybridEpMultiGpu, SmokeDispatchCombine) {
   if (!require_gpus(2)) return;
   check_against_host({config("smoke E=2R k=1 H=8", 2, 1, 8, {5, 3, 4, 2})});
 }
 
-TEST(HybridEpMultiGpu, MatchesHostUniform) {
+TEST_P(HybridEpMultiGpu, MatchesHostUniform) {
   if (!require_gpus(2)) return;
   Config i32 = config("uniform E=16R k=8 H=8 i32 ids", 16, 8, 8, {64, 100, 3, 0});
   i32.i32_indices = true;
@@ -298,17 +314,20 @@ TEST(HybridEpMultiGpu, MatchesHostUniform) {
   });
 }
 
-TEST(HybridEpMultiGpu, MatchesHostZipf) {
+TEST_P(HybridEpMultiGpu, MatchesHostZipf) {
   if (!require_gpus(2)) return;
   check_against_host({
       config("zipf E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 1024, 0, 512}, RoutingKind::zipf),
       config("zipf E=32R k=8 H=2048 pad 16", 32, 8, 2048, {500, 0, 333, 64}, RoutingKind::zipf, 16),
       config("zipf E=16R k=8 H=8 pad 128", 16, 8, 8, {500, 0, 333, 64}, RoutingKind::zipf, 128),
       config("zipf E=2R k=1 H=8 pad 1", 2, 1, 8, {0, 200, 17, 5}, RoutingKind::zipf),
+      // Zipf top-48 of 64R experts puts most of a token's 48 rows on rank 0: more than 32 rows of one
+      // token on one rank, so the kernels' 32-lane batches of rows wrap.
+      config("zipf E=64R k=48 H=64 pad 1", 64, 48, 64, {40, 7, 0, 19}, RoutingKind::zipf),
   });
 }
 
-TEST(HybridEpMultiGpu, MatchesHostAllToOneExpert) {
+TEST_P(HybridEpMultiGpu, MatchesHostAllToOneExpert) {
   if (!require_gpus(2)) return;
   check_against_host({
       config("hot k=1 E=2R H=8", 2, 1, 8, {100, 0, 31, 7}, RoutingKind::hot),
@@ -319,7 +338,7 @@ TEST(HybridEpMultiGpu, MatchesHostAllToOneExpert) {
   });
 }
 
-TEST(HybridEpMultiGpu, MultihotGivesTheSameRowsAsTopK) {
+TEST_P(HybridEpMultiGpu, MultihotGivesTheSameRowsAsTopK) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   Config topk = config("zipf E=16R k=8 H=8 pad 16", 16, 8, 8, {200, 0, 77, 31}, RoutingKind::zipf, 16);
@@ -348,7 +367,7 @@ TEST(HybridEpMultiGpu, MultihotGivesTheSameRowsAsTopK) {
   }
 }
 
-TEST(HybridEpMultiGpu, BudgetModeMatchesHost) {
+TEST_P(HybridEpMultiGpu, BudgetModeMatchesHost) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   Config exact = config("budget exact size", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
@@ -370,7 +389,7 @@ TEST(HybridEpMultiGpu, BudgetModeMatchesHost) {
   EXPECT_GT(dropped, 0);  // the drop case really drops (and the GPU matched the counts above)
 }
 
-TEST(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
+TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   Config c = config("budget overflow", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
@@ -411,7 +430,7 @@ TEST(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
 
 // ---- determinism -----------------------------------------------------------------------------------------
 
-TEST(HybridEpMultiGpu, CombineIsIdenticalRunToRun) {
+TEST_P(HybridEpMultiGpu, CombineIsIdenticalRunToRun) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   const Config c = config("zipf E=16R k=8 H=7168", 16, 8, 7168, {1024, 512, 0, 300}, RoutingKind::zipf);
@@ -432,7 +451,7 @@ TEST(HybridEpMultiGpu, CombineIsIdenticalRunToRun) {
 
 // ---- CUDA graph: dispatch + experts + combine, replayed with new inputs -------------------------------------
 
-TEST(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
+TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks(), replays = 100;
   Config c = config("graph", 4, 4, 64, {96, 0, 57, 128}, RoutingKind::uniform, 16);
@@ -550,7 +569,7 @@ TEST(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
 // dispatch_fp8 moves e4m3 rows and their scales exactly like bf16 rows: the host backend, given the
 // same bytes as bf16 containers ([T, H/2]) and the scales as f32 rows ([T, H/128]), places them in
 // the same rows. Probs, tokens_per_expert and combine (bf16 expert outputs) match the bf16 reference.
-TEST(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
+TEST_P(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   for (const Config& base :
@@ -642,7 +661,7 @@ TEST(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
 
 // ---- SM counts, memory, resize, stale handles ---------------------------------------------------------------
 
-TEST(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
+TEST_P(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   const Config c = config("sms zipf E=16R k=8 H=2048", 16, 8, 2048, {700, 300, 0, 65}, RoutingKind::zipf, 16);
@@ -672,7 +691,7 @@ TEST(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
   for (std::size_t i = 0; i < got.size(); ++i) expect_equal(want, got[i], c.name + " sms setting " + std::to_string(i));
 }
 
-TEST(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
+TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   const Config small = config("small", 4, 2, 64, {40, 20, 0, 8});
@@ -757,6 +776,7 @@ std::unique_ptr<HybridEpDispatcher> small_dispatcher(GpuRank& g, int E, std::int
   o.hidden = H;
   o.max_topk = 4;
   o.timeout_seconds = timeout;
+  o.kernels = kernels_under_test;
   o.stream = g.stream;
   return make_hybridep_dispatcher(g.comm, E, o);
 }
@@ -768,7 +788,7 @@ auto argument_is(std::string argument, Check check) {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-TEST(HybridEpMultiGpu, ConfigMismatchRaisesOnEveryRank) {
+TEST_P(HybridEpMultiGpu, ConfigMismatchRaisesOnEveryRank) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks(), E = 4 * R;
   std::vector<std::exception_ptr> mismatch_h(static_cast<std::size_t>(R)), mismatch_k(mismatch_h);
@@ -801,7 +821,7 @@ TEST(HybridEpMultiGpu, ConfigMismatchRaisesOnEveryRank) {
                                        })));
 }
 
-TEST(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
+TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   const auto errors = run_gpu_ranks(
@@ -812,7 +832,7 @@ TEST(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
                                        })));
 }
 
-TEST(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
+TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks(), E = 2 * R;
   std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id);
@@ -929,12 +949,12 @@ void check_missing_peer(int skipped_call, const std::string& phase) {
   }
 }
 
-TEST(HybridEpMultiGpu, MissingPeerInDispatchTimesOutNamingPhaseAndPeer) {
+TEST_P(HybridEpMultiGpu, MissingPeerInDispatchTimesOutNamingPhaseAndPeer) {
   if (!require_gpus(2)) return;
   check_missing_peer(0, "dispatch:count-exchange");
 }
 
-TEST(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
+TEST_P(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
   if (!require_gpus(2)) return;
   check_missing_peer(1, "combine:partials");
 }
