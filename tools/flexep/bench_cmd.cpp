@@ -121,6 +121,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--topk", cli->args.topk, "Experts per token (0 = case default)");
   cmd->add_option("--experts", cli->args.experts, "Experts (0 = case default)");
   cmd->add_option("--sms", cli->args.sms, "SM counts to sweep (backends with an SM setting)")->delimiter(',');
+  cmd->add_option("--hybridep-kernels", cli->args.hybridep_kernels,
+                  "hybridep kernel variant: 1 (register copies) or 2 (bulk copies through shared-memory rings)")
+      ->check(CLI::Range(1, 2));
   cmd->add_option("--sweep", cli->sweep, "Sweep a dimension: key=v1,v2,... (tokens, hidden, topk, experts, routing, "
                   "zipf_s, backend); repeat for a cartesian product");
   cmd->add_option("--warmup", cli->args.warmup, "Warm-up repetitions")->check(CLI::NonNegativeNumber);

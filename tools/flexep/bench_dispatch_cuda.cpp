@@ -8,7 +8,8 @@
 // The hybridep backend adds, per SM count of --sms (default: its process-wide 20): call records in
 // blocking mode (one host sync per call), a budget-mode dispatch (budget = the exact rows, no host
 // sync), and "kernel" records timed with CUDA events around its own kernels (dispatch kernel, with
-// the preprocess kernel in parts_us; combine kernel), every record with `sms` set.
+// the preprocess kernel in parts_us; combine kernel), every record with `sms` set and its note
+// starting with the kernel variant (--hybridep-kernels).
 #include <cstdio>
 #include <mutex>
 
@@ -81,6 +82,7 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
   ho.max_topk = k;
   ho.kernel_timing = true;
   ho.stream = stream;
+  ho.kernels = a.hybridep_kernels;
   auto d = make_hybridep_dispatcher(std::move(comm_ptr), E, ho);
   const std::vector<int> sweep = a.sms.empty() ? std::vector<int>{hybridep_num_sms().dispatch} : a.sms;
   for (int sms : sweep) {
@@ -125,6 +127,9 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
     mine.back().parts_us = {{"preprocess_kernel", stats_of(pre).median}, {"dispatch_kernel", stats_of(disp).median}};
     record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
     tag(first);
+    // Which kernels produced these records (--hybridep-kernels), in every note.
+    for (std::size_t i = first; i < mine.size(); ++i)
+      mine[i].note = "kernels v" + std::to_string(a.hybridep_kernels) + ": " + mine[i].note;
   }
 }
 
