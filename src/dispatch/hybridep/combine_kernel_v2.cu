@@ -205,7 +205,10 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
     if (job.kind == kExit) break;
     if (job.kind == kPartEnd) {
       // Every thread's partial rows and prob gradients of the part are complete and ordered before
-      // the group's one count; the last part of (source, chunk) releases the ready flag there.
+      // the group's one count; the last part of (source, chunk) releases the ready flag there. The
+      // source reads the rows with bulk loads (async proxy) after its acquire and its own proxy
+      // fence; the writer-side proxy fence here is the conservative other half.
+      tma::fence_proxy_global();
       fence_sys();
       tma::named_sync(1 + pipe, kComputeThreads);
       if (tid == 0 && count_part(&v.work[kWorkChunks + job.a * v.max_chunks + job.b], job.c))
@@ -303,10 +306,13 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   }
 }
 
+// The kernel's shared-memory budget on each device.
+SmemBudget smem_budget;
+
 RingLayout layout_for(long long hidden) {
   if (hidden > kMaxHidden) return RingLayout{1, 0, 128, 0};
   return fit_rings(kPipes, static_cast<std::size_t>(hidden * 2), 0, kMinStages, kMaxStages,
-                   dynamic_smem_budget(combine_kernel_v2));
+                   smem_budget.get(combine_kernel_v2));
 }
 
 }  // namespace

@@ -437,10 +437,13 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   }
 }
 
+// The kernel's shared-memory budget on each device.
+SmemBudget smem_budget;
+
 RingLayout layout_for(long long row_bytes, long long scale_bytes) {
   if (row_bytes + scale_bytes > kMaxStageBytes) return RingLayout{1, 0, 128, 0};
   return fit_rings(kPipes, static_cast<std::size_t>(row_bytes + scale_bytes), kZeroBytes, kMinStages, kMaxStages,
-                   dynamic_smem_budget(dispatch_kernel_v2));
+                   smem_budget.get(dispatch_kernel_v2));
 }
 
 }  // namespace

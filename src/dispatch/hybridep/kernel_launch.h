@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 
 #include "dispatch/hybridep/ring.cuh"
@@ -26,6 +27,32 @@ std::size_t dynamic_smem_budget(Kernel kernel) {
   const std::size_t fixed = attr.sharedSizeBytes;
   return static_cast<std::size_t>(optin) > fixed ? static_cast<std::size_t>(optin) - fixed : 0;
 }
+
+// dynamic_smem_budget() of one kernel, remembered per device (it never changes), so that a launch
+// costs no attribute queries. One instance per kernel, at namespace scope next to it.
+class SmemBudget {
+ public:
+  SmemBudget() {
+    for (auto& c : cache_) c.store(-1, std::memory_order_relaxed);
+  }
+  template <class Kernel>
+  std::size_t get(Kernel kernel) {
+    int device = 0;
+    FLEXEP_CUDA_CHECK(cudaGetDevice(&device));
+    const bool cached = device >= 0 && device < kDevices;
+    if (cached) {
+      const long long known = cache_[device].load(std::memory_order_relaxed);
+      if (known >= 0) return static_cast<std::size_t>(known);
+    }
+    const std::size_t budget = dynamic_smem_budget(kernel);
+    if (cached) cache_[device].store(static_cast<long long>(budget), std::memory_order_relaxed);
+    return budget;
+  }
+
+ private:
+  static constexpr int kDevices = 64;
+  std::atomic<long long> cache_[kDevices];
+};
 
 // Raises `kernel`'s dynamic shared-memory limit to the budget (cudaFuncSetAttribute: per device,
 // not a stream operation; called when a buffer is created, never during a capture).
