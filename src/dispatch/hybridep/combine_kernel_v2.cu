@@ -321,8 +321,7 @@ bool combine_v2_supported(long long hidden) { return layout_for(hidden).stages >
 
 void prepare_combine_v2() { raise_smem_limit(combine_kernel_v2); }
 
-void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid,
-                       cudaStream_t stream) {
+void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream) {
   const RingLayout layout = layout_for(v.hidden);
   FLEXEP_CHECK(layout.stages >= kMinStages, "hybridep combine v2: H = ", v.hidden,
                " does not fit its rings (internal error: combine_v2_supported decides)");

@@ -49,13 +49,13 @@ namespace flexep::hybridep {
 
 namespace {
 
-constexpr int kPipes = 2;                  // rings (producer + consumer warp pairs) per CTA
-constexpr int kZeroWarp = 2 * kPipes;      // the warp that zeroes unfilled rows
+constexpr int kPipes = 2;              // rings (producer + consumer warp pairs) per CTA
+constexpr int kZeroWarp = 2 * kPipes;  // the warp that zeroes unfilled rows
 constexpr int kThreadsV2 = 32 * (2 * kPipes + 1);
 constexpr int kMinStages = 2, kMaxStages = 8;
-constexpr int kZeroBytes = 4096;           // block of zeros the zeroing bulk stores read
-constexpr int kFreeLag = 1;                // the newest job's stores may still be reading their stage
-constexpr int kReleaseLag = 4;             // a finished part is published after this many newer jobs
+constexpr int kZeroBytes = 4096;             // block of zeros the zeroing bulk stores read
+constexpr int kFreeLag = 1;                  // the newest job's stores may still be reading their stage
+constexpr int kReleaseLag = 4;               // a finished part is published after this many newer jobs
 constexpr long long kMaxStageBytes = 32768;  // larger rows: the v1 kernel
 
 enum Kind : int { kSendRow = 0, kFanOut = 1, kPartEnd = 2, kExit = 3 };
@@ -179,7 +179,7 @@ __device__ unsigned produce_fan_out_part(const DispatchView& v, const DispatchCa
     const unsigned char* rec = record_at(records_of(v, me), s, t, v.max_tokens, v.record_bytes);
     // Written by rank s over NVLink: read through L2.
     const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));  // {epoch, n, row0, prob0}
-    if (head.x == env.epoch) {                                        // else: not for this rank
+    if (head.x == env.epoch) {                                       // else: not for this rank
       n = head.y;
       row0 = static_cast<int>(head.z);
       const RecordEntry* e = record_entries(rec);
@@ -204,7 +204,8 @@ __device__ unsigned produce_fan_out_part(const DispatchView& v, const DispatchCa
     ring.acquire(j, lane);
     if (lane == 0)
       post_row_job(ring, j, Job{kFanOut, s, static_cast<int>(p.t0 + l), static_cast<int>(nn), r0, 0, 0, 0}, c,
-                   token_row(v, me, r0, c.row_bytes), c.scale_bytes > 0 ? scale_row(v, me, r0, c.scale_bytes) : nullptr);
+                   token_row(v, me, r0, c.row_bytes),
+                   c.scale_bytes > 0 ? scale_row(v, me, r0, c.scale_bytes) : nullptr);
     ++j;
   }
   return j;
@@ -231,8 +232,7 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   const PartSplit recv = part_split(chunks_of_ranks(R, received_tokens, not_mine), env.pipelines);
   const long long recv_parts = parts_of_ranks(R, recv, received_tokens, not_mine);
   const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_tokens};
-  for (long long i = grab_item(&v.work[kWorkSecond], lane); i < recv_parts;
-       i = grab_item(&v.work[kWorkSecond], lane)) {
+  for (long long i = grab_item(&v.work[kWorkSecond], lane); i < recv_parts; i = grab_item(&v.work[kWorkSecond], lane)) {
     Part p;
     parts_of_ranks(R, recv, received_tokens, not_mine, i, &p);
     bool ok = true;
@@ -304,7 +304,8 @@ __device__ void store_send_row(const DispatchView& v, const DispatchCall& c, con
   const unsigned char* rec = staging_at(v, me, t);
   if (n_me > 0 && warp_local_rows_ok(rec, n_me, v.width, env.out_rows, lane)) {
     const RecordEntry* e = record_entries(rec);
-    store_to_rows(v, c, stage, me, 0, n_me, env.out_rows, [e](unsigned q) { return e[q].row; }, lane);
+    store_to_rows(
+        v, c, stage, me, 0, n_me, env.out_rows, [e](unsigned q) { return e[q].row; }, lane);
   }
 }
 
@@ -313,8 +314,9 @@ __device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, cons
   const unsigned char* rec = record_at(records_of(v, v.rank), job.a, job.b, v.max_tokens, v.record_bytes);
   const RecordEntry* e = record_entries(rec);
   // Entries 1..n: the producer validated them (rows inside the output) before posting the job.
-  store_to_rows(v, c, stage, v.rank, 1, static_cast<unsigned>(job.c), env.out_rows,
-                [e](unsigned q) { return __ldcg(&e[q].row); }, lane);
+  store_to_rows(
+      v, c, stage, v.rank, 1, static_cast<unsigned>(job.c), env.out_rows, [e](unsigned q) { return __ldcg(&e[q].row); },
+      lane);
 }
 
 // Lane 0: the stores of every job up to the part end `since` jobs ago are complete; count the part,
@@ -379,8 +381,8 @@ __device__ void zero_rows(const DispatchView& v, const DispatchCall& c, long lon
   zero_slice(reinterpret_cast<unsigned char*>(token_row(v, v.rank, a, c.row_bytes)), (b - a) * c.row_bytes, zeros,
              lane);
   if (c.scale_bytes > 0)
-    zero_slice(reinterpret_cast<unsigned char*>(scale_row(v, v.rank, a, c.scale_bytes)), (b - a) * c.scale_bytes,
-               zeros, lane);
+    zero_slice(reinterpret_cast<unsigned char*>(scale_row(v, v.rank, a, c.scale_bytes)), (b - a) * c.scale_bytes, zeros,
+               lane);
   const long long G = gridDim.x, bid = blockIdx.x, n = b - a;
   float* probs = prob_at(v, v.rank, a);
   for (long long i = n * bid / G + lane; i < n * (bid + 1) / G; i += 32) probs[i] = 0.0f;

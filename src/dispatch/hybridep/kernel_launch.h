@@ -82,7 +82,7 @@ inline RingLayout fit_rings(int rings, std::size_t payload_bytes, std::size_t ex
 // the previous kernel on the stream finishes (the kernel calls tma::grid_dependency_wait() first).
 template <class Kernel, class... Args>
 void launch_kernel(Kernel kernel, int grid, int threads, std::size_t smem, cudaStream_t stream, bool programmatic,
-               const Args&... args) {
+                   const Args&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(static_cast<unsigned>(threads));

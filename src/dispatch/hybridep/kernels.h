@@ -145,8 +145,7 @@ void launch_combine(const CombineView& v, const HandleView& h, const CombineCall
 // Same protocol and bitwise the same results as launch_combine. False for rows it cannot hold
 // (H > 8192): use launch_combine.
 bool combine_v2_supported(long long hidden);
-void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid,
-                       cudaStream_t stream);
+void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream);
 void prepare_combine_v2();  // as prepare_dispatch_v2
 
 // --- combine_backward_kernel.cu ----------------------------------------------------------------------------

@@ -61,7 +61,8 @@ struct Ring {
     r.stage_bytes = l.stage_bytes;
     r.data = smem + static_cast<std::size_t>(ring) * l.stages * static_cast<std::size_t>(l.stage_bytes);
     r.jobs = reinterpret_cast<Job*>(smem + l.off_jobs()) + static_cast<std::size_t>(ring) * l.stages;
-    std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(smem + l.off_bars()) + static_cast<std::size_t>(ring) * 2 * l.stages;
+    std::uint64_t* bars =
+        reinterpret_cast<std::uint64_t*>(smem + l.off_bars()) + static_cast<std::size_t>(ring) * 2 * l.stages;
     r.full = bars;
     r.empty = bars + l.stages;
     return r;

@@ -52,8 +52,7 @@ __device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
 
 // One arrival that also expects `bytes` more to land through bulk loads before the phase completes.
 __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, std::uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
 // True once the phase with parity `parity` has completed (acquire at CTA scope). A fresh barrier is
