@@ -169,9 +169,11 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    of the preprocess kernel when nothing sits between them on the stream (kernel_timing puts
   //    events there): it may be scheduled while the preprocess kernel runs, hiding its launch
   //    latency, and waits (griddepcontrol.wait, its first instruction) for the preprocess grid to
-  //    complete before it reads anything, so the results cannot change.
+  //    complete before it reads anything, so the results cannot change. Not in a graph capture:
+  //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
+  //    dependencies they had before.
   const DispatchView view = st.view(status_, options_.timeout_seconds);
-  const bool overlap = !options_.kernel_timing;
+  const bool overlap = !options_.kernel_timing && !capturing(s);
   record(ev_preprocess, s);
   launch_preprocess(view, c, sms.preprocess, s);
   record(ev_dispatch, s);
