@@ -52,9 +52,12 @@ namespace {
 constexpr int kPipes = 2;              // rings (producer + consumer warp pairs) per CTA
 constexpr int kZeroWarp = 2 * kPipes;  // the warp that zeroes unfilled rows
 constexpr int kThreadsV2 = 32 * (2 * kPipes + 1);
-constexpr int kMinStages = 2, kMaxStages = 8;
-constexpr int kZeroBytes = 4096;             // block of zeros the zeroing bulk stores read
-constexpr int kFreeLag = 1;                  // the newest job's stores may still be reading their stage
+constexpr int kMinStages = 3, kMaxStages = 8;
+constexpr int kZeroBytes = 4096;  // block of zeros the zeroing bulk stores read
+constexpr int kFreeLag = 2;       // the newest jobs' stores may still be reading their stages
+// A producer waiting for the stage of job j + stages needs job j freed, which happens once job
+// j + kFreeLag is committed: with fewer stages than that the ring would deadlock.
+static_assert(kFreeLag < kMinStages, "the consumer must free a stage before the producer needs it");
 constexpr int kReleaseLag = 4;               // a finished part is published after this many newer jobs
 constexpr long long kMaxStageBytes = 32768;  // larger rows: the v1 kernel
 
