@@ -5,6 +5,7 @@
 #   FLEXEP_GPU_TESTS=0      skip the tests     FLEXEP_BENCH=0   skip the benchmarks
 #   FLEXEP_CTEST_ARGS=...   extra ctest arguments (e.g. -R Permute)
 #   FLEXEP_SANITIZER=memcheck|racecheck   run the GPU test binary under compute-sanitizer instead
+#   FLEXEP_CMAKE_ARGS=...   extra configure arguments (e.g. -DFLEXEP_BUILD_PYTHON=ON)
 set -uo pipefail
 # NVLink multicast can take the host's GPUs out of service: never let anything enable it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -23,7 +24,7 @@ echo "NCCL (PyTorch wheel): ${nccl_root:-not found}" | tee -a "$out/summary.txt"
 
 step "build"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXEP_CUDA=ON \
-  ${nccl_root:+-DFLEXEP_NCCL_ROOT=$nccl_root} > "$out/configure.log" 2>&1 || { cat "$out/configure.log"; exit 1; }
+ ${nccl_root:+-DFLEXEP_NCCL_ROOT=$nccl_root} ${FLEXEP_CMAKE_ARGS:-} > "$out/configure.log" 2>&1 || { cat "$out/configure.log"; exit 1; }
 if ! cmake --build "$build" -j "${FLEXEP_JOBS:-32}" > "$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -40
   exit 1
@@ -32,7 +33,7 @@ export LD_LIBRARY_PATH="${nccl_root:+$nccl_root/lib:}${LD_LIBRARY_PATH:-}"
 
 if [ "${FLEXEP_SANITIZER:-}" != "" ]; then
   step "compute-sanitizer --tool ${FLEXEP_SANITIZER}"
-  compute-sanitizer --tool "$FLEXEP_SANITIZER" --error-exitcode 3 "$build/tests/flexep_gpu_tests" \
+  compute-sanitizer --tool "$FLEXEP_SANITIZER" --report-api-errors no --error-exitcode 3 "$build/tests/flexep_gpu_tests" \
     ${FLEXEP_GTEST_FILTER:+--gtest_filter=$FLEXEP_GTEST_FILTER} > "$out/sanitizer-${FLEXEP_SANITIZER}.log" 2>&1
   rc=$?; tail -5 "$out/sanitizer-${FLEXEP_SANITIZER}.log"; [ $rc = 0 ] || status=$rc
 fi
