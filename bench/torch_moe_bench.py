@@ -81,6 +81,24 @@ def time_fwd_bwd(module, x, grad, iters, warmup):
             "max": t[-1]}
 
 
+def profile_table(module, x, grad, rank, title):
+    """Rank 0 prints where one forward + backward spends its GPU time (kernels, copies, syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            module(x.detach().requires_grad_()).backward(grad)
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"=== profile: {title} (2 iterations)")
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+                break
+            except (AttributeError, KeyError, RuntimeError):
+                continue
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="hybridep")
@@ -92,6 +110,7 @@ def main():
     ap.add_argument("--sms", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per module")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     dist.init_process_group("nccl")
@@ -108,6 +127,8 @@ def main():
     ref = ReferenceMoE(a.experts, a.topk, a.hidden, a.inter, world, rank, dev)
     records.append(dict(common, backend="torch_reference", sms=None, time_us=time_fwd_bwd(ref, x, grad, a.iters, a.warmup),
                         note="pure PyTorch: argsort permute, NCCL all_to_all_single, torch._grouped_mm, index_add"))
+    if a.profile:
+        profile_table(ref, x, grad, rank, "torch_reference")
     del ref
     torch.cuda.empty_cache()
     cfg = ft.MoEConfig(n_routed_experts=a.experts, n_shared_experts=0, n_activated_experts=a.topk, n_expert_groups=1,
@@ -120,6 +141,8 @@ def main():
         records.append(dict(common, backend=backend, sms=a.sms if backend == "hybridep" else None,
                             time_us=time_fwd_bwd(m, x, grad, a.iters, a.warmup),
                             note="flexep.torch.MoE forward + backward (one autograd Function over CudaMoELayer)"))
+        if a.profile:
+            profile_table(m, x, grad, rank, backend)
         del m
         torch.cuda.empty_cache()
     if rank == 0:

@@ -14,7 +14,8 @@
 //                    writes the probs of the token's LOCAL rows, posts one job per token with a
 //                    destination (a bulk load of the row into the next free stage), then copies the
 //                    part's records to every destination (epoch stamped; records with no entries
-//                    tell the receiver "not for you" like a stale epoch does) and posts "part end".
+//                    tell the receiver "not for you" like a stale epoch does) and posts "part end";
+//                    after its last part, "flush" (publish now: a peer may wait for that part).
 //                    Then the fan-out: grabs parts of every OTHER rank's chunks; per part it acquires
 //                    the chunk flag (deadline: dispatch:tokens), writes the probs of each received
 //                    token and posts one job per token with more than one row here (a bulk load of
@@ -61,9 +62,9 @@ static_assert(kFreeLag < kMinStages, "the consumer must free a stage before the 
 constexpr int kReleaseLag = 4;               // a finished part is published after this many newer jobs
 constexpr long long kMaxStageBytes = 32768;  // larger rows: the v1 kernel
 
-enum Kind : int { kSendRow = 0, kFanOut = 1, kPartEnd = 2, kExit = 3 };
+enum Kind : int { kSendRow = 0, kFanOut = 1, kPartEnd = 2, kFlush = 3, kExit = 4 };
 // kSendRow: a = token.  kFanOut: a = source, b = token, c = n (rows), d = first row.
-// kPartEnd: a = chunk, b = parts per chunk.  kExit: none.
+// kPartEnd: a = chunk, b = parts per chunk.  kFlush, kExit: none.
 
 struct Env {
   unsigned epoch;
@@ -231,6 +232,12 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
     ++j;
   }
 
+  // Every part sent so far must be published before this warp waits for a peer's flag: the peer
+  // may be waiting for exactly that part (a publish held back by kReleaseLag would never come).
+  ring.acquire(j, lane);
+  if (lane == 0) ring.post(j, Job{kFlush, 0, 0, 0, 0, 0, 0, 0});
+  ++j;
+
   // 2. The other ranks' tokens that arrived here: probs and the copies into their other rows.
   const PartSplit recv = part_split(chunks_of_ranks(R, received_tokens, not_mine), env.pipelines);
   const long long recv_parts = parts_of_ranks(R, recv, received_tokens, not_mine);
@@ -345,7 +352,7 @@ __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring
       if (job.kind == kPartEnd) {
         if (pending >= 0) publish_part(v, pending, pending_parts, since, env);
         pending = job.a, pending_parts = job.b, since = 0;
-      } else if (pending >= 0 && since >= kReleaseLag) {
+      } else if (pending >= 0 && (since >= kReleaseLag || job.kind == kFlush)) {
         publish_part(v, pending, pending_parts, since, env);
         pending = -1;
       }
