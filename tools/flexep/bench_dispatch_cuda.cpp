@@ -8,7 +8,8 @@
 // The hybridep backend adds, per SM count of --sms (default: its process-wide 20): call records in
 // blocking mode (one host sync per call), a budget-mode dispatch (budget = the exact rows, no host
 // sync), and "kernel" records timed with CUDA events around its own kernels (dispatch kernel, with
-// the preprocess kernel in parts_us; combine kernel), every record with `sms` set and its note
+// the preprocess kernel in parts_us; combine kernel), a "graph" record (a budget-mode dispatch +
+// combine captured once in a CUDA graph, timed per replay), every record with `sms` set and its note
 // starting with the kernel variant (--hybridep-kernels).
 #include <cstdio>
 #include <mutex>
@@ -71,6 +72,35 @@ TimeStats timed_collective(Communicator& comm, const std::function<void()>& fn, 
   return stats_of(us);
 }
 
+// One budget-mode dispatch + combine captured in a CUDA graph, then timed per replay: shows that
+// budget mode needs no host synchronisation (a host sync cannot be captured at all).
+TimeStats graph_replay_time(const BenchArgs& a, Communicator& comm, HybridEpDispatcher& d, const DispatchInput& in,
+                            const DispatchOptions& budget, int sms, cudaStream_t stream) {
+  d.set_num_sms(sms, sms, sms);
+  DispatchResult warm = d.dispatch(in, budget);  // loads the kernels outside the capture
+  d.combine(warm.handle, warm.tokens);
+  d.check_errors();
+  cudaGraph_t graph = nullptr;
+  FLEXEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    DispatchResult r = d.dispatch(in, budget);
+    d.combine(r.handle, r.tokens);
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  FLEXEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  FLEXEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const TimeStats t =
+      timed_collective(comm, [&] { FLEXEP_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, a.warmup, a.reps, stream);
+  d.check_errors();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return t;
+}
+
 // hybridep on this rank; `record` appends a record to `mine` (as for the other backends).
 template <class Record>
 void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Communicator> comm_ptr,
@@ -83,6 +113,11 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
   ho.kernel_timing = true;
   ho.stream = stream;
   ho.kernels = a.hybridep_kernels;
+  // A second dispatcher without kernel timing for the graph record (no event records in the capture).
+  HybridEpOptions go = ho;
+  go.kernel_timing = false;
+  go.max_recv_rows = exact_rows;
+  auto graphed = make_hybridep_dispatcher(comm_ptr, E, go);
   auto d = make_hybridep_dispatcher(std::move(comm_ptr), E, ho);
   const std::vector<int> sweep = a.sms.empty() ? std::vector<int>{hybridep_num_sms().dispatch} : a.sms;
   for (int sms : sweep) {
@@ -126,6 +161,9 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
     record("hybridep", "dispatch", stats_of(disp), "dispatch kernel alone (events around it)", "kernel");
     mine.back().parts_us = {{"preprocess_kernel", stats_of(pre).median}, {"dispatch_kernel", stats_of(disp).median}};
     record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
+    record("hybridep", "dispatch+combine", graph_replay_time(a, comm, *graphed, in, budget, sms, stream),
+           "CUDA graph replay of a budget-mode dispatch + combine (no host sync inside; the host launches the "
+           "graph once per repetition)", "graph");
     tag(first);
     // Which kernels produced these records (--hybridep-kernels), in every note.
     for (std::size_t i = first; i < mine.size(); ++i)

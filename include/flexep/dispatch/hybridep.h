@@ -75,7 +75,7 @@ struct HybridEpOptions {
   // version), 2 = bulk copies through shared-memory rings (docs/hybridep.md, "v2 kernels"). Same
   // protocol and bitwise the same results; rows that do not fit v2's rings (more than 32 KB, or
   // H > 8192 for combine) use 1. combine_backward always uses 1.
-  int kernels = 1;
+  int kernels = 2;
 
   // SM counts from Automodel-style configuration: dispatch_sms(), combine_sms(), preprocess_sms().
   static HybridEpOptions from_backend(const BackendConfig& backend, std::int64_t max_tokens_per_rank,
