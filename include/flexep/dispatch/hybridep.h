@@ -71,10 +71,10 @@ struct HybridEpOptions {
   bool check_blocking_calls = true;  // see "Modes" above
   bool kernel_timing = false;        // record events around the kernels (kernel_times())
   bool fp8 = false;                  // also allow dispatch_fp8 (H a multiple of 512; a scales region)
-  // Kernels of dispatch, combine and dispatch_backward: 1 = 16-byte register copies (the first
-  // version), 2 = bulk copies through shared-memory rings (docs/hybridep.md, "v2 kernels"). Same
-  // protocol and bitwise the same results; rows that do not fit v2's rings (more than 32 KB, or
-  // H > 8192 for combine) use 1. combine_backward always uses 1.
+  // Kernels of every call: 1 = 16-byte register copies (the first version), 2 = bulk copies
+  // through shared-memory rings (docs/hybridep.md, "v2 kernels"; the default, 3-9x faster on
+  // 2x H200). Same protocol and bitwise the same results; rows that do not fit v2's rings (more
+  // than 32 KB, or H > 8192 for combine) use 1.
   int kernels = 2;
 
   // SM counts from Automodel-style configuration: dispatch_sms(), combine_sms(), preprocess_sms().

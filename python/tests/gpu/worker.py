@@ -141,7 +141,11 @@ def state_dict(backend, rank, dev):
     r = ReferenceMoE(cfg)
     r.load_state_dict(full)
     r.eval()
-    torch.testing.assert_close(y.cpu().double(), r(x.double()), rtol=5e-2, atol=5e-2)
+    # N(0, 1) weights make large intermediates that the bf16 layer rounds (the f64 reference does not):
+    # compare relative to the output's scale.
+    ry = r(x.double())
+    scale = ry.abs().max().item() + 1e-6
+    torch.testing.assert_close(y.cpu().double() / scale, ry / scale, rtol=0, atol=2e-2)
 
 
 def main():

@@ -128,6 +128,7 @@ CombineStorage::CombineStorage(std::shared_ptr<Communicator> comm, const BufferC
     : geo_(combine_geometry(config)), sym_(comm, "hybridep combine buffer") {
   local_ = init_symmetric_and_local(sym_, geo_.window_bytes, geo_.flag_bytes, geo_.local_bytes);
   prepare_combine_v2();
+  prepare_combine_backward_v2();
 }
 
 CombineStorage::~CombineStorage() { free_local(local_, sym_.comm().device()); }

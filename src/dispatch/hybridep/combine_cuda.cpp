@@ -35,8 +35,11 @@ void Dispatcher::run_combine(const HepHandle& h, const TensorView& rows, const T
 void Dispatcher::run_combine_backward(const HepHandle& h, const TensorView& grad_out, const TensorView& out,
                                       cudaStream_t s) {
   record(ev_combine, s);
-  launch_combine_backward(combine_->view(status_, options_.timeout_seconds), handle_view(h), grad_out.data, out.data,
-                          num_sms().combine, s);
+  const CombineView view = combine_->view(status_, options_.timeout_seconds);
+  if (options_.kernels == 2 && combine_backward_v2_supported(h.hidden))
+    launch_combine_backward_v2(view, handle_view(h), grad_out.data, out.data, num_sms().combine, s);
+  else
+    launch_combine_backward(view, handle_view(h), grad_out.data, out.data, num_sms().combine, s);
   record(ev_combine_end, s);
 }
 

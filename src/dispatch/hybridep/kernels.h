@@ -1,5 +1,6 @@
 // Launchers of the hybridep kernels (preprocess.cu, dispatch_kernel.cu, combine_kernel.cu,
-// combine_backward_kernel.cu, and the v2 kernels dispatch_kernel_v2.cu / combine_kernel_v2.cu)
+// combine_backward_kernel.cu, and the v2 kernels dispatch_kernel_v2.cu / combine_kernel_v2.cu /
+// combine_backward_kernel_v2.cu)
 // and the views of the buffers they take by value. Nothing here
 // synchronises or allocates, so a budget-mode dispatch and its combine can be captured in a CUDA
 // graph. Every kernel bounds-checks the indices it reads from memory a peer wrote.
@@ -152,5 +153,13 @@ void prepare_combine_v2();  // as prepare_dispatch_v2
 // grad_out [T, H] -> out [N, H] along the handle.
 void launch_combine_backward(const CombineView& v, const HandleView& h, const void* grad_out, void* out, int grid,
                              cudaStream_t stream);
+
+// --- combine_backward_kernel_v2.cu (HybridEpOptions::kernels = 2) ----------------------------------------------
+// Same protocol and results as launch_combine_backward, with bulk copies through shared-memory rings.
+// False for rows it cannot hold (2H > 32 KB): use launch_combine_backward.
+bool combine_backward_v2_supported(long long hidden);
+void launch_combine_backward_v2(const CombineView& v, const HandleView& h, const void* grad_out, void* out, int grid,
+                                cudaStream_t stream);
+void prepare_combine_backward_v2();  // as prepare_dispatch_v2
 
 }  // namespace flexep::hybridep
