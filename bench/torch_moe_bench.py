@@ -148,7 +148,9 @@ def main():
         torch.cuda.empty_cache()
     if rank == 0:
         now = datetime.datetime.now(datetime.timezone.utc)
-        commit = os.environ.get("FLEXEP_COMMIT") or subprocess.run(
+        commit_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "COMMIT")
+        commit = os.environ.get("FLEXEP_COMMIT") or (
+            open(commit_file).read().strip() if os.path.exists(commit_file) else "") or subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
         run = {"run_id": f"{now:%Y%m%d-%H%M%S}-{commit[:8]}-{os.getpid()}", "date": f"{now:%Y-%m-%dT%H:%M:%SZ}",
