@@ -20,13 +20,12 @@
 //                    the chunk flag (deadline: dispatch:tokens), writes the probs of each received
 //                    token and posts one job per token with more than one row here (a bulk load of
 //                    the row that arrived into its first row). Finally "exit".
-//     consumer warp  lane 0 issues the bulk stores of a sent row, once to each remote
-//                    destination's first row; the whole warp copies it into EVERY row it has on
-//                    this rank (so own tokens need no fan-out and no flag), and a received row into
-//                    its other rows, with 16-byte stores. One bulk group per job; a stage is
-//                    freed once its bulk stores have read it (wait_group.read). A part is published
-//                    once its bulk stores are complete (wait_group, a few jobs later so that the
-//                    ring never drains): async-proxy fence, system fence, count the part in the
+//     consumer warp  lane 0 issues the bulk stores of each job: a sent row once to each remote
+//                    destination's first row and to EVERY row it has on this rank (so own tokens
+//                    need no fan-out and no flag); a received row to its other rows. One bulk group
+//                    per job; a stage is freed once its stores have read it (wait_group.read). A part
+//                    is published once its stores are complete (wait_group, a few jobs later so that
+//                    the ring never drains): async-proxy fence, system fence, count the part in the
 //                    chunk's counter; the last part of a chunk releases the chunk flag on every rank.
 //   one warp zeroes this CTA's slice of the unfilled rows (padding, budget tail) with bulk stores
 //   from a block of zeros in shared memory.
@@ -268,43 +267,20 @@ __device__ void store_row(const DispatchCall& c, const unsigned char* stage, voi
   if (c.scale_bytes > 0) tma::store_async(scales, stage + c.row_bytes, static_cast<std::uint32_t>(c.scale_bytes));
 }
 
-// The whole warp copies the stage (row, then FP8 scales) into rows [first, count) of this rank,
-// rows given by lane-parallel `row_at(q)`, with 16-byte loads from shared memory and ordinary
-// stores: the LSU path of the SM alongside its bulk-copy unit, which alone moved ~66 GB/s per SM
-// when it also wrote these local rows (docs/hybridep.md, "Where the time goes"). Local rows are
-// read only after the kernel, so they need no fence before a chunk flag.
+// Lane 0 stores the stage to `rows[0..count)` of rank `owner`, rows given by lane-parallel
+// `row_at(q)` (the warp fetches 32 at a time and hands them to lane 0).
 template <class RowAt>
-__device__ void copy_to_local_rows(const DispatchView& v, const DispatchCall& c, const unsigned char* stage,
-                                   unsigned first, unsigned count, long long out_rows, RowAt row_at, int lane) {
-  constexpr int kUnroll = 4;
-  const long long words = c.row_bytes / 16, total = words + c.scale_bytes / 16;
-  const uint4* src = reinterpret_cast<const uint4*>(stage);
+__device__ void store_to_rows(const DispatchView& v, const DispatchCall& c, const unsigned char* stage, int owner,
+                              unsigned first, unsigned count, long long out_rows, RowAt row_at, int lane) {
   for (unsigned base = first; base < count; base += 32) {
     const unsigned q = base + lane;
-    int row = q < count ? row_at(q) : -1;
-    if (row >= out_rows) row = -1;
-    const int batch = static_cast<int>(count - base < 32 ? count - base : 32);
-    for (long long w0 = 0; w0 < total; w0 += 32 * kUnroll) {
-      uint4 x[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const long long w = w0 + u * 32 + lane;
-        if (w < total) x[u] = src[w];
-      }
-      for (int i = 0; i < batch; ++i) {
-        const int r = __shfl_sync(kFullMask, row, i);
-        if (r < 0) continue;  // warp-uniform
-        uint4* dst = token_row(v, v.rank, r, c.row_bytes);
-        uint4* dst_scales = c.scale_bytes > 0 ? scale_row(v, v.rank, r, c.scale_bytes) : nullptr;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const long long w = w0 + u * 32 + lane;
-          if (w < words)
-            dst[w] = x[u];
-          else if (w < total)
-            dst_scales[w - words] = x[u];
-        }
-      }
+    const int row = q < count ? row_at(q) : -1;
+    const unsigned batch = count - base < 32 ? count - base : 32;
+    for (unsigned i = 0; i < batch; ++i) {
+      const int r = __shfl_sync(kFullMask, row, static_cast<int>(i));
+      if (lane == 0 && r >= 0 && r < out_rows)
+        store_row(c, stage, token_row(v, owner, r, c.row_bytes),
+                  c.scale_bytes > 0 ? scale_row(v, owner, r, c.scale_bytes) : nullptr);
     }
   }
 }
@@ -338,8 +314,8 @@ __device__ void store_send_row(const DispatchView& v, const DispatchCall& c, con
   const unsigned char* rec = staging_at(v, me, t);
   if (n_me > 0 && warp_local_rows_ok(rec, n_me, v.width, env.out_rows, lane)) {
     const RecordEntry* e = record_entries(rec);
-    copy_to_local_rows(
-        v, c, stage, 0, n_me, env.out_rows, [e](unsigned q) { return e[q].row; }, lane);
+    store_to_rows(
+        v, c, stage, me, 0, n_me, env.out_rows, [e](unsigned q) { return e[q].row; }, lane);
   }
 }
 
@@ -348,8 +324,8 @@ __device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, cons
   const unsigned char* rec = record_at(records_of(v, v.rank), job.a, job.b, v.max_tokens, v.record_bytes);
   const RecordEntry* e = record_entries(rec);
   // Entries 1..n: the producer validated them (rows inside the output) before posting the job.
-  copy_to_local_rows(
-      v, c, stage, 1, static_cast<unsigned>(job.c), env.out_rows, [e](unsigned q) { return __ldcg(&e[q].row); },
+  store_to_rows(
+      v, c, stage, v.rank, 1, static_cast<unsigned>(job.c), env.out_rows, [e](unsigned q) { return __ldcg(&e[q].row); },
       lane);
 }
 
