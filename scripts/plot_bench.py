@@ -31,30 +31,37 @@ def load(paths):
 
 
 def bandwidth_vs_sms(records, out, case="dsv3-ep2", routing="uniform"):
-    """Dispatch/combine algorithm bandwidth of one case against the SM count (whole calls); backends
-    without an SM setting are horizontal lines. The newest run wins for every point."""
+    """Dispatch/combine algorithm bandwidth of one case against the SM count: whole blocking calls
+    (solid) and the kernels alone (dashed) per backend with an SM setting; backends without one are
+    horizontal dotted lines in the phase's colour. The newest run wins for every point."""
     series = defaultdict(dict)
     flat = {}
     for r in records:  # oldest first: later records overwrite earlier points
-        if (r["case"] != case or r["routing"] != routing or r["timing"] != "call"
+        if (r["case"] != case or r["routing"] != routing or r["timing"] not in ("call", "kernel")
                 or r["phase"] not in ("dispatch", "combine") or r.get("algo_gbps") is None):
             continue
-        key = f"{r['backend']} {r['phase']}"
+        if "budget mode" in r.get("note", ""):
+            continue  # the blocking call is the one comparable with the other backends
         if r["sms"] is None:
-            flat[key] = r["algo_gbps"]
+            if r["timing"] == "call":
+                flat[f"{r['backend']} {r['phase']}"] = r["algo_gbps"]
         else:
-            series[key][r["sms"]] = r["algo_gbps"]
+            series[(r["backend"], r["phase"], r["timing"])][r["sms"]] = r["algo_gbps"]
     if not series and not flat:
         return None
+    colour = {"dispatch": "C1", "combine": "C0"}
     fig, ax = plt.subplots(figsize=(9, 5))
-    for key, pts in sorted(series.items()):
+    for (backend, phase, timing), pts in sorted(series.items()):
         xs = sorted(pts)
-        ax.plot(xs, [pts[x] for x in xs], marker="o", label=key)
+        ax.plot(xs, [pts[x] for x in xs], marker="o", color=colour[phase],
+                linestyle="-" if timing == "call" else "--", label=f"{backend} {phase} ({timing})")
     for key, v in sorted(flat.items()):
-        ax.axhline(v, linestyle=":", color="gray" if "nccl" in key else None, label=key + " (no SM setting)")
+        phase = key.split()[-1]
+        ax.axhline(v, linestyle=":", color="gray" if "nccl" in key else colour[phase],
+                   label=key + " (call, no SM setting)")
     ax.axhline(COPY_ENGINE_GBPS, color="black", linestyle="--", label="NVLink copy engine, one way (393)")
     ax.set_xlabel("SMs")
-    ax.set_ylabel("algorithm bandwidth (GB/s), whole call")
+    ax.set_ylabel("algorithm bandwidth (GB/s)")
     ax.set_title(f"{case}, {routing} routing")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
