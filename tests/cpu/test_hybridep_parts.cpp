@@ -1,0 +1,99 @@
+// How the v2 hybridep kernels split their work into parts (src/dispatch/hybridep/parts.h): every
+// token of every rank lies in exactly one part, parts never cross a chunk (a chunk's flag is
+// released when its parts are counted), every chunk has exactly per_chunk parts (the count that
+// releases its flag), and the split gives each pipeline enough parts. The kernels run this same
+// code; here it runs on the CPU over many token counts, rank sets and grid sizes.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+// Internal header of the backend (pure C++, no CUDA); the tests' include path has no src/.
+#include "../../src/dispatch/hybridep/parts.h"
+
+namespace flexep::hybridep {
+namespace {
+
+TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEightParts) {
+  for (long long chunks : {1LL, 2LL, 4LL, 8LL, 33LL, 128LL, 1000LL}) {
+    for (int pipelines : {1, 2, 8, 16, 32, 64, 256}) {
+      SCOPED_TRACE("chunks " + std::to_string(chunks) + ", pipelines " + std::to_string(pipelines));
+      const PartSplit s = part_split(chunks, pipelines);
+      EXPECT_EQ(s.tokens * s.per_chunk, kChunkTokens);
+      EXPECT_EQ(s.tokens & (s.tokens - 1), 0) << s.tokens;
+      EXPECT_GE(s.tokens, kMinPartTokens);
+      // Either 8 parts per pipeline, or parts already at the smallest size.
+      EXPECT_TRUE(chunks * s.per_chunk >= 8LL * pipelines || s.tokens == kMinPartTokens) << s.tokens;
+      // And the largest such size: twice as large would give fewer than 8 parts per pipeline.
+      if (s.tokens < kChunkTokens) {
+        EXPECT_LT(chunks * (s.per_chunk / 2), 8LL * pipelines);
+      }
+    }
+  }
+  // The two shapes of the benchmark cases at 16 SMs x 2 pipelines.
+  EXPECT_EQ(part_split(num_chunks(4096), 32).tokens, 16);  // 128 chunks: 256 parts
+  EXPECT_EQ(part_split(num_chunks(128), 32).tokens, 4);    // decode, 4 chunks: the smallest parts
+}
+
+TEST(HybridEpParts, PartsOfOneRankCoverEveryTokenOnceAndStayInsideTheirChunk) {
+  for (long long T : {0LL, 1LL, 3LL, 31LL, 32LL, 33LL, 100LL, 128LL, 257LL, 4096LL}) {
+    for (int pipelines : {1, 5, 32, 264}) {
+      SCOPED_TRACE("T " + std::to_string(T) + ", pipelines " + std::to_string(pipelines));
+      const PartSplit s = part_split(num_chunks(T), pipelines);
+      const long long parts = static_cast<long long>(num_chunks(T)) * s.per_chunk;
+      std::vector<int> hits(static_cast<std::size_t>(T), 0), per_chunk(static_cast<std::size_t>(num_chunks(T)), 0);
+      for (long long i = 0; i < parts; ++i) {
+        const Part p = part_in_rank(i, s, T, 3);
+        EXPECT_EQ(p.source, 3);
+        ASSERT_GE(p.chunk, 0);
+        ASSERT_LT(p.chunk, num_chunks(T));
+        ++per_chunk[static_cast<std::size_t>(p.chunk)];
+        EXPECT_GE(p.t0, static_cast<long long>(p.chunk) * kChunkTokens);
+        EXPECT_LE(p.t1 - p.t0, s.tokens);
+        for (long long t = p.t0; t < p.t1; ++t) {
+          ASSERT_LT(t, static_cast<long long>(p.chunk + 1) * kChunkTokens) << "part leaves its chunk";
+          ASSERT_LT(t, T) << "part beyond the last token";
+          ++hits[static_cast<std::size_t>(t)];
+        }
+      }
+      for (long long t = 0; t < T; ++t) EXPECT_EQ(hits[static_cast<std::size_t>(t)], 1) << "token " << t;
+      // Every chunk is counted exactly per_chunk times, the count that releases its flag (also the
+      // one chunk of a rank with no token: every (source, receiver) pair exchanges a flag).
+      for (int n : per_chunk) EXPECT_EQ(n, s.per_chunk);
+    }
+  }
+}
+
+TEST(HybridEpParts, PartsOfSeveralRanksGoRankByRankAndSkipRanks) {
+  const std::vector<long long> tokens = {37, 0, 513, 64, 1};
+  const int R = static_cast<int>(tokens.size());
+  auto tokens_of = [&](int s) { return tokens[static_cast<std::size_t>(s)]; };
+  for (int skipped = -1; skipped < R; ++skipped) {
+    auto skip = [skipped](int s) { return s == skipped; };
+    long long chunks = 0;
+    for (int s = 0; s < R; ++s)
+      if (s != skipped) chunks += num_chunks(tokens[static_cast<std::size_t>(s)]);
+    EXPECT_EQ(chunks_of_ranks(R, tokens_of, skip), chunks);
+    const PartSplit sp = part_split(chunks, 7);
+    const long long total = parts_of_ranks(R, sp, tokens_of, skip);
+    EXPECT_EQ(total, chunks * sp.per_chunk);
+    std::vector<std::vector<int>> hits(static_cast<std::size_t>(R));
+    for (int s = 0; s < R; ++s) hits[static_cast<std::size_t>(s)].assign(static_cast<std::size_t>(tokens_of(s)), 0);
+    int last_source = -1;
+    for (long long i = 0; i < total; ++i) {
+      Part p;
+      p.source = -1;
+      EXPECT_EQ(parts_of_ranks(R, sp, tokens_of, skip, i, &p), total);
+      ASSERT_GE(p.source, 0) << "part " << i << " not found";
+      EXPECT_NE(p.source, skipped);
+      EXPECT_GE(p.source, last_source) << "sources ascend";
+      last_source = p.source;
+      ASSERT_LE(p.t1, tokens_of(p.source)) << "part beyond the last token";
+      for (long long t = p.t0; t < p.t1; ++t) ++hits[static_cast<std::size_t>(p.source)][static_cast<std::size_t>(t)];
+    }
+    for (int s = 0; s < R; ++s)
+      for (int h : hits[static_cast<std::size_t>(s)]) EXPECT_EQ(h, s == skipped ? 0 : 1) << "rank " << s;
+  }
+}
+
+}  // namespace
+}  // namespace flexep::hybridep
