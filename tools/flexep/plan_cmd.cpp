@@ -73,10 +73,13 @@ void run(const PlanArgs& a) {
     const RankLayout& lay = plan.ranks[static_cast<std::size_t>(r)];
     std::int64_t mn = INT64_MAX, mx = 0;
     for (auto c : lay.tokens_per_expert) mn = std::min(mn, c), mx = std::max(mx, c);
+    // The expert-major output is what a fused dispatch writes into HBM (every token once per local
+    // expert): at top-8 of 64 experts it is 4x the token rows a rank receives.
     fmt::print("  rank {}: {} expert rows (needs {}), dropped {}, tokens/expert min {} max {}; receives {} token "
-               "rows ({} remote, {:.1f} MB at H={} bf16)\n",
+               "rows ({} remote, {:.1f} MB at H={} bf16); expert-major output {:.1f} MB\n",
                r, lay.out_rows, lay.required_rows, lay.dropped, mn, mx, unique_all[static_cast<std::size_t>(r)],
-               unique_remote[static_cast<std::size_t>(r)], unique_remote[static_cast<std::size_t>(r)] * row_mb, a.hidden);
+               unique_remote[static_cast<std::size_t>(r)], unique_remote[static_cast<std::size_t>(r)] * row_mb, a.hidden,
+               lay.out_rows * row_mb);
   }
 }
 }  // namespace
