@@ -84,8 +84,8 @@ __device__ unsigned rows_here(const CombineView& v, const HandleView& h, int s, 
   return bad ? 0 : n;
 }
 
-__device__ void load(const CombineView& v, const HandleView& h, const uint4* grad_out, const Ring& ring,
-                     const Env& env, int lane) {
+__device__ void load(const CombineView& v, const HandleView& h, const uint4* grad_out, const Ring& ring, const Env& env,
+                     int lane) {
   const int R = v.ranks, me = v.rank;
   const long long words = v.hidden / 8;
   unsigned j = 0;

@@ -1,0 +1,81 @@
+// Case `sm-copy`: what one SM's copy paths move per second between shared memory and HBM (probes in
+// sm_copy_kernels.cu), over SM counts and copies in flight: bulk stores (one issuing thread, the
+// v2 consumer's path), bulk loads (the v2 producer's path) and 16-byte stores by W warps. The
+// hybridep v2 kernels move ~66 GB/s per SM (dispatch) and ~49 (combine) on 2x H200; these numbers
+// say how much of that is the path itself. Records: backend "<path>/<in flight or warps>", sms set,
+// hbm_gbps = bytes / kernel time (per SM in the note).
+#include <fmt/format.h>
+
+#include "bench_cases.h"
+#include "bench_timing_cuda.h"
+#include "flexep/core/error.h"
+#include "flexep/cuda/runtime.h"
+#include "sm_copy_kernels.h"
+
+namespace flexep::tools {
+namespace {
+
+void run(const BenchArgs& a, BenchRun& run) {
+  cuda::init();
+  const cuda::OwnedStream stream;
+  const int row_bytes = 2 * (a.hidden ? a.hidden : 7168);
+  FLEXEP_CHECK_ARG(row_bytes % 16 == 0, "--hidden", "must be a multiple of 8, got ", row_bytes / 2);
+  const long long buffer_bytes = 1LL << 30;  // 1 GiB: far beyond L2, so the rows reach HBM
+  const long long rows = buffer_bytes / row_bytes;
+  unsigned char* buffer = nullptr;
+  FLEXEP_CUDA_CHECK(cudaMalloc(&buffer, static_cast<std::size_t>(rows) * row_bytes));
+  FLEXEP_CUDA_CHECK(cudaMemsetAsync(buffer, 0, static_cast<std::size_t>(rows) * row_bytes, stream));
+  const std::vector<int> sms_list = a.sms.empty() ? std::vector<int>{1, 8, 16, 32} : a.sms;
+  const long long total_bytes = 512LL << 20;  // per probe and SM count
+
+  auto probe = [&](const std::string& path, int variant, int sms,
+                   void (*launch)(const SmCopyParams&, int, cudaStream_t), const std::string& what) {
+    SmCopyParams p;
+    p.dst = buffer;
+    p.src = buffer;
+    p.rows = rows;
+    p.row_bytes = row_bytes;
+    p.copies = static_cast<int>(std::max<long long>(1, total_bytes / row_bytes / sms));
+    p.in_flight = path == "warp-store" ? 1 : variant;
+    p.warps = path == "warp-store" ? variant : 1;
+    const TimeStats t = time_cuda([&] { launch(p, sms, stream); }, a.warmup, a.reps, stream);
+    const double bytes = static_cast<double>(p.copies) * sms * row_bytes;
+    BenchRecord r;
+    r.case_name = "sm-copy";
+    r.backend = fmt::format("{}/{}", path, variant);
+    r.phase = "copy";
+    r.timing = "kernel";
+    r.sms = sms;
+    r.hidden = row_bytes / 2;
+    r.time_us = t;
+    r.hbm_gbps = bytes / (t.median * 1e-6) / 1e9;
+    r.note =
+        fmt::format("{}: {:.1f} GB/s per SM ({} rows of {} B per CTA)", what, *r.hbm_gbps / sms, p.copies, row_bytes);
+    run.records.push_back(r);
+    if (!a.quiet)
+      fmt::print(stderr, "  sm-copy {:<14} {:>3} SMs  {:8.1f} GB/s  {:6.1f} GB/s per SM\n", r.backend, sms, *r.hbm_gbps,
+                 *r.hbm_gbps / sms);
+  };
+  try {
+    for (int sms : sms_list) {
+      for (int k : {1, 2, 4, 8}) {
+        probe("bulk-store", k, sms, launch_bulk_store_probe,
+              fmt::format("cp.async.bulk shared->global by one thread, {} in flight", k));
+        probe("bulk-load", k, sms, launch_bulk_load_probe,
+              fmt::format("cp.async.bulk global->shared by one thread, {} in flight", k));
+      }
+      for (int w : {1, 4, 16})
+        probe("warp-store", w, sms, launch_warp_store_probe, fmt::format("16-byte stores by {} warps", w));
+    }
+  } catch (...) {
+    cudaFree(buffer);
+    throw;
+  }
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLEXEP_CUDA_CHECK(cudaFree(buffer));
+}
+
+FLEXEP_BENCH_CASE(sm_copy, "sm-copy", "one SM's copy paths (bulk store/load, warp stores) in GB/s per SM", 1, run);
+
+}  // namespace
+}  // namespace flexep::tools
