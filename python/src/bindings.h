@@ -42,6 +42,15 @@ class StreamScope {
   std::unique_ptr<Impl> impl_;
 };
 
+// Runs fn() without the GIL (the library may block on other ranks) with `stream` as the current
+// stream, and returns its result.
+template <class Fn>
+auto on_stream_without_gil(std::uintptr_t stream, Fn&& fn) {
+  nb::gil_scoped_release release;
+  StreamScope scope(stream);
+  return fn();
+}
+
 // Named GPU dispatcher factories (the hook the hybridep backend plugs into; see hybridep_hook.cpp).
 // `comm` is a Communicator (held as ProcessGroup to keep this header CUDA-free).
 // Sizes a backend with pre-allocated buffers (hybridep) needs; 0 = not given.
@@ -49,8 +58,9 @@ struct GpuDispatcherSizes {
   std::int64_t hidden = 0, max_tokens_per_rank = 0;
   int max_topk = 0;
 };
-using DispatcherFactory = std::function<std::shared_ptr<TokenDispatcher>(
-    std::shared_ptr<ProcessGroup> comm, int num_experts, const BackendConfig& backend, const GpuDispatcherSizes& sizes)>;
+using DispatcherFactory =
+    std::function<std::shared_ptr<TokenDispatcher>(std::shared_ptr<ProcessGroup> comm, int num_experts,
+                                                   const BackendConfig& backend, const GpuDispatcherSizes& sizes)>;
 void register_dispatcher_factory(const std::string& name, DispatcherFactory factory);
 // Throws ArgumentError naming the known names when `name` has no factory.
 const DispatcherFactory& dispatcher_factory(const std::string& name);

@@ -21,9 +21,9 @@
 
 #ifdef FLEXEP_WITH_CUDA
 #include "flexep/comm/communicator.h"
-#include "flexep/cuda/runtime.h"
 #include "flexep/cuda/device_errors.h"
 #include "flexep/cuda/multihot.h"
+#include "flexep/cuda/runtime.h"
 #include "flexep/dispatch/alltoall.h"
 #include "flexep/dispatch/local_cuda.h"
 #endif
@@ -41,12 +41,18 @@ std::map<std::string, DispatcherFactory>& factories() {
 DispatchOptions make_options(const std::string& mode, std::int64_t budget_rows, const std::string& overflow,
                              std::int64_t pad_multiple, bool check_finite) {
   DispatchOptions o;
-  if (mode == "blocking") o.mode = DispatchMode::blocking;
-  else if (mode == "budget") o.mode = DispatchMode::budget;
-  else throw_argument_error("mode", "is '", mode, "'; allowed: blocking, budget");
-  if (overflow == "error") o.overflow = OverflowPolicy::error;
-  else if (overflow == "drop") o.overflow = OverflowPolicy::drop;
-  else throw_argument_error("overflow", "is '", overflow, "'; allowed: error, drop");
+  if (mode == "blocking")
+    o.mode = DispatchMode::blocking;
+  else if (mode == "budget")
+    o.mode = DispatchMode::budget;
+  else
+    throw_argument_error("mode", "is '", mode, "'; allowed: blocking, budget");
+  if (overflow == "error")
+    o.overflow = OverflowPolicy::error;
+  else if (overflow == "drop")
+    o.overflow = OverflowPolicy::drop;
+  else
+    throw_argument_error("overflow", "is '", overflow, "'; allowed: error, drop");
   o.budget_rows = budget_rows;
   o.pad_multiple = pad_multiple;
   o.check_finite = check_finite;
@@ -112,12 +118,7 @@ void bind_dispatcher(nb::module_& m) {
             in.routing_map = to_view_or_none(routing_map, "routing_map");
             in.probs = to_view_or_none(probs, "probs");
             const DispatchOptions o = make_options(mode, budget_rows, overflow, pad_multiple, check_finite);
-            DispatchResult r;
-            {
-              nb::gil_scoped_release release;
-              StreamScope scope(stream);
-              r = d.dispatch(in, o);
-            }
+            const DispatchResult r = on_stream_without_gil(stream, [&] { return d.dispatch(in, o); });
             return nb::make_tuple(to_python(r.tokens), to_python(r.token_probs), to_python(r.tokens_per_expert),
                                   r.dropped, PyHandle{r.handle});
           },
@@ -131,12 +132,7 @@ void bind_dispatcher(nb::module_& m) {
           [](TokenDispatcher& d, const PyHandle* h, nb::handle expert_out, std::uintptr_t stream) {
             const Handle& handle = unwrap(h);
             TensorView y = to_view_or_none(expert_out, "expert_out");
-            Tensor out;
-            {
-              nb::gil_scoped_release release;
-              StreamScope scope(stream);
-              out = d.combine(handle, y);
-            }
+            const Tensor out = on_stream_without_gil(stream, [&] { return d.combine(handle, y); });
             return to_python(out);
           },
           nb::arg("handle").none(), nb::arg("expert_out"), nb::arg("stream") = 0, "-> out [T, H]")
@@ -147,12 +143,7 @@ void bind_dispatcher(nb::module_& m) {
             const Handle& handle = unwrap(h);
             TensorView gt = to_view_or_none(grad_tokens, "grad_tokens");
             TensorView gp = to_view_or_none(grad_token_probs, "grad_token_probs");
-            DispatchGrads g;
-            {
-              nb::gil_scoped_release release;
-              StreamScope scope(stream);
-              g = d.dispatch_backward(handle, gt, gp);
-            }
+            const DispatchGrads g = on_stream_without_gil(stream, [&] { return d.dispatch_backward(handle, gt, gp); });
             return nb::make_tuple(to_python(g.hidden), to_python(g.weights));
           },
           nb::arg("handle").none(), nb::arg("grad_tokens"), nb::arg("grad_token_probs"), nb::arg("stream") = 0,
@@ -162,12 +153,7 @@ void bind_dispatcher(nb::module_& m) {
           [](TokenDispatcher& d, const PyHandle* h, nb::handle grad_out, std::uintptr_t stream) {
             const Handle& handle = unwrap(h);
             TensorView g = to_view_or_none(grad_out, "grad_out");
-            Tensor out;
-            {
-              nb::gil_scoped_release release;
-              StreamScope scope(stream);
-              out = d.combine_backward(handle, g);
-            }
+            const Tensor out = on_stream_without_gil(stream, [&] { return d.combine_backward(handle, g); });
             return to_python(out);
           },
           nb::arg("handle").none(), nb::arg("grad_out"), nb::arg("stream") = 0, "-> grad_expert_out [N, H]");

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu/host_ranks.h"
+#include "cpu/same_bytes.h"
 #include "flexep/comm/host_world.h"
 #include "flexep/core/error.h"
 #include "flexep/core/plan.h"
@@ -31,6 +32,7 @@ namespace flexep::hybridep {
 namespace {
 
 using testing::all_ok;
+using testing::same_bytes;
 using testing::run_ranks;
 
 std::string what_of(const std::exception_ptr& e) {
@@ -445,21 +447,6 @@ std::vector<Outputs> emulate(const Config& c, int R) {
     outs[d].grad_expert_out = g;
   }
   return outs;
-}
-
-::testing::AssertionResult same_bytes(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype()) return ::testing::AssertionFailure() << "dtypes differ";
-  if (a.shape() != b.shape())
-    return ::testing::AssertionFailure() << "shapes differ: " << a.shape().str() << " vs " << b.shape().str();
-  // Empty tensors may have null data: memcmp must not see them (UBSan).
-  if (a.nbytes() != 0 && std::memcmp(a.raw(), b.raw(), a.nbytes()) != 0) {
-    const std::size_t es = element_size(a.dtype());
-    for (std::int64_t i = 0; i < a.numel(); ++i)
-      if (std::memcmp(static_cast<const char*>(a.raw()) + i * es, static_cast<const char*>(b.raw()) + i * es, es))
-        return ::testing::AssertionFailure()
-               << "first difference at element " << i << ": " << read_as_double(a, i) << " vs " << read_as_double(b, i);
-  }
-  return ::testing::AssertionSuccess();
 }
 
 void check_emulation(const Config& c, int R, bool expect_drops = false) {

@@ -1,0 +1,254 @@
+// The harness shared by the multi-GPU backend tests (test_alltoall.cpp, test_hybridep.cpp): test
+// configurations, inputs identical for every backend (host tensors), one sequence of calls
+// (dispatch, combine, combine_backward, dispatch_backward) on any backend, the host backend's
+// results and their bitwise comparison, and the helpers of the errors-on-every-rank tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu/same_bytes.h"
+#include "flexep/comm/host_world.h"
+#include "flexep/core/plan.h"
+#include "flexep/core/random.h"
+#include "flexep/core/routing.h"
+#include "flexep/core/synthetic_routing.h"
+#include "flexep/cuda/runtime.h"
+#include "flexep/dispatch/host.h"
+#include "gpu/multi_gpu.h"
+
+namespace flexep::testing {
+
+struct Config {
+  std::string name;
+  int experts_per_rank = 2;
+  int k = 1;
+  std::int64_t hidden = 8;
+  std::vector<std::int64_t> tokens = {37, 0, 53, 11};  // per rank (rank r uses tokens[r])
+  RoutingSpec routing;
+  std::int64_t pad = 1;
+  DispatchMode mode = DispatchMode::blocking;
+  double budget_fraction = 1.0;  // budget mode: this fraction of the largest rank's required rows
+  OverflowPolicy overflow = OverflowPolicy::error;
+  bool multihot = false;
+  bool separate_stream = false;  // alltoall: NCCL on its own stream
+  bool i32_indices = false;
+};
+
+inline Config config(std::string name, int experts_per_rank, int k, std::int64_t H, std::vector<std::int64_t> tokens,
+                     RoutingKind kind = RoutingKind::uniform, std::int64_t pad = 1) {
+  Config c;
+  c.name = std::move(name);
+  c.experts_per_rank = experts_per_rank;
+  c.k = k;
+  c.hidden = H;
+  c.tokens = std::move(tokens);
+  c.routing.kind = kind;
+  c.routing.zipf_s = 1.2;
+  c.pad = pad;
+  return c;
+}
+
+// ---- inputs (host tensors, identical for every backend) --------------------------------------------
+
+struct Inputs {
+  Tensor hidden, indices, weights;  // top-k form (indices i64, or i32 when asked)
+  Tensor routing_map, probs;        // multihot form of the same routing
+};
+
+inline Tensor random_tensor(Shape shape, DType dt, std::uint64_t seed, const char* what, int rank) {
+  Tensor t = Tensor::empty(shape, dt);
+  fill_normal(t, seed, stream_id(what) + static_cast<std::uint64_t>(rank), 0.0, 1.0);
+  return t;
+}
+
+inline Inputs make_inputs(const Config& c, int R, int r, std::uint64_t seed = 1234) {
+  const int E = c.experts_per_rank * R;
+  const std::int64_t T = c.tokens[static_cast<std::size_t>(r)];
+  RoutingSpec spec = c.routing;
+  spec.hot_expert = E - 1;  // everything goes to the last rank
+  TopK tk = synthetic_topk(T, c.k, E, spec, seed, r);
+  // -1 entries: every 5th token loses its last slot, every 11th token all of them.
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < c.k; ++j)
+      if ((t % 5 == 3 && j == c.k - 1) || t % 11 == 6) tk.indices.data<std::int64_t>()[t * c.k + j] = -1;
+  Inputs in;
+  in.hidden = random_tensor({T, c.hidden}, DType::bf16, seed + 99, "hidden", r);
+  in.indices = c.i32_indices ? tk.indices.to(DType::i32) : tk.indices;
+  in.weights = tk.weights;
+  Multihot mh = topk_to_multihot(tk.indices, tk.weights, E);
+  in.routing_map = mh.routing_map;
+  in.probs = mh.probs;
+  return in;
+}
+
+inline std::vector<std::int64_t> required_rows(const Config& c, int R) {
+  std::vector<std::int64_t> counts;
+  const int E = c.experts_per_rank * R;
+  for (int r = 0; r < R; ++r) {
+    const auto v = expert_counts(make_inputs(c, R, r).indices, E);
+    counts.insert(counts.end(), v.begin(), v.end());
+  }
+  PlanParams p;
+  p.ranks = R;
+  p.experts = E;
+  p.pad_multiple = c.pad;
+  const DispatchPlan plan = DispatchPlan::build(counts, p);
+  std::vector<std::int64_t> rows;
+  for (const auto& lay : plan.ranks) rows.push_back(lay.required_rows);
+  return rows;
+}
+
+inline DispatchOptions dispatch_options(const Config& c, int R) {
+  DispatchOptions o;
+  o.pad_multiple = c.pad;
+  o.mode = c.mode;
+  o.overflow = c.overflow;
+  if (c.mode == DispatchMode::budget) {
+    std::int64_t most = 0;
+    for (std::int64_t n : required_rows(c, R)) most = std::max(most, n);
+    const auto b = static_cast<std::int64_t>(static_cast<double>(most) * c.budget_fraction);
+    o.budget_rows = b / c.pad * c.pad;
+  }
+  return o;
+}
+
+// ---- one sequence of calls, on any backend ----------------------------------------------------------
+
+struct Outputs {
+  Tensor tokens, probs, tokens_per_expert;
+  std::int64_t dropped = 0;
+  Tensor combined, grad_expert_out, grad_hidden, grad_weights;
+};
+
+// up: host tensor -> the backend's device; down: the backend's tensor -> host; dropped: the
+// dispatch's drop count (budget mode on a GPU may keep it on the device).
+template <class Up, class Down, class Dropped>
+Outputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, const DispatchOptions& o, int r, Up up,
+                     Down down, Dropped dropped) {
+  DispatchInput di;
+  const Tensor hidden = up(in.hidden);
+  Tensor a, b;
+  di.hidden = hidden;
+  if (c.multihot) {
+    a = up(in.routing_map);
+    b = up(in.probs);
+    di.routing_map = a;
+    di.probs = b;
+  } else {
+    a = up(in.indices);
+    b = up(in.weights);
+    di.indices = a;
+    di.weights = b;
+  }
+  DispatchResult res = d.dispatch(di, o);
+  Outputs out;
+  out.tokens = down(res.tokens);
+  out.probs = down(res.token_probs);
+  out.tokens_per_expert = down(res.tokens_per_expert);
+  out.dropped = dropped(res);
+  const std::int64_t N = res.tokens.size(0), T = in.hidden.size(0), H = c.hidden;
+  // Expert outputs and gradients: random everywhere, padding rows included (they must be ignored).
+  const Tensor expert_out = random_tensor({N, H}, DType::bf16, 5, "expert_out", r);
+  out.combined = down(d.combine(res.handle, up(expert_out)));
+  const Tensor grad_out = random_tensor({T, H}, DType::bf16, 6, "grad_out", r);
+  out.grad_expert_out = down(d.combine_backward(res.handle, up(grad_out)));
+  const Tensor grad_tokens = random_tensor({N, H}, DType::bf16, 7, "grad_tokens", r);
+  const Tensor grad_probs = random_tensor({N}, DType::f32, 8, "grad_probs", r);
+  DispatchGrads g = d.dispatch_backward(res.handle, up(grad_tokens), up(grad_probs));
+  out.grad_hidden = down(g.hidden);
+  out.grad_weights = down(g.weights);
+  return out;
+}
+
+inline std::vector<Outputs> run_host(const Config& c, int R, std::uint64_t seed = 1234) {
+  auto world = std::make_shared<HostWorld>(R, 120.0);
+  std::vector<Outputs> outs(static_cast<std::size_t>(R));
+  const DispatchOptions o = dispatch_options(c, R);
+  auto id = [](const Tensor& t) { return t; };
+  auto dropped = [](const DispatchResult& r) { return r.dropped; };
+  const auto errors = run_ranks(R, [&](int r) {
+    auto d = make_host_dispatcher(world, r, c.experts_per_rank * R);
+    outs[static_cast<std::size_t>(r)] = run_sequence(*d, make_inputs(c, R, r, seed), c, o, r, id, id, dropped);
+  });
+  EXPECT_TRUE(all_ok(errors)) << c.name << " (host backend)";
+  return outs;
+}
+
+inline void expect_equal(const std::vector<Outputs>& want, const std::vector<Outputs>& got, const std::string& name) {
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    SCOPED_TRACE(name + ", rank " + std::to_string(r));
+    const Outputs& w = want[r];
+    const Outputs& g = got[r];
+    ASSERT_TRUE(g.tokens.defined()) << "no GPU result";
+    EXPECT_TRUE(same_bytes(w.tokens, g.tokens)) << "tokens";
+    EXPECT_TRUE(same_bytes(w.probs, g.probs)) << "token_probs";
+    EXPECT_TRUE(same_bytes(w.tokens_per_expert, g.tokens_per_expert)) << "tokens_per_expert";
+    EXPECT_EQ(w.dropped, g.dropped) << "dropped";
+    EXPECT_TRUE(same_bytes(w.combined, g.combined)) << "combine";
+    EXPECT_TRUE(same_bytes(w.grad_expert_out, g.grad_expert_out)) << "combine_backward";
+    EXPECT_TRUE(same_bytes(w.grad_hidden, g.grad_hidden)) << "dispatch_backward hidden";
+    EXPECT_TRUE(same_bytes(w.grad_weights, g.grad_weights)) << "dispatch_backward weights";
+  }
+}
+
+inline CommunicatorOptions test_comm_options() {
+  CommunicatorOptions co;
+  co.timeout_seconds = 60;  // a failing rank must not leave the others waiting 300 s per call
+  return co;
+}
+
+// Every config on the host backend, then on the GPUs (one communicator per GPU for all configs),
+// then compared. run_rank(g, config) runs one config on GPU rank g with the backend under test.
+inline void check_against_host(const std::vector<Config>& configs,
+                               const std::function<Outputs(GpuRank&, const Config&)>& run_rank) {
+  const int R = gpu_ranks();
+  std::vector<std::vector<Outputs>> want;
+  for (const Config& c : configs) want.push_back(run_host(c, R));
+  std::vector<std::vector<Outputs>> got(configs.size(), std::vector<Outputs>(static_cast<std::size_t>(R)));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        for (std::size_t i = 0; i < configs.size(); ++i)
+          got[i][static_cast<std::size_t>(g.rank)] = run_rank(g, configs[i]);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t i = 0; i < configs.size(); ++i) expect_equal(want[i], got[i], configs[i].name);
+}
+
+// ---- errors raised on every rank ---------------------------------------------------------------------
+
+struct DeviceInputs {
+  Tensor hidden, indices, weights;
+  DispatchInput view() const {
+    DispatchInput di;
+    di.hidden = hidden;
+    di.indices = indices;
+    di.weights = weights;
+    return di;
+  }
+};
+
+inline DeviceInputs device_inputs(GpuRank& g, int E, std::int64_t T, std::int64_t H, int k) {
+  TopK tk = synthetic_topk(T, k, E, RoutingSpec{}, 3, g.rank);
+  DeviceInputs in;
+  in.hidden = cuda::to_device(random_tensor({T, H}, DType::bf16, 1, "hidden", g.rank), g.rank, g.stream);
+  in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+  in.weights = cuda::to_device(tk.weights, g.rank, g.stream);
+  return in;
+}
+
+template <class Check>
+auto argument_is(std::string argument, Check check) {
+  return [argument, check](const ArgumentError& e) { return e.argument() == argument && check(std::string(e.what())); };
+}
+
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace flexep::testing
