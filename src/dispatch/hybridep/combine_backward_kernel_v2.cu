@@ -176,7 +176,7 @@ __device__ void store(const CombineView& v, const HandleView& h, uint4* out, con
   unsigned j = 0, freed = 0;
   int pending = -1, pending_parts = 0, since = 0;  // a staged part whose stores may still be in flight
   while (true) {
-    const Job job = ring.wait(j);
+    const Job job = ring.wait_lane0(j, lane);
     if (job.kind == kExit) break;
     if (job.kind == kStage && lane == 0)
       tma::store_async(partial_row(v, v.rank, 0, job.b), ring.stage(j), env.row_bytes);

@@ -189,15 +189,13 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
 
 // ---- compute ----------------------------------------------------------------------------------------------
 
-// The group's stage of job j has been read by this warp; one arrival per warp frees it.
-__device__ void free_stage(const Ring& ring, unsigned j, int lane) {
-  __syncwarp();
-  if (lane == 0) ring.release(j);
-}
+// This thread is done with the stage of job j; the group's kComputeThreads arrivals free it (one
+// per reading thread: ring.cuh says why).
+__device__ void free_stage(const Ring& ring, unsigned j) { ring.release(j); }
 
 __device__ void compute(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
                         unsigned epoch, int tid, int pipe) {
-  const int lane = tid % 32, me = v.rank;
+  const int me = v.rank;
   const long long words = v.hidden / 8;
   unsigned j = 0;
   while (true) {
@@ -213,7 +211,7 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
       tma::named_sync(1 + pipe, kComputeThreads);
       if (tid == 0 && count_part(&v.work[kWorkChunks + job.a * v.max_chunks + job.b], job.c))
         st_release_sys(ready_flag(v, job.a, me, job.b), epoch);
-      free_stage(ring, j, lane);
+      free_stage(ring, j);
       ++j;
       continue;
     }
@@ -233,11 +231,11 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
         const long long w = tid + static_cast<long long>(k) * kComputeThreads;
         if (w < words) add_bf16x8(acc[k], stage[w]);
       }
-      free_stage(ring, j, lane);
+      free_stage(ring, j);
       ++j;
     }
     if (rows == 0) {  // a token that went nowhere: a descriptor-only job
-      free_stage(ring, j, lane);
+      free_stage(ring, j);
       ++j;
     }
     const long long t = job.b;
@@ -283,7 +281,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   if (threadIdx.x == 0) {
     s_broken = timed_out(v.status);
     s_dispatch_epoch = ld_volatile(&h.control->op.epoch);  // the handle's dispatch was the last one
-    for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(kComputeWarps);
+    for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(kComputeThreads);
     tma::fence_mbar_init();
   }
   __syncthreads();

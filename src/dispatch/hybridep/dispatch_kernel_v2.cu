@@ -342,7 +342,7 @@ __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring
   unsigned j = 0, freed = 0;
   int pending = -1, pending_parts = 0, since = 0;  // a part whose stores may still be in flight
   while (true) {
-    const Job job = ring.wait(j);
+    const Job job = ring.wait_lane0(j, lane);
     if (job.kind == kExit) break;
     if (job.kind == kSendRow) store_send_row(v, c, ring.stage(j), job.a, env, lane);
     if (job.kind == kFanOut) store_fan_out(v, c, ring.stage(j), job, env, lane);

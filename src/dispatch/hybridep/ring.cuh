@@ -5,11 +5,20 @@
 //
 //   full[s]   count 1: the producer's arrive (with expect_tx = the bytes its bulk loads bring), so
 //             the phase completes when the descriptor is written AND the bytes have landed;
-//   empty[s]  count = the consumer's arrivals per stage: the stage may be refilled.
+//   empty[s]  count = the consumer threads that read the stage or its descriptor: each of them
+//             arrives itself once it is done with the stage, which may then be refilled.
 //
 // The producer waits empty[s] with parity (k & 1) ^ 1 (a fresh barrier counts as "free"), the
 // consumer waits full[s] with parity k & 1. Descriptors (Job) are written by the producer's lane 0
 // before its arrive (release, CTA scope) and read by the consumer after its wait (acquire).
+//
+// Why every reading thread arrives on empty[s], not one lane after a __syncwarp: an mbarrier arrive
+// releases the accesses of the arriving thread. The PTX model would carry the other lanes' reads
+// along (the warp barrier orders them before lane 0's release, cumulativity does the rest), but
+// compute-sanitizer racecheck does not follow that chain and reports the producer's next write of
+// the stage as a hazard against every other lane's read. With one arrival per reading thread the
+// handoff is plain release/acquire that racecheck checks; a consumer warp whose lane 0 alone uses
+// the stage (bulk stores) reads the descriptor through wait_lane0() and arrives once.
 //
 // Several rings share one dynamic shared-memory block (RingLayout): all stage data first (stage
 // sizes are multiples of 128, so every stage is 128-byte aligned for the copy engine), then an
@@ -105,12 +114,22 @@ struct Ring {
 
   // ---- consumer side ----
 
-  // Every consumer thread waits for job j (descriptor written, data landed), then may read both.
+  // Every consumer thread waits for job j (descriptor written, data landed), then may read both;
+  // each such thread later calls release(j).
   __device__ Job wait(unsigned j) const {
     tma::mbar_wait(&full[slot(j)], full_parity(j));
     return jobs[slot(j)];
   }
-  // One arrival that the stage of job j has been read (the count set at init() says how many).
+  // A whole warp: lane 0 alone waits and reads the descriptor, the other lanes get it by shuffles
+  // and never touch the ring, so lane 0's release(j) is the stage's one arrival from this warp.
+  __device__ Job wait_lane0(unsigned j, int lane) const {
+    Job job{};
+    if (lane == 0) job = wait(j);
+    auto from_lane0 = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
+    return Job{from_lane0(job.kind), from_lane0(job.a), from_lane0(job.b), from_lane0(job.c),
+               from_lane0(job.d),    from_lane0(job.e), from_lane0(job.f), from_lane0(job.g)};
+  }
+  // This thread's arrival: it is done with the stage of job j (init()'s count says how many).
   __device__ void release(unsigned j) const { tma::mbar_arrive(&empty[slot(j)]); }
 };
 
