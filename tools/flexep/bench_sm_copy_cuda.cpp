@@ -1,6 +1,7 @@
 // Case `sm-copy`: what one SM's copy paths move per second between shared memory and HBM (probes in
 // sm_copy_kernels.cu), over SM counts and copies in flight: bulk stores (one issuing thread, the
-// v2 consumer's path), bulk loads (the v2 producer's path) and 16-byte stores by W warps. The
+// v2 consumer's path), bulk loads (the v2 producer's path), 16-byte stores by W warps and 16-byte
+// loads by W warps with U in flight per lane (a combine that sums rows straight from HBM). The
 // hybridep v2 kernels move ~66 GB/s per SM (dispatch) and ~49 (combine) on 2x H200; these numbers
 // say how much of that is the path itself. Records: backend "<path>/<in flight or warps>", sms set,
 // hbm_gbps = bytes / kernel time (per SM in the note).
@@ -25,6 +26,8 @@ void run(const BenchArgs& a, BenchRun& run) {
   unsigned char* buffer = nullptr;
   FLEXEP_CUDA_CHECK(cudaMalloc(&buffer, static_cast<std::size_t>(rows) * row_bytes));
   FLEXEP_CUDA_CHECK(cudaMemsetAsync(buffer, 0, static_cast<std::size_t>(rows) * row_bytes, stream));
+  float* sink = nullptr;
+  FLEXEP_CUDA_CHECK(cudaMalloc(&sink, 1024 * sizeof(float)));
   const std::vector<int> sms_list = a.sms.empty() ? std::vector<int>{1, 8, 16, 32} : a.sms;
   const long long total_bytes = 512LL << 20;  // per probe and SM count
 
@@ -38,11 +41,14 @@ void run(const BenchArgs& a, BenchRun& run) {
     p.copies = static_cast<int>(std::max<long long>(1, total_bytes / row_bytes / sms));
     p.in_flight = path == "warp-store" ? 1 : variant;
     p.warps = path == "warp-store" ? variant : 1;
+    if (path == "warp-load") p.in_flight = variant % 100, p.warps = variant / 100;  // variant = 100 W + U
+    p.sink = sink;
     const TimeStats t = time_cuda([&] { launch(p, sms, stream); }, a.warmup, a.reps, stream);
     const double bytes = static_cast<double>(p.copies) * sms * row_bytes;
     BenchRecord r;
     r.case_name = "sm-copy";
-    r.backend = fmt::format("{}/{}", path, variant);
+    r.backend = path == "warp-load" ? fmt::format("{}/{}x{}", path, p.warps, p.in_flight)  // warps x in flight
+                                    : fmt::format("{}/{}", path, variant);
     r.phase = "copy";
     r.timing = "kernel";
     r.sms = sms;
@@ -66,13 +72,19 @@ void run(const BenchArgs& a, BenchRun& run) {
       }
       for (int w : {1, 4, 16})
         probe("warp-store", w, sms, launch_warp_store_probe, fmt::format("16-byte stores by {} warps", w));
+      for (int w : {4, 8, 16})
+        for (int u : {2, 4, 8})
+          probe("warp-load", 100 * w + u, sms, launch_warp_load_probe,
+                fmt::format("16-byte loads by {} warps, {} per lane in flight, summed", w, u));
     }
   } catch (...) {
     cudaFree(buffer);
+    cudaFree(sink);
     throw;
   }
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
   FLEXEP_CUDA_CHECK(cudaFree(buffer));
+  FLEXEP_CUDA_CHECK(cudaFree(sink));
 }
 
 FLEXEP_BENCH_CASE(sm_copy, "sm-copy", "one SM's copy paths (bulk store/load, warp stores) in GB/s per SM", 1, run);

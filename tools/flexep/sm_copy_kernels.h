@@ -1,6 +1,7 @@
 // Probes of one SM's copy paths, for `flexep bench sm-copy`: how many bytes per second a CTA moves
 // between its shared memory and HBM with the bulk-copy unit (cp.async.bulk, one issuing thread, a
-// given number of copies in flight) and with ordinary 16-byte stores by W warps. The hybridep v2
+// given number of copies in flight), with ordinary 16-byte stores by W warps, and with ordinary
+// 16-byte loads by W warps (U loads in flight per lane, summed as the combine sums rows). The hybridep v2
 // kernels are built from exactly these paths (docs/hybridep.md, "Where the time goes").
 #pragma once
 
@@ -10,12 +11,13 @@ namespace flexep::tools {
 
 struct SmCopyParams {
   unsigned char* dst = nullptr;        // HBM rows (bulk store, warp store)
-  const unsigned char* src = nullptr;  // HBM rows (bulk load)
+  const unsigned char* src = nullptr;  // HBM rows (bulk load, warp load)
   long long rows = 0;                  // rows in the HBM buffer (row r of copy i: i * grid + cta, mod rows)
   int row_bytes = 0;                   // a multiple of 16
   int copies = 0;                      // rows each CTA moves
-  int in_flight = 1;                   // bulk: copies in flight (shared-memory stages)
-  int warps = 1;                       // warp store: warps per CTA
+  int in_flight = 1;                   // bulk: copies in flight (shared-memory stages); warp load: per lane
+  int warps = 1;                       // warp store / load: warps per CTA
+  float* sink = nullptr;               // warp load: one float per CTA, so that the loads are not dead code
 };
 
 // Dynamic shared memory each probe needs.
@@ -23,5 +25,6 @@ std::size_t sm_copy_smem_bytes(const SmCopyParams& p);
 void launch_bulk_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 void launch_bulk_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 void launch_warp_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
+void launch_warp_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 
 }  // namespace flexep::tools

@@ -107,6 +107,7 @@ struct HybridEpSms {
 // Time of the last call's kernels (events around them; kernel_timing must be on). Microseconds;
 // 0 for a kernel that has not run.
 struct HybridEpKernelTimes {
+  double plan = 0;  // the single-GPU plan (multihot slots, sort, layout) before the preprocess kernel
   double preprocess = 0, dispatch = 0, combine = 0;
 };
 

@@ -125,6 +125,7 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   c.errors = errors_.record();
   c.row_bytes = fp8 ? config_.hidden : 2 * config_.hidden;
   c.scale_bytes = fp8 ? config_.hidden / kFp8ScaleBlock * 4 : 0;
+  record(ev_plan, s);
   if (!local) {
     const std::int64_t T = rt.tokens;
     c.hidden = input.hidden.data;

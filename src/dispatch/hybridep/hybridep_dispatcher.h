@@ -67,7 +67,7 @@ class Dispatcher final : public HybridEpDispatcher {
   void combine_backward_into(const Handle& handle, const TensorView& grad_out, const TensorView& out) override;
 
  private:
-  enum Event { ev_preprocess, ev_dispatch, ev_dispatch_end, ev_combine, ev_combine_end, ev_count };
+  enum Event { ev_plan, ev_preprocess, ev_dispatch, ev_dispatch_end, ev_combine, ev_combine_end, ev_count };
 
   cudaStream_t stream() const;
   void require_usable() const;
