@@ -112,6 +112,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per module")
+    ap.add_argument("--grad-mode", default="fresh_bf16_weights", choices=["fresh_bf16_weights", "accumulate_f32"],
+                    help="flexep.torch.MoE grad_mode (accumulate_f32: the f32 gradients copied into bf16)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     dist.init_process_group("nccl")
@@ -138,10 +140,11 @@ def main():
                        moe_inter_dim=a.inter, norm_topk_prob=False)
     for backend in a.backends.split(","):
         bc = ft.BackendConfig(dispatcher=backend, dispatcher_num_sms=a.sms, fake_balanced_gate=True)
-        m = ft.MoE(cfg, bc, device=dev, fast_init=True)
+        m = ft.MoE(cfg, bc, device=dev, fast_init=True, grad_mode=a.grad_mode)
         records.append(dict(common, backend=backend, sms=a.sms if backend == "hybridep" else None,
                             time_us=time_fwd_bwd(m, x, grad, a.iters, a.warmup),
-                            note="flexep.torch.MoE forward + backward (one autograd Function over CudaMoELayer)"))
+                            note="flexep.torch.MoE forward + backward (one autograd Function over CudaMoELayer), "
+                                 f"grad_mode {a.grad_mode}"))
         if a.profile:
             profile_table(m, x, grad, rank, backend)
         del m

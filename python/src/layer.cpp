@@ -1,8 +1,9 @@
 // The whole MoE layer: MoELayer (CPU reference, f32/f64) and, in CUDA builds, CudaMoELayer (bf16
-// parameters, f32 gradients). Python's flexep.torch.MoE wraps one of them in a single autograd
-// Function: parameters are exported once (zero-copy, the nn.Parameters share this memory), forward
-// returns an opaque saved state, and backward returns fresh gradient tensors (never the library's
-// own buffers, which the next backward reuses).
+// parameters; gradients per grad_mode). Python's flexep.torch.MoE wraps one of them in a single
+// autograd Function: parameters are exported once (zero-copy, the nn.Parameters share this memory),
+// forward returns an opaque saved state, and backward returns gradient tensors: fresh ones on the
+// CPU and with grad_mode "fresh_bf16_weights" (Python may keep them), or with "accumulate_f32" the
+// library's buffers, which the next backward reuses (Python copies them).
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -28,6 +29,15 @@ DType parse_param_dtype(const std::string& s) {
   FLEXEP_CHECK_ARG(t.has_value(), "param_dtype", "'", s, "' is not a dtype");
   return *t;
 }
+
+#ifdef FLEXEP_WITH_CUDA
+GradMode parse_grad_mode(const std::string& s) {
+  if (s == "accumulate_f32") return GradMode::accumulate_f32;
+  if (s == "fresh_bf16_weights") return GradMode::fresh_bf16_weights;
+  throw_argument_error("grad_mode", "'", s,
+                       "' is not a gradient mode; expected 'accumulate_f32' or 'fresh_bf16_weights'");
+}
+#endif
 
 // [(name, value, requires_grad)] in the library's order.
 nb::list export_parameters(const std::vector<Parameter*>& ps) {
@@ -125,13 +135,14 @@ void bind_layer(nb::module_& m) {
 #ifdef FLEXEP_WITH_CUDA
   nb::class_<GpuState>(m, "CudaMoELayerState");
 
-  nb::class_<CudaMoELayer>(m, "CudaMoELayer", "The MoE layer on one GPU (bf16 parameters, f32 gradients).")
+  nb::class_<CudaMoELayer>(m, "CudaMoELayer", "The MoE layer on one GPU (bf16 parameters).")
       .def(
           "__init__",
           [](CudaMoELayer* self, const std::string& moe_json, const std::string& backend_json,
              std::shared_ptr<TokenDispatcher> dispatcher, int device, std::uint64_t seed, double init_std,
-             bool fast_init, std::int64_t pad_multiple) {
+             bool fast_init, std::int64_t pad_multiple, const std::string& grad_mode) {
             CudaMoELayerOptions o;
+            o.grad_mode = parse_grad_mode(grad_mode);
             o.device = device;
             o.seed = seed;
             o.init_std = init_std;
@@ -144,10 +155,14 @@ void bind_layer(nb::module_& m) {
           },
           nb::arg("moe_json"), nb::arg("backend_json"), nb::arg("dispatcher").none(), nb::arg("device"),
           nb::arg("seed") = 1234, nb::arg("init_std") = 0.02, nb::arg("fast_init") = false,
-          nb::arg("pad_multiple") = 1)
+          nb::arg("pad_multiple") = 1, nb::arg("grad_mode") = "accumulate_f32",
+          "grad_mode: 'accumulate_f32' (f32 gradient buffers, reused by every backward) or "
+          "'fresh_bf16_weights' (new gradient tensors per backward, bf16 for the expert weights).")
       .def_prop_ro("ep_rank", &CudaMoELayer::ep_rank)
       .def_prop_ro("ep_size", &CudaMoELayer::ep_size)
       .def_prop_ro("device", &CudaMoELayer::device)
+      .def_prop_ro("fresh_grads", [](CudaMoELayer& l) { return l.grad_mode() == GradMode::fresh_bf16_weights; },
+                   "True when backward returns new gradient tensors (grad_mode 'fresh_bf16_weights').")
       .def("parameters", [](CudaMoELayer& l) { return export_parameters(l.parameters()); })
       .def(
           "forward",
@@ -174,18 +189,26 @@ void bind_layer(nb::module_& m) {
             {
               nb::gil_scoped_release release;
               StreamScope scope(stream);
-              // zero_grad first: the gradients below are this backward's alone (the weight
-              // gradients are overwritten, not accumulated: no fill). Python copies them out before
-              // the next backward reuses the buffers.
+              // zero_grad first: the gradients below are this backward's alone. accumulate_f32: the
+              // weight gradients are overwritten, not accumulated (no fill), and Python copies the
+              // buffers out before the next backward reuses them. fresh_bf16_weights: new tensors.
               l.zero_grad(s);
               grad_x = l.backward(state.out, g, s);
             }
             nb::dict grads;
             for (Parameter* p : l.parameters()) grads[p->name.c_str()] = to_python(p->grad);
+            if (l.grad_mode() == GradMode::fresh_bf16_weights) {
+              // Hand them over: Python is now their only owner, and the memory goes when it lets go
+              // (an optimizer's zero_grad), not at the next backward.
+              nb::gil_scoped_release release;
+              StreamScope scope(stream);
+              l.zero_grad(s);
+            }
             return nb::make_tuple(to_python(grad_x), grads);
           },
           nb::arg("state"), nb::arg("grad_out"), nb::arg("stream") = 0,
-          "-> (grad_x bf16, {name: f32 gradient buffer, valid until the next backward})")
+          "-> (grad_x bf16, {name: gradient}): accumulate_f32: f32 buffers valid until the next backward; "
+          "fresh_bf16_weights: new tensors Python owns (bf16 for the expert weights, f32 for the rest)")
       .def(
           "load_from",
           [](CudaMoELayer& l, MoELayer& cpu, std::uintptr_t stream) {

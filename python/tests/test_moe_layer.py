@@ -189,3 +189,11 @@ def test_float32_parameters_for_bf16_configs():
     assert m.gate.weight.dtype == torch.float32
     with pytest.raises(flexep.ArgumentError, match="'x'"):
         m(torch.randn(3, 12, dtype=torch.float64))
+
+
+@pytest.mark.skipif(not flexep.HAS_CUDA, reason="CudaMoELayer exists only in CUDA builds")
+def test_cuda_grad_mode_is_checked_before_any_device_work():
+    # The GPU path's gradient mode reaches the library, which names it in the error (no GPU needed:
+    # the string is checked before the layer is built).
+    with pytest.raises(flexep.ArgumentError, match="'grad_mode'.*'fresh_bf16_weights'"):
+        ft.MoE(config(dtype=torch.bfloat16), device="cuda:0", grad_mode="bf16")

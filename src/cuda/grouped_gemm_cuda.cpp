@@ -110,45 +110,61 @@ void check_counts(const std::vector<std::int64_t>& counts, std::int64_t groups, 
 // instead of joining the grouped call; see grouped_gemm.h.
 std::atomic<std::int64_t> g_own_gemm_min_work{std::int64_t{2500} * 1000 * 1000};
 
-// The listed problems (one per non-empty expert), bf16 in and out, fp32 accumulation, alpha = 1,
-// beta = 0. Column-major terms: C_i (m x n_i, ldc) = op_a(A_i) op_b(B_i). Large problems run as single
-// GEMMs, the rest in one cublasGemmGroupedBatchedEx call with one problem per group (their n differ).
-void grouped_bf16(cudaStream_t stream, int device, cublasOperation_t op_a, cublasOperation_t op_b, int m, int k,
-                  int lda, int ldb, int ldc, const std::vector<int>& n, const std::vector<const void*>& a,
-                  const std::vector<const void*>& b, const std::vector<void*>& c) {
-  if (n.empty()) return;
+// Column-major problems for grouped_bf16: problem i is C_i (m x n[i], ldc) = op_a(A_i) op_b(B_i) with
+// inner dimension k[i]; m, the ops and the leading dimensions are shared. Forward and dgrad vary n
+// (the expert's rows), wgrad varies k.
+struct Problems {
+  std::vector<int> n, k;
+  std::vector<const void*> a, b;
+  std::vector<void*> c;
+  void add(int n_i, int k_i, const void* a_i, const void* b_i, void* c_i) {
+    n.push_back(n_i);
+    k.push_back(k_i);
+    a.push_back(a_i);
+    b.push_back(b_i);
+    c.push_back(c_i);
+  }
+};
+
+// The problems, bf16 in and out, fp32 accumulation, alpha = 1, beta = 0 (C is not read). Large
+// problems run as single GEMMs, the rest in one cublasGemmGroupedBatchedEx call with one problem per
+// group (their sizes differ).
+void grouped_bf16(cudaStream_t stream, int device, cublasOperation_t op_a, cublasOperation_t op_b, int m, int lda,
+                  int ldb, int ldc, const Problems& p) {
+  if (p.n.empty()) return;
   cublasHandle_t handle = cublas_handle(stream);
   // alpha/beta live on the host; the grouped API refuses device pointer mode anyway.
   FLEXEP_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST));
   const float one = 1.f, zero = 0.f;
   const std::int64_t min_work = g_own_gemm_min_work.load(std::memory_order_relaxed);
   std::vector<std::size_t> batched;
-  for (std::size_t i = 0; i < n.size(); ++i) {
-    if (static_cast<std::int64_t>(n[i]) * m * k < min_work) {
+  for (std::size_t i = 0; i < p.n.size(); ++i) {
+    if (static_cast<std::int64_t>(p.n[i]) * m * p.k[i] < min_work) {
       batched.push_back(i);
       continue;
     }
-    FLEXEP_CUBLAS_CHECK(cublasGemmEx(handle, op_a, op_b, m, n[i], k, &one, a[i], CUDA_R_16BF, lda, b[i], CUDA_R_16BF,
-                                     ldb, &zero, c[i], CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    FLEXEP_CUBLAS_CHECK(cublasGemmEx(handle, op_a, op_b, m, p.n[i], p.k[i], &one, p.a[i], CUDA_R_16BF, lda, p.b[i],
+                                     CUDA_R_16BF, ldb, &zero, p.c[i], CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
   }
   const auto count = batched.size();
   if (count == 0) return;
   StreamGuard stream_guard(stream);  // the pointer array below is allocated and freed on `stream`
   Tensor ptrs = Tensor::empty({3 * static_cast<std::int64_t>(count)}, DType::i64, Device::cuda(device));
   std::vector<const void*> host(3 * count);
-  std::vector<int> ns(count);
+  std::vector<int> ns(count), ks(count);
   for (std::size_t j = 0; j < count; ++j) {
     const std::size_t i = batched[j];
-    host[j] = a[i];
-    host[count + j] = b[i];
-    host[2 * count + j] = c[i];
-    ns[j] = n[i];
+    host[j] = p.a[i];
+    host[count + j] = p.b[i];
+    host[2 * count + j] = p.c[i];
+    ns[j] = p.n[i];
+    ks[j] = p.k[i];
   }
   staged_upload(host.data(), host.size() * sizeof(void*), ptrs.raw(), stream);
   void** d = static_cast<void**>(ptrs.raw());
   const std::vector<cublasOperation_t> ta(count, op_a), tb(count, op_b);
-  const std::vector<int> ms(count, m), ks(count, k), ldas(count, lda), ldbs(count, ldb), ldcs(count, ldc),
-      sizes(count, 1);
+  const std::vector<int> ms(count, m), ldas(count, lda), ldbs(count, ldb), ldcs(count, ldc), sizes(count, 1);
   const std::vector<float> alpha(count, 1.f), beta(count, 0.f);
   const int groups = static_cast<int>(count);
   FLEXEP_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(),
@@ -160,31 +176,65 @@ void grouped_bf16(cudaStream_t stream, int device, cublasOperation_t op_a, cubla
 const char* bytes_at(const TensorView& t, std::int64_t elements) {
   return static_cast<const char*>(t.data) + elements * static_cast<std::int64_t>(element_size(t.dtype));
 }
+void* mutable_bytes_at(const TensorView& t, std::int64_t elements) { return const_cast<char*>(bytes_at(t, elements)); }
 
-// The problems of forward and dgrad for grouped_bf16: one per non-empty group g (counts[g] rows, in
-// group order), with the weights b[g] (b is [G, K, M]), the group's rows of `x` (x_cols wide) and
-// its rows of `c` (c_cols wide).
-struct GroupProblems {
-  std::vector<int> n;
-  std::vector<const void*> weights, x;
-  std::vector<void*> c;
-};
-GroupProblems group_problems(const std::vector<std::int64_t>& counts, const TensorView& b, std::int64_t K,
-                             std::int64_t M, const TensorView& x, std::int64_t x_cols, const TensorView& c,
-                             std::int64_t c_cols) {
-  GroupProblems p;
+// The problems of forward and dgrad: one per non-empty group g (counts[g] rows, in group order), A
+// the weights b[g] (b is [G, K, M]), B the group's rows of `x` (x_cols wide), C its rows of `c`
+// (c_cols wide), inner dimension `inner`.
+Problems group_problems(const std::vector<std::int64_t>& counts, const TensorView& b, std::int64_t K, std::int64_t M,
+                        const TensorView& x, std::int64_t x_cols, const TensorView& c, std::int64_t c_cols,
+                        int inner) {
+  Problems p;
   std::int64_t row = 0;
   for (std::size_t g = 0; g < counts.size(); ++g) {
     const std::int64_t rows = counts[g];
-    if (rows > 0) {
-      p.n.push_back(static_cast<int>(rows));
-      p.weights.push_back(bytes_at(b, static_cast<std::int64_t>(g) * K * M));
-      p.x.push_back(bytes_at(x, row * x_cols));
-      p.c.push_back(const_cast<char*>(bytes_at(c, row * c_cols)));
-    }
+    if (rows > 0)
+      p.add(static_cast<int>(rows), inner, bytes_at(b, static_cast<std::int64_t>(g) * K * M), bytes_at(x, row * x_cols),
+            mutable_bytes_at(c, row * c_cols));
     row += rows;
   }
   return p;
+}
+
+// The arguments of both wgrad variants: a [N, K] bf16, d [N, M] bf16, c [G, K, M] of `c_dtype`, all
+// on one device, counts summing to <= N. Returns K and M, also as the ints cuBLAS takes.
+struct WgradDims {
+  std::int64_t K, M;
+  int k, m;
+};
+WgradDims check_wgrad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
+                      const TensorView& c, DType c_dtype) {
+  check_bf16(a, 2, "a");
+  check_bf16(d, 2, "d");
+  check::rank(c, 3, "c");
+  check::dtype(c, {c_dtype}, "c");
+  check::same_device(a, "a", d, "d");
+  check::same_device(a, "a", c, "c");
+  const std::int64_t N = a.size(0), K = a.size(1), M = d.size(1), G = c.size(0);
+  FLEXEP_CHECK_ARG(d.size(0) == N, "d", "has ", d.size(0), " rows but 'a' has ", N);
+  FLEXEP_CHECK_ARG(K >= 1 && M >= 1, "a", "needs K >= 1 columns in 'a' and M >= 1 in 'd'");
+  check::shape(c, {G, K, M}, "c");
+  check_counts(counts, G, N, "a");
+  const int k = as_int(K, "a", "K"), m = as_int(M, "d", "M");
+  as_int(N, "a", "N");
+  return {K, M, k, m};
+}
+
+// Zeroes the [K, M] blocks of c [G, K, M] whose group has no rows (an overwriting wgrad runs no GEMM
+// for them), one memset per run of consecutive empty groups.
+void zero_empty_blocks(const TensorView& c, const std::vector<std::int64_t>& counts, cudaStream_t stream) {
+  const std::int64_t block = c.size(1) * c.size(2);
+  for (std::size_t g = 0; g < counts.size();) {
+    if (counts[g] != 0) {
+      ++g;
+      continue;
+    }
+    std::size_t end = g;
+    while (end < counts.size() && counts[end] == 0) ++end;
+    const auto bytes = static_cast<std::size_t>(static_cast<std::int64_t>(end - g) * block) * element_size(c.dtype);
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(mutable_bytes_at(c, static_cast<std::int64_t>(g) * block), 0, bytes, stream));
+    g = end;
+  }
 }
 
 }  // namespace
@@ -209,8 +259,8 @@ void grouped_gemm_forward(const TensorView& a, const TensorView& b, const std::v
   as_int(N, "a", "N");
   DeviceGuard guard(a.device.index);
   // Column-major: C_g^T (M x n_g, ld M) = B_g^T (M x K, ld M) * A_g^T (K x n_g, ld K).
-  const GroupProblems p = group_problems(counts, b, K, M, a, K, c, M);
-  grouped_bf16(stream, a.device.index, CUBLAS_OP_N, CUBLAS_OP_N, m, k, m, k, m, p.n, p.weights, p.x, p.c);
+  grouped_bf16(stream, a.device.index, CUBLAS_OP_N, CUBLAS_OP_N, m, m, k, m,
+               group_problems(counts, b, K, M, a, K, c, M, k));
 }
 
 void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vector<std::int64_t>& counts,
@@ -233,47 +283,55 @@ void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vec
   as_int(N, "d", "N");
   DeviceGuard guard(d.device.index);
   // Column-major: C_g^T (K x n_g, ld K) = op_T(B_g^T stored M x K, ld M) * D_g^T (M x n_g, ld M).
-  const GroupProblems p = group_problems(counts, b, K, M, d, M, c, K);
-  grouped_bf16(stream, d.device.index, CUBLAS_OP_T, CUBLAS_OP_N, k, m, m, m, k, p.n, p.weights, p.x, p.c);
+  grouped_bf16(stream, d.device.index, CUBLAS_OP_T, CUBLAS_OP_N, k, m, m, k,
+               group_problems(counts, b, K, M, d, M, c, K, m));
 }
 
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
                         const TensorView& c, cudaStream_t stream, bool accumulate) {
-  check_bf16(a, 2, "a");
-  check_bf16(d, 2, "d");
-  check::rank(c, 3, "c");
-  check::dtype(c, {DType::f32}, "c");
-  check::same_device(a, "a", d, "d");
-  check::same_device(a, "a", c, "c");
-  const std::int64_t N = a.size(0), K = a.size(1), M = d.size(1), G = c.size(0);
-  FLEXEP_CHECK_ARG(d.size(0) == N, "d", "has ", d.size(0), " rows but 'a' has ", N);
-  FLEXEP_CHECK_ARG(K >= 1 && M >= 1, "a", "needs K >= 1 columns in 'a' and M >= 1 in 'd'");
-  check::shape(c, {G, K, M}, "c");
-  check_counts(counts, G, N, "a");
-  const int k = as_int(K, "a", "K"), m = as_int(M, "d", "M");
-  as_int(N, "a", "N");
+  const WgradDims w = check_wgrad(a, d, counts, c, DType::f32);
   DeviceGuard guard(a.device.index);
+  if (!accumulate) zero_empty_blocks(c, counts, stream);
   cublasHandle_t handle = nullptr;
   const float one = 1.f, beta = accumulate ? 1.f : 0.f;
   std::int64_t row = 0;
   for (std::size_t g = 0; g < counts.size(); ++g) {
     const std::int64_t rows = counts[g];
-    if (rows == 0 && !accumulate)
-      FLEXEP_CUDA_CHECK(cudaMemsetAsync(const_cast<char*>(bytes_at(c, static_cast<std::int64_t>(g) * K * M)), 0,
-                                        static_cast<std::size_t>(K * M) * sizeof(float), stream));
     if (rows > 0) {
       if (!handle) {
         handle = cublas_handle(stream);
         FLEXEP_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST));
       }
       // Column-major: C_g^T (M x K, ld M) += D_g^T (M x n_g, ld M) * op_T(A_g^T stored K x n_g, ld K).
-      FLEXEP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, m, k, static_cast<int>(rows), &one,
-                                       bytes_at(d, row * M), CUDA_R_16BF, m, bytes_at(a, row * K), CUDA_R_16BF, k,
-                                       &beta, const_cast<char*>(bytes_at(c, static_cast<std::int64_t>(g) * K * M)),
-                                       CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      FLEXEP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, w.m, w.k, static_cast<int>(rows), &one,
+                                       bytes_at(d, row * w.M), CUDA_R_16BF, w.m, bytes_at(a, row * w.K), CUDA_R_16BF,
+                                       w.k, &beta, mutable_bytes_at(c, static_cast<std::int64_t>(g) * w.K * w.M),
+                                       CUDA_R_32F, w.m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
     row += rows;
   }
+}
+
+void grouped_gemm_wgrad_bf16(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
+                             const TensorView& c, cudaStream_t stream) {
+  const WgradDims w = check_wgrad(a, d, counts, c, DType::bf16);
+  check_aligned(a, "a");
+  check_aligned(d, "d");
+  check_aligned(c, "c");
+  DeviceGuard guard(a.device.index);
+  zero_empty_blocks(c, counts, stream);
+  // Column-major, per non-empty group: C_g^T (M x K, ld M) = D_g^T (M x n_g, ld M) * op_T(A_g^T stored
+  // K x n_g, ld K); the inner dimension is the group's row count.
+  Problems p;
+  std::int64_t row = 0;
+  for (std::size_t g = 0; g < counts.size(); ++g) {
+    const std::int64_t rows = counts[g];
+    if (rows > 0)
+      p.add(w.k, static_cast<int>(rows), bytes_at(d, row * w.M), bytes_at(a, row * w.K),
+            mutable_bytes_at(c, static_cast<std::int64_t>(g) * w.K * w.M));
+    row += rows;
+  }
+  grouped_bf16(stream, a.device.index, CUBLAS_OP_N, CUBLAS_OP_T, w.m, w.m, w.k, w.m, p);
 }
 
 void set_grouped_gemm_own_gemm_min_work(std::int64_t macs) {

@@ -40,15 +40,27 @@ void check_cuda_tensor(const TensorView& t, std::initializer_list<std::int64_t> 
   check::device(t, Device::cuda(device), arg);
 }
 
-// The gradient of p (f32, same shape), zero-allocated on first use; undefined when p has no value or
-// does not require grad.
-TensorView grad_of(Parameter& p) {
-  if (!p.value.defined() || !p.requires_grad) return TensorView();
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), DType::f32, p.value.device());
-  FLEXEP_CHECK(p.grad.shape() == p.value.shape() && p.grad.dtype() == DType::f32 && p.grad.device() == p.value.device(),
+bool has_grad(const Parameter& p) { return p.value.defined() && p.requires_grad; }
+
+// The gradient of p (`dtype`, same shape), zero-allocated on first use; undefined when p has no value
+// or does not require grad.
+TensorView grad_of(Parameter& p, DType dtype) {
+  if (!has_grad(p)) return TensorView();
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), dtype, p.value.device());
+  FLEXEP_CHECK(p.grad.shape() == p.value.shape() && p.grad.dtype() == dtype && p.grad.device() == p.value.device(),
                "gradient of '", p.name, "' has shape ", p.grad.shape().str(), " ", dtype_name(p.grad.dtype()), " on ",
-               p.grad.device().str(), ", expected ", p.value.shape().str(), " f32 on ", p.value.device().str());
+               p.grad.device().str(), ", expected ", p.value.shape().str(), " ", dtype_name(dtype), " on ",
+               p.value.device().str());
   return p.grad.view();
+}
+
+// A new gradient tensor for p (fresh_bf16_weights), on the current stream. The old one is released
+// first, so that its memory can serve the new one when nobody else holds it.
+void renew_grad(Parameter& p, DType dtype, bool zeroed) {
+  p.grad = Tensor();
+  if (!has_grad(p)) return;
+  p.grad = zeroed ? Tensor::zeros(p.value.shape(), dtype, p.value.device())
+                  : Tensor::empty(p.value.shape(), dtype, p.value.device());
 }
 
 TensorView value_or_undefined(const Parameter& p) { return p.value.defined() ? p.value.view() : TensorView(); }
@@ -63,8 +75,9 @@ void upload_as_bf16(const Tensor& host, const TensorView& dst, cudaStream_t stre
 
 }  // namespace
 
-CudaGroupedExperts::CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device)
-    : config_(config), local_(num_local_experts), first_(first_expert), device_(device) {
+CudaGroupedExperts::CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device,
+                                       GradMode grad_mode)
+    : config_(config), local_(num_local_experts), first_(first_expert), device_(device), grad_mode_(grad_mode) {
   FLEXEP_CHECK_ARG(config.dtype == DType::bf16, "moe.dtype", "the CUDA grouped experts hold bf16 parameters, got ",
                    dtype_name(config.dtype));
   FLEXEP_CHECK_ARG(config.dim >= 1, "moe.dim", "must be >= 1, got ", config.dim);
@@ -237,8 +250,10 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
   const std::int64_t dim = config_.dim, up = config_.up_dim(), inter = config_.moe_inter_dim;
   const std::vector<std::int64_t>& counts = s.tokens_per_expert;
 
-  const TensorView g_wgu = grad_of(gate_and_up_), g_wd = grad_of(down_);
-  const TensorView g_bgu = grad_of(gate_up_bias_), g_bd = grad_of(down_bias_);
+  if (grad_mode_ == GradMode::fresh_bf16_weights) renew_grads();
+  const DType weight_grad_dtype = grad_mode_ == GradMode::fresh_bf16_weights ? DType::bf16 : DType::f32;
+  const TensorView g_wgu = grad_of(gate_and_up_, weight_grad_dtype), g_wd = grad_of(down_, weight_grad_dtype);
+  const TensorView g_bgu = grad_of(gate_up_bias_, DType::f32), g_bd = grad_of(down_bias_, DType::f32);
 
   Tensor gx = Tensor::empty({N, dim}, DType::bf16, dev);
   Tensor gp = Tensor::empty({N}, DType::f32, dev);
@@ -253,7 +268,7 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
   // After zero_grad the weight gradients are overwritten rather than accumulated (no zero fill).
   const bool accumulate = !weight_grads_stale_;
   weight_grads_stale_ = false;
-  if (g_wd.defined()) cuda::grouped_gemm_wgrad(s.ap, g, counts, g_wd, stream, accumulate);
+  if (g_wd.defined()) weight_grad(s.ap, g, counts, g_wd, accumulate, stream);
   // Activation (writes grad_probs), then the down bias (adds to grad_probs).
   Tensor gh = Tensor::empty({A, up}, DType::bf16, dev);
   cuda::activation_backward(act_, s.h, value_or_undefined(gate_up_bias_), s.p, s.offsets, gap, gh, gp_active, g_bgu,
@@ -262,7 +277,7 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
     cuda::down_bias_backward(g, down_bias_.value, s.p, s.offsets, g_bd, gp_active, stream);
   // Gate/up projection.
   const TensorView x = s.x.view().rows(0, A);
-  if (g_wgu.defined()) cuda::grouped_gemm_wgrad(x, gh, counts, g_wgu, stream, accumulate);
+  if (g_wgu.defined()) weight_grad(x, gh, counts, g_wgu, accumulate, stream);
   cuda::grouped_gemm_dgrad(gh, gate_and_up_.value, counts, gx.view().rows(0, A), stream);
 
   CudaExpertsGrads out;
@@ -271,8 +286,32 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
   return out;
 }
 
+// fresh_bf16_weights: this backward's tensors. The weight gradients need no fill (the wgrad GEMM
+// overwrites every block); the bias kernels add to theirs.
+void CudaGroupedExperts::renew_grads() {
+  renew_grad(gate_and_up_, DType::bf16, false);
+  renew_grad(down_, DType::bf16, false);
+  renew_grad(gate_up_bias_, DType::f32, true);
+  renew_grad(down_bias_, DType::f32, true);
+}
+
+// grad [E, K, M] = a^T d per expert: written in bf16 (fresh_bf16_weights), or in f32 added to the
+// buffer (accumulate) or overwriting it (after a zero_grad).
+void CudaGroupedExperts::weight_grad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
+                                     const TensorView& grad, bool accumulate, cudaStream_t stream) const {
+  if (grad_mode_ == GradMode::fresh_bf16_weights)
+    cuda::grouped_gemm_wgrad_bf16(a, d, counts, grad, stream);
+  else
+    cuda::grouped_gemm_wgrad(a, d, counts, grad, stream, accumulate);
+}
+
 void CudaGroupedExperts::zero_grad(cudaStream_t stream) {
   cuda::DeviceGuard dg(device_);
+  if (grad_mode_ == GradMode::fresh_bf16_weights) {
+    // The tensors belong to whoever holds them now: drop our references, write nothing.
+    for (Parameter* p : parameters()) p->grad = Tensor();
+    return;
+  }
   // The weight gradients are the big ones (GBs at DeepSeek-V3 size): mark them instead of filling
   // them; the next backward overwrites them (beta = 0). Biases are small: zero them now.
   for (Parameter* p : parameters())

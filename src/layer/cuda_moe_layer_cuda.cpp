@@ -128,23 +128,31 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
   cuda::DeviceGuard guard(options_.device);
   const cudaStream_t init_stream = nullptr;
   const int E = config_.n_routed_experts, local = E / ep_size_;
+  // accumulate_f32: the layer's own gradient buffers, zero, for backward to add to. Fresh mode
+  // allocates them per backward instead.
+  auto persistent_grad = [&](Shape shape) {
+    return options_.grad_mode == GradMode::accumulate_f32
+               ? Tensor::zeros(shape, DType::f32, Device::cuda(options_.device))
+               : Tensor();
+  };
   // Initial values: the CPU modules' draws (same streams), rounded to bf16, so a CPU layer with the
   // same seed starts from the same numbers.
   if (!backend_.fake_balanced_gate) {
     Gate cpu_gate(config_, backend_.gate_precision, DType::f32);
     cpu_gate.init(options_.seed, options_.init_std);
     gate_weight_ = {"gate.weight", upload_bf16(cpu_gate.weight().value, options_.device, init_stream),
-                    Tensor::zeros({E, config_.dim}, DType::f32, Device::cuda(options_.device)), config_.train_gate};
+                    persistent_grad({E, config_.dim}), config_.train_gate};
     if (config_.router_bias)
       gate_bias_ = {"gate.bias", upload_bf16(cpu_gate.bias().value, options_.device, init_stream),
-                    Tensor::zeros({E}, DType::f32, Device::cuda(options_.device)), config_.train_gate};
+                    persistent_grad({E}), config_.train_gate};
     if (config_.has_correction_bias()) {
       correction_bias_ = Tensor::zeros({E}, DType::f32, Device::cuda(options_.device));
       correction_master_.assign(static_cast<std::size_t>(E), 0.0);
     }
     cumulative_load_ = Tensor::zeros({E}, DType::i64, Device::cuda(options_.device));
   }
-  experts_ = std::make_unique<CudaGroupedExperts>(config_, local, ep_rank_ * local, options_.device);
+  experts_ = std::make_unique<CudaGroupedExperts>(config_, local, ep_rank_ * local, options_.device,
+                                                  options_.grad_mode);
   auto fast_fill = [&](CudaGroupedExperts& g, std::uint64_t salt) {
     for (Parameter* p : g.parameters())
       if (p->name.find("bias") == std::string::npos)
@@ -155,12 +163,13 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
   if (options_.fast_init) fast_fill(*experts_, static_cast<std::uint64_t>(ep_rank_) * 7919);
   else experts_->init(options_.seed, options_.init_std, init_stream);
   if (config_.n_shared_experts > 0) {
-    shared_ = std::make_unique<CudaGroupedExperts>(shared_expert_config(config_), 1, 0, options_.device);
+    shared_ = std::make_unique<CudaGroupedExperts>(shared_expert_config(config_), 1, 0, options_.device,
+                                                   options_.grad_mode);
     SharedExperts cpu_shared(config_, DType::f32);
     if (config_.shared_expert_gate)
       shared_gate_ = {"shared_expert_gate.weight",
                       Tensor::empty({1, config_.dim}, DType::bf16, Device::cuda(options_.device)),
-                      Tensor::zeros({1, config_.dim}, DType::f32, Device::cuda(options_.device)), true};
+                      persistent_grad({1, config_.dim}), true};
     if (options_.fast_init) {
       fast_fill(*shared_, 0x5ead);
       if (config_.shared_expert_gate)
@@ -297,6 +306,8 @@ Tensor CudaMoELayer::backward(const CudaMoEOutput& forward_output, const TensorV
   cuda::StreamGuard sg(stream);
   Events& ev = *events_;
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[0], stream));
+  // Before the side stream forks: the shared-expert gate's new gradient is zeroed on `stream`.
+  if (options_.grad_mode == GradMode::fresh_bf16_weights) renew_own_grads();
 
   Tensor grad_x_shared;
   if (shared_) {
@@ -369,11 +380,25 @@ std::vector<Parameter*> CudaMoELayer::replicated_parameters() {
   return rep;
 }
 
+// fresh_bf16_weights: new f32 zeros for the gate and shared-gate gradients, which the router and
+// shared-gate kernels add to (on the current stream). The old tensors are released first.
+void CudaMoELayer::renew_own_grads() {
+  for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_}) {
+    p->grad = Tensor();
+    if (p->value.defined() && p->requires_grad)
+      p->grad = Tensor::zeros(p->value.shape(), DType::f32, p->value.device());
+  }
+}
+
 void CudaMoELayer::zero_grad(cudaStream_t stream) {
   cuda::DeviceGuard guard(options_.device);
-  for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_})
-    if (p->grad.defined()) cuda::zero_async(p->grad, stream);
-  experts_->zero_grad(stream);  // lazily: the next backward overwrites the weight gradients
+  if (options_.grad_mode == GradMode::fresh_bf16_weights) {
+    for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_}) p->grad = Tensor();  // the caller's
+  } else {
+    for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_})
+      if (p->grad.defined()) cuda::zero_async(p->grad, stream);
+  }
+  experts_->zero_grad(stream);  // accumulate_f32: lazily (the next backward overwrites the weight grads)
   if (shared_) shared_->zero_grad(stream);
 }
 

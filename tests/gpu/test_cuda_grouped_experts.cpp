@@ -1,10 +1,14 @@
 // CudaGroupedExperts against the CPU GroupedExperts (f32) holding the same bf16-rounded weights, on
 // the same bf16-rounded tokens. Tolerance: relative error norm < 1e-2 for outputs and every gradient
-// (bf16 intermediates h, a*p, grad a*p, grad h); tail rows exactly zero, padding rows (x = 0, p = 0)
-// exactly zero output, experts without rows exactly zero weight gradients.
+// (bf16 intermediates h, a*p, grad a*p, grad h; in GradMode::fresh_bf16_weights the weight gradients'
+// own bf16 rounding adds at most 2^-8 relative per element); tail rows exactly zero, padding rows
+// (x = 0, p = 0) exactly zero output, experts without rows exactly zero weight gradients.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -76,10 +80,18 @@ bool expert_slice_zero(const Tensor& grad, std::int64_t e) {
   return true;
 }
 
+bool is_weight(const Parameter& p) { return p.name == "gate_and_up_projs" || p.name == "down_projs"; }
+
+// The gradient dtype a mode gives a parameter.
+DType grad_dtype(GradMode mode, const Parameter& p) {
+  return mode == GradMode::fresh_bf16_weights && is_weight(p) ? DType::bf16 : DType::f32;
+}
+
 void check_case(Activation act, bool bias, int dim, int inter, const std::vector<std::int64_t>& counts,
-                std::int64_t N, bool keep_tokens) {
+                std::int64_t N, bool keep_tokens, GradMode mode = GradMode::accumulate_f32) {
   SCOPED_TRACE(std::string(to_string(act)) + (bias ? " bias" : " no bias") + " dim " + std::to_string(dim) +
-               " inter " + std::to_string(inter) + " N " + std::to_string(N) + (keep_tokens ? " Tensor" : " view"));
+               " inter " + std::to_string(inter) + " N " + std::to_string(N) + (keep_tokens ? " Tensor" : " view") +
+               (mode == GradMode::fresh_bf16_weights ? " fresh_bf16_weights" : " accumulate_f32"));
   const int local = static_cast<int>(counts.size()), first = kRoutedExperts - local;
   const MoEConfig cfg = make_config(act, bias, dim, inter);
   const std::int64_t active = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
@@ -87,7 +99,7 @@ void check_case(Activation act, bool bias, int dim, int inter, const std::vector
   TestStream stream;
   GroupedExperts cpu(cfg, local, first, DType::f32);
   prepare_cpu(cpu, 7);
-  CudaGroupedExperts gpu(cfg, local, first, 0);
+  CudaGroupedExperts gpu(cfg, local, first, 0, mode);
   gpu.load_from(cpu, stream);
 
   Tensor x = bf16_exact({N, dim}, 71);
@@ -130,7 +142,7 @@ void check_case(Activation act, bool bias, int dim, int inter, const std::vector
     EXPECT_EQ(gpu_params[i]->name, cpu_params[i]->name);
     ASSERT_TRUE(gpu_params[i]->grad.defined());
     ASSERT_EQ(gpu_params[i]->grad.shape(), gpu_params[i]->value.shape());
-    ASSERT_EQ(gpu_params[i]->grad.dtype(), DType::f32);
+    ASSERT_EQ(gpu_params[i]->grad.dtype(), grad_dtype(mode, *gpu_params[i]));
     const Tensor grad = cuda::to_host(gpu_params[i]->grad, stream);
     EXPECT_LT(rel_error(grad, cpu_params[i]->grad), 1e-2);
     for (int e = 0; e < local; ++e) {
@@ -178,6 +190,109 @@ TEST(CudaGroupedExperts, ZeroRows) {
 TEST(CudaGroupedExperts, AllCountsZero) {
   if (!testing::require_gpus(1)) return;
   check_case(Activation::relu2, true, 64, 32, {0, 0}, 5, true);
+}
+
+// fresh_bf16_weights against the CPU reference, through the grouped cuBLAS call (threshold INT64_MAX)
+// and through one cublasGemmEx per expert (threshold 0); experts without rows, all experts without
+// rows, and no rows at all.
+TEST(CudaGroupedExperts, FreshBf16WeightGradsMatchCpu) {
+  if (!testing::require_gpus(1)) return;
+  const GradMode fresh = GradMode::fresh_bf16_weights;
+  for (std::int64_t threshold : {std::numeric_limits<std::int64_t>::max(), std::int64_t{0}}) {
+    SCOPED_TRACE("own-GEMM threshold " + std::to_string(threshold));
+    testing::OwnGemmThreshold scope(threshold);
+    check_case(Activation::swiglu, true, 64, 32, {7, 0, 12, 3}, 25, false, fresh);
+    check_case(Activation::relu2, false, 64, 32, {7, 0, 12, 3}, 25, true, fresh);
+    check_case(Activation::quick_geglu, true, 20, 12, {5, 0, 4}, 10, false, fresh);
+    check_case(Activation::swiglu, false, 128, 64, {300, 5, 0, 211, 1}, 520, false, fresh);
+    check_case(Activation::relu2, true, 64, 32, {0, 0}, 5, true, fresh);
+    check_case(Activation::swiglu, true, 64, 32, {0, 0, 0}, 0, false, fresh);
+  }
+}
+
+// Two modules with the same weights, one per mode, on the same data: forward and the token/prob
+// gradients are the same code (bitwise equal), bias gradients too (same kernels, f32 in both modes);
+// each bf16 weight gradient is the f32 one rounded: within half a bf16 ulp (2^-8 relative) plus the
+// fp32 summation-order difference of two cuBLAS paths (1e-5 of the largest entry).
+TEST(CudaGroupedExperts, FreshBf16GradsAreF32GradsRounded) {
+  if (!testing::require_gpus(1)) return;
+  TestStream stream;
+  const MoEConfig cfg = make_config(Activation::swiglu, true, 64, 32);
+  const std::vector<std::int64_t> counts = {40, 0, 97, 6};
+  const std::int64_t N = 150;
+  GroupedExperts cpu(cfg, 4, 4, DType::f32);
+  prepare_cpu(cpu, 13);
+  CudaGroupedExperts f32(cfg, 4, 4, 0), bf16(cfg, 4, 4, 0, GradMode::fresh_bf16_weights);
+  f32.load_from(cpu, stream);
+  bf16.load_from(cpu, stream);
+  const Tensor x_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 101));
+  const Tensor p_d = testing::to_gpu(uniform_probs(N, 102));
+  const Tensor g_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 103));
+  const CudaExpertsOutput fa = f32.forward(x_d, p_d, counts, stream), fb = bf16.forward(x_d, p_d, counts, stream);
+  const CudaExpertsGrads ga = f32.backward(fa, g_d, stream), gb = bf16.backward(fb, g_d, stream);
+  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(fa.out, stream), cuda::to_host(fb.out, stream)));
+  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.tokens, stream), cuda::to_host(gb.tokens, stream)));
+  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.probs, stream), cuda::to_host(gb.probs, stream)));
+  const std::vector<Parameter*> pa = f32.parameters(), pb = bf16.parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    SCOPED_TRACE(pa[i]->name);
+    const Tensor want = cuda::to_host(pa[i]->grad, stream), got = cuda::to_host(pb[i]->grad, stream);
+    ASSERT_EQ(got.dtype(), grad_dtype(GradMode::fresh_bf16_weights, *pb[i]));
+    if (!is_weight(*pb[i])) {
+      EXPECT_TRUE(testing::bitwise_equal(got, want));
+      continue;
+    }
+    double largest = 0;
+    for (std::int64_t j = 0; j < want.numel(); ++j) largest = std::max(largest, std::fabs(read_as_double(want, j)));
+    for (std::int64_t j = 0; j < want.numel(); ++j) {
+      const double w = read_as_double(want, j), b = read_as_double(got, j);
+      ASSERT_LE(std::fabs(w - b), std::ldexp(std::fabs(w), -8) + 1e-5 * largest) << "element " << j;
+    }
+    EXPECT_TRUE(expert_slice_zero(got, 1)) << "expert 1 has no rows";
+  }
+}
+
+// fresh_bf16_weights: each backward hands over new tensors. The first backward's gradients stay as
+// they were through a second backward (other grad_out) and a zero_grad, which only drops the module's
+// references.
+TEST(CudaGroupedExperts, FreshBf16GradsAreNewTensorsPerBackward) {
+  if (!testing::require_gpus(1)) return;
+  TestStream stream;
+  const MoEConfig cfg = make_config(Activation::swiglu, true, 64, 32);
+  const std::vector<std::int64_t> counts = {9, 0, 14};
+  const std::int64_t N = 24;
+  GroupedExperts cpu(cfg, 3, 0, DType::f32);
+  prepare_cpu(cpu, 17);
+  CudaGroupedExperts gpu(cfg, 3, 0, 0, GradMode::fresh_bf16_weights);
+  gpu.load_from(cpu, stream);
+  const Tensor x_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 111));
+  const Tensor p_d = testing::to_gpu(uniform_probs(N, 112));
+  const CudaExpertsOutput fo = gpu.forward(x_d, p_d, counts, stream);
+
+  gpu.backward(fo, testing::to_gpu_bf16(bf16_exact({N, 64}, 113)), stream);
+  std::vector<Tensor> first, first_values;
+  for (Parameter* p : gpu.parameters()) {
+    first.push_back(p->grad);  // shares the storage: what a caller keeps
+    first_values.push_back(cuda::to_host(p->grad, stream));
+  }
+  gpu.backward(fo, testing::to_gpu_bf16(bf16_exact({N, 64}, 114)), stream);
+  const std::vector<Parameter*> ps = gpu.parameters();
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    SCOPED_TRACE(ps[i]->name);
+    ASSERT_TRUE(ps[i]->grad.defined());
+    EXPECT_NE(ps[i]->grad.raw(), first[i].raw()) << "the second backward reused the first one's tensor";
+    EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(first[i], stream), first_values[i]))
+        << "the second backward changed the first one's gradient";
+    EXPECT_FALSE(testing::bitwise_equal(cuda::to_host(ps[i]->grad, stream), first_values[i]))
+        << "the second backward (another grad_out) gave the same gradient: not this backward's alone?";
+  }
+  gpu.zero_grad(stream);
+  gpu.materialize_grads(stream);
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    EXPECT_FALSE(ps[i]->grad.defined()) << ps[i]->name;
+    EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(first[i], stream), first_values[i])) << ps[i]->name;
+  }
 }
 
 // The Tensor overload (tokens kept by reference) and the view overload (tokens copied) compute the

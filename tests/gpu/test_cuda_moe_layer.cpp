@@ -4,12 +4,17 @@
 // near-ties of the logits; the tests require at least 98% of the selections to agree.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "flexep/core/random.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/cuda_moe_layer.h"
 #include "flexep/layer/moe_layer.h"
+#include "experts_test_util.h"
 #include "gpu_test_util.h"
 
 namespace flexep {
@@ -147,6 +152,151 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
       EXPECT_LT(e, 5e-2) << name;
     }
   }
+}
+
+// A CPU layer with bf16-rounded parameters (biases given random values: init leaves them zero), and
+// bf16-rounded input, padding mask and output gradient, as ForwardAndBackwardMatchCpuReference uses.
+struct LayerData {
+  std::unique_ptr<MoELayer> cpu;
+  Tensor x, pad, g;  // host: f32 [T, dim], bool [T], f32 [T, dim]
+};
+LayerData layer_data(const Case& c, std::int64_t T, std::uint64_t grad_seed) {
+  LayerData d;
+  MoELayerOptions co;
+  co.seed = 11;
+  co.init_std = 0.1;
+  d.cpu = std::make_unique<MoELayer>(c.moe, BackendConfig{}, nullptr, co);
+  for (Parameter* p : d.cpu->parameters()) {
+    if (c.moe.expert_bias && p->name.find("bias") != std::string::npos)
+      fill_normal(p->value, 5, stream_id(p->name.c_str()), 0, 0.05);
+    p->value = round_bf16(p->value);
+  }
+  d.x = Tensor::empty({T, c.moe.dim}, DType::f32);
+  fill_normal(d.x, 3, stream_id("x"), 0, 1);
+  d.x = round_bf16(d.x);
+  d.pad = Tensor::zeros({T}, DType::b8);
+  for (std::int64_t t = 0; t < T; ++t) d.pad.data<bool>()[t] = uniform01(3, stream_id("pad"), t) < c.padding;
+  d.g = Tensor::empty({T, c.moe.dim}, DType::f32);
+  fill_normal(d.g, grad_seed, stream_id("g"), 0, 1);
+  d.g = round_bf16(d.g);
+  return d;
+}
+
+// The expert weights, in the names host_gradients gives them (shared experts as nn.Linear weights).
+bool is_expert_weight(const std::string& name) {
+  auto ends_with = [&](const std::string& tail) {
+    return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (name.rfind("experts.", 0) == 0) return ends_with("gate_and_up_projs") || ends_with("down_projs");
+  return name.rfind("shared_experts.", 0) == 0 && ends_with(".weight");
+}
+
+// One forward and backward on the device; returns grad x on the host (f32).
+Tensor run_layer(CudaMoELayer& gpu, const LayerData& d, const Tensor& g, cudaStream_t stream, Tensor* out = nullptr) {
+  const Tensor dx = cuda::to_device(d.x.to(DType::bf16), 0, stream);
+  const Tensor dpad = cuda::to_device(d.pad, 0, stream);
+  const Tensor dg = cuda::to_device(g.to(DType::bf16), 0, stream);
+  const CudaMoEOutput o = gpu.forward(dx, dpad, true, stream);
+  const Tensor gx = gpu.backward(o, dg, stream);
+  if (out) *out = cuda::to_host(o.out, stream).to(DType::f32);
+  return cuda::to_host(gx, stream).to(DType::f32);
+}
+
+// GradMode::fresh_bf16_weights against the default accumulate_f32 on the same weights and data, for
+// every configuration above: the same output and grad x (the modes differ only in where gradients
+// go), the same f32 gradients (gate, biases, shared gate: same kernels), and expert weight gradients
+// in bf16 equal to the f32 ones rounded: within half a bf16 ulp (2^-8 relative) plus the fp32
+// summation-order difference of two cuBLAS paths (1e-5 of the tensor's largest entry).
+TEST(CudaMoELayer, FreshBf16GradsMatchAccumulateMode) {
+  if (!testing::require_gpus(1)) return;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const LayerData d = layer_data(c, 257, 4);
+    const cuda::OwnedStream stream;
+    CudaMoELayerOptions o;
+    o.seed = 11;
+    CudaMoELayer f32(c.moe, BackendConfig{}, nullptr, o);
+    o.grad_mode = GradMode::fresh_bf16_weights;
+    CudaMoELayer bf16(c.moe, BackendConfig{}, nullptr, o);
+    f32.load_from(*d.cpu, stream);
+    bf16.load_from(*d.cpu, stream);
+    Tensor ya, yb;
+    const Tensor gxa = run_layer(f32, d, d.g, stream, &ya), gxb = run_layer(bf16, d, d.g, stream, &yb);
+    EXPECT_LT(rel_error(yb, ya), 1e-6);
+    EXPECT_LT(rel_error(gxb, gxa), 1e-6);
+
+    for (Parameter* p : bf16.parameters()) {
+      const bool weight = p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, "projs") == 0;
+      ASSERT_TRUE(p->grad.defined() || !p->requires_grad) << p->name;
+      if (p->grad.defined()) {
+        EXPECT_EQ(p->grad.dtype(), weight ? DType::bf16 : DType::f32) << p->name;
+      }
+    }
+    const auto want = f32.host_gradients(stream), got = bf16.host_gradients(stream);
+    ASSERT_EQ(want.size(), got.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      const std::string& name = want[i].first;
+      SCOPED_TRACE(name);
+      ASSERT_EQ(got[i].first, name);
+      const Tensor& w = want[i].second;
+      const Tensor& b = got[i].second;
+      ASSERT_EQ(w.shape(), b.shape());
+      if (!is_expert_weight(name)) {
+        EXPECT_LT(rel_error(b, w), 1e-6);
+        continue;
+      }
+      double largest = 0;
+      for (std::int64_t j = 0; j < w.numel(); ++j) largest = std::max(largest, std::fabs(read_as_double(w, j)));
+      for (std::int64_t j = 0; j < w.numel(); ++j) {
+        const double x = read_as_double(w, j), y = read_as_double(b, j);
+        ASSERT_LE(std::fabs(x - y), std::ldexp(std::fabs(x), -8) + 1e-5 * largest) << "element " << j;
+      }
+    }
+  }
+}
+
+// fresh_bf16_weights: two successive backwards give independent tensors for every parameter (gate,
+// routed and shared experts, biases, shared gate): the first backward's are unchanged by the second
+// (another output gradient) and by zero_grad, which only releases the layer's references.
+TEST(CudaMoELayer, FreshBf16GradsAreNewTensorsPerBackward) {
+  if (!testing::require_gpus(1)) return;
+  const Case c = cases()[0];  // shared experts with a gate, expert and router biases: every kind
+  const LayerData d = layer_data(c, 64, 4);
+  Tensor g2 = Tensor::empty(d.g.shape(), DType::f32);
+  fill_normal(g2, 9, stream_id("g"), 0, 1);
+  g2 = round_bf16(g2);
+  const cuda::OwnedStream stream;
+  CudaMoELayerOptions o;
+  o.grad_mode = GradMode::fresh_bf16_weights;
+  CudaMoELayer gpu(c.moe, BackendConfig{}, nullptr, o);
+  gpu.load_from(*d.cpu, stream);
+
+  run_layer(gpu, d, d.g, stream);
+  std::vector<Tensor> first, first_values;
+  for (Parameter* p : gpu.parameters()) {
+    ASSERT_TRUE(p->grad.defined()) << p->name;
+    first.push_back(p->grad);  // what a caller keeps (autograd's .grad)
+    first_values.push_back(cuda::to_host(p->grad, stream));
+  }
+  run_layer(gpu, d, g2, stream);
+  const std::vector<Parameter*> ps = gpu.parameters();
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    SCOPED_TRACE(ps[i]->name);
+    ASSERT_TRUE(ps[i]->grad.defined());
+    EXPECT_NE(ps[i]->grad.raw(), first[i].raw());
+    EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(first[i], stream), first_values[i]))
+        << "the second backward changed the first one's gradient";
+    EXPECT_FALSE(testing::bitwise_equal(cuda::to_host(ps[i]->grad, stream), first_values[i]))
+        << "same gradient for another output gradient: not this backward's alone?";
+  }
+  gpu.zero_grad(stream);
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    EXPECT_FALSE(ps[i]->grad.defined()) << ps[i]->name;
+    EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(first[i], stream), first_values[i])) << ps[i]->name;
+  }
+  for (const auto& [name, grad] : gpu.host_gradients(stream))
+    for (std::int64_t i = 0; i < grad.numel(); ++i) ASSERT_EQ(read_as_double(grad, i), 0.0) << name;
 }
 
 TEST(CudaMoELayer, ZeroTokensAndBadInput) {

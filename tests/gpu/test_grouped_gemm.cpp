@@ -1,10 +1,14 @@
-// Grouped GEMMs (forward, dgrad, wgrad) and the dense GEMM wrapper against CPU fp32 loops on the
-// same bf16-rounded inputs. Tolerance: relative error norm < 1e-2 (bf16 outputs; typically ~2e-3),
-// < 1e-4 for fp32 outputs of bf16 inputs (only the summation order differs).
+// Grouped GEMMs (forward, dgrad, wgrad, wgrad_bf16) and the dense GEMM wrapper against CPU fp32 loops
+// on the same bf16-rounded inputs. Tolerance: relative error norm < 1e-2 (bf16 outputs; typically
+// ~2e-3), < 1e-4 for fp32 outputs of bf16 inputs (only the summation order differs).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "experts_test_util.h"
@@ -148,6 +152,84 @@ TEST(GroupedGemm, OwnGemmPathAndMixed) {
   check_all(25, 64, 48, {3, 0, 17, 1, 0});
 }
 
+// wgrad_bf16 on one shape: c starts as NaN poison (beta = 0 must not read it), N may exceed
+// sum(counts) (the tail rows of a and d hold data that must not count). Checks the relative error
+// norm (< 1e-2, as every bf16 output here) and each element against the fp32 reference: rounding
+// the fp32 sum to bf16 moves it by at most half a bf16 ulp, 2^-8 of its magnitude; the fp32 sums
+// of cuBLAS and of the loop differ only in order, allowed 1e-3 of the largest entry (measured far
+// below). Blocks of experts without rows must be exactly +0.
+void check_wgrad_bf16(std::int64_t N, std::int64_t K, std::int64_t M, const std::vector<std::int64_t>& counts) {
+  SCOPED_TRACE("wgrad_bf16 N " + std::to_string(N) + " K " + std::to_string(K) + " M " + std::to_string(M));
+  const std::int64_t G = static_cast<std::int64_t>(counts.size());
+  ASSERT_LE(sum_of(counts), N);
+  const Tensor a = bf16_exact({N, K}, 21);
+  const Tensor d = bf16_exact({N, M}, 22);
+  Tensor w_d = testing::poisoned({G, K, M}, DType::bf16);
+  cuda::grouped_gemm_wgrad_bf16(testing::to_gpu_bf16(a), testing::to_gpu_bf16(d), counts, w_d, nullptr);
+  const Tensor w = cuda::to_host(w_d, nullptr);
+  ASSERT_EQ(w.dtype(), DType::bf16);
+  const Tensor ref = ref_wgrad(a, d, counts, Tensor::zeros({G, K, M}, DType::f32));
+  EXPECT_LT(rel_error(w, ref), 1e-2);
+  double largest = 0;
+  for (std::int64_t i = 0; i < ref.numel(); ++i) largest = std::max(largest, std::fabs(read_as_double(ref, i)));
+  int bad = 0;
+  for (std::int64_t i = 0; i < ref.numel() && bad < 5; ++i) {
+    const double got = read_as_double(w, i), want = read_as_double(ref, i);
+    if (!(std::fabs(got - want) <= std::ldexp(std::fabs(want), -8) + 1e-3 * largest)) {
+      ++bad;
+      ADD_FAILURE() << "element " << i << ": " << got << ", reference " << want;
+    }
+  }
+  for (std::int64_t g = 0; g < G; ++g) {
+    if (counts[static_cast<std::size_t>(g)] != 0) continue;
+    for (std::int64_t i = g * K * M; i < (g + 1) * K * M; ++i)
+      ASSERT_EQ(w.data<bf16>()[i].bits, 0) << "block of empty expert " << g << " not zeroed at element " << i;
+  }
+}
+
+// Every expert in the grouped call, every expert its own cublasGemmEx, and a mix (only expert 2,
+// 17 * 64 * 48 = 52224 multiply-adds, above the threshold).
+TEST(GroupedGemm, WgradBf16GroupedOwnAndMixed) {
+  if (!testing::require_gpus(1)) return;
+  for (std::int64_t threshold : {std::numeric_limits<std::int64_t>::max(), std::int64_t{0}, std::int64_t{10000}}) {
+    SCOPED_TRACE("own-GEMM threshold " + std::to_string(threshold));
+    testing::OwnGemmThreshold scope(threshold);
+    check_wgrad_bf16(25, 64, 48, {3, 0, 17, 1, 0});
+    check_wgrad_bf16(451, 128, 96, {130, 257, 0, 64});
+    check_wgrad_bf16(14, 13, 7, {5, 0, 6});
+    check_wgrad_bf16(40, 32, 64, {40});
+  }
+}
+
+// No rows at all (N = 0, or counts all zero with a tail): c becomes all zeros, no GEMM runs.
+TEST(GroupedGemm, WgradBf16WithoutRowsZeroesC) {
+  if (!testing::require_gpus(1)) return;
+  check_wgrad_bf16(9, 16, 8, {0, 0, 0});
+  check_wgrad_bf16(0, 16, 8, {0, 0});
+}
+
+// The bf16 result is the f32 wgrad's (overwrite mode) rounded to bf16, up to the summation order.
+TEST(GroupedGemm, WgradBf16IsF32WgradRounded) {
+  if (!testing::require_gpus(1)) return;
+  const std::vector<std::int64_t> counts = {30, 0, 97, 5};
+  const std::int64_t N = 140, K = 96, M = 80, G = 4;
+  const Tensor a_d = testing::to_gpu_bf16(bf16_exact({N, K}, 31));
+  const Tensor d_d = testing::to_gpu_bf16(bf16_exact({N, M}, 32));
+  Tensor w32 = testing::poisoned({G, K, M}, DType::f32), w16 = testing::poisoned({G, K, M}, DType::bf16);
+  cuda::grouped_gemm_wgrad(a_d, d_d, counts, w32, nullptr, /*accumulate=*/false);
+  cuda::grouped_gemm_wgrad_bf16(a_d, d_d, counts, w16, nullptr);
+  const Tensor f = testing::to_cpu_f32(w32), b = testing::to_cpu_f32(w16);
+  double largest = 0;
+  for (std::int64_t i = 0; i < f.numel(); ++i) largest = std::max(largest, std::fabs(read_as_double(f, i)));
+  for (std::int64_t i = 0; i < f.numel(); ++i) {
+    const double x = read_as_double(f, i), y = read_as_double(b, i);
+    // Half a bf16 ulp of rounding, plus the two fp32 sums' order differences (~1e-7 of the largest
+    // entry at these sizes; a bf16 accumulation would be off by ~1e-2).
+    ASSERT_LE(std::fabs(x - y), std::ldexp(std::fabs(x), -8) + 1e-5 * largest)
+        << "element " << i << ": f32 " << x << ", bf16 " << y;
+  }
+}
+
 TEST(GroupedGemm, ZeroRows) {
   if (!testing::require_gpus(1)) return;
   const Tensor a = Tensor::empty({0, 16}, DType::bf16, Device::cuda(0));
@@ -207,6 +289,10 @@ TEST(GroupedGemm, BadArguments) {
   expect_arg_error([&] { cuda::grouped_gemm_wgrad(a, d, {5, 5}, fake_cuda({2, 16, 8}, DType::bf16), nullptr); }, "c");
   expect_arg_error([&] { cuda::grouped_gemm_wgrad(a, fake_cuda({9, 8}, DType::bf16), {5, 4}, w, nullptr); }, "d");
   expect_arg_error([&] { cuda::grouped_gemm_wgrad(a, d, {11, 0}, w, nullptr); }, "counts");
+  // wgrad_bf16 takes a bf16 c (see also the CPU test GroupedGemmArguments.WgradBf16).
+  expect_arg_error([&] { cuda::grouped_gemm_wgrad_bf16(a, d, {5, 5}, w, nullptr); }, "c");
+  expect_arg_error([&] { cuda::grouped_gemm_wgrad_bf16(a, d, {5, 5}, fake_cuda({2, 8, 16}, DType::bf16), nullptr); },
+                   "c");
   const TensorView cpu_a(nullptr, DType::bf16, Shape{10, 16});
   expect_arg_error([&] { cuda::grouped_gemm_forward(cpu_a, b, {5, 5}, c, nullptr); }, "a");
   expect_arg_error([&] { cuda::expert_offsets({1, -2}, 0, nullptr); }, "counts");

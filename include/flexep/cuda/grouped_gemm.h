@@ -2,16 +2,19 @@
 // host). The token matrix is split into consecutive row blocks, block g having counts[g] rows and
 // using expert matrix g. All matrices are row-major; bf16 inputs, fp32 accumulation.
 //
-//   forward: C [N, M] bf16           C_g  = A_g [n_g, K] * B_g [K, M]       (x * W_gu, a_p * W_down)
-//   dgrad:   C [N, K] bf16           C_g  = D_g [n_g, M] * B_g^T            (dh * W_gu^T)
-//   wgrad:   C [G, K, M] f32         C_g += A_g^T * D_g                     (x^T * dh), accumulating
+//   forward:    C [N, M] bf16        C_g  = A_g [n_g, K] * B_g [K, M]     (x * W_gu, a_p * W_down)
+//   dgrad:      C [N, K] bf16        C_g  = D_g [n_g, M] * B_g^T          (dh * W_gu^T)
+//   wgrad:      C [G, K, M] f32      C_g += A_g^T * D_g                   (x^T * dh), accumulating
+//   wgrad_bf16: C [G, K, M] bf16     C_g  = A_g^T * D_g                   overwriting, one rounding
 //
-// Experts with zero rows are skipped: their wgrad block is left exactly as it was. Rows of C past
-// sum(counts) are NOT written by forward/dgrad (callers zero them if they need to); N = 0 or
-// sum(counts) = 0 does nothing. Calls are asynchronous on `stream`; they never synchronise the device.
+// Experts with zero rows run no GEMM: an accumulating wgrad leaves their block exactly as it was, an
+// overwriting one zeroes it. Rows of C past sum(counts) are NOT written by forward/dgrad (callers
+// zero them if they need to); N = 0 or sum(counts) = 0 does nothing (but the overwriting wgrads
+// still zero C). Calls are asynchronous on `stream`; they never synchronise the device.
 //
-// How forward/dgrad run: an expert whose work n_g * K * M reaches a threshold (default 2.5e9
-// multiply-adds) gets its own cublasGemmEx; the others go to one cublasGemmGroupedBatchedEx call.
+// How forward, dgrad and wgrad_bf16 run: an expert whose work n_g * K * M reaches a threshold
+// (default 2.5e9 multiply-adds) gets its own cublasGemmEx; the others go to one
+// cublasGemmGroupedBatchedEx call (all-bf16 A/B/C, which that API requires, fp32 compute).
 // Measured on an H200 (bf16, fp32 accumulate): the grouped call tops out near 350 TFLOP/s whatever the
 // sizes, single GEMMs reach 800+ on big experts (K 7168, M 4096: 1024 rows 840 vs 340 TFLOP/s), while
 // for small experts the grouped call wins (64 rows: 220 vs 170; K 2048, M 1536, 256 rows: 270 vs 135
@@ -45,6 +48,13 @@ void grouped_gemm_dgrad(const TensorView& d, const TensorView& b, const std::vec
 // type), so this runs one cublasGemmEx per non-empty expert.
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
                         const TensorView& c, cudaStream_t stream, bool accumulate = true);
+
+// a [N, K] bf16, d [N, M] bf16, c [G, K, M] bf16, overwritten (beta = 0: c is never read, so it may
+// be uninitialised memory); blocks of experts without rows are zeroed. Each block is the fp32 sum
+// rounded once to bf16. For weight gradients in the parameters' dtype: no f32 buffer, no conversion
+// pass, and the small experts share one grouped call.
+void grouped_gemm_wgrad_bf16(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
+                             const TensorView& c, cudaStream_t stream);
 
 // The threshold above (multiply-adds per expert; 0: every expert its own GEMM; INT64_MAX: all grouped).
 // Process-wide; for tuning and tests.

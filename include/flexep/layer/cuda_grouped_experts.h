@@ -2,8 +2,8 @@
 // constructor arguments, parameter names and shapes, forward and backward. For row n of expert e
 // with prob p:
 //   h = x W_gu[e];  a_p = act(h + b_gu[e]) * p;  y = a_p W_down[e] + b_down[e] * p
-// Parameters are bf16 device tensors, their gradients f32 device tensors (allocated zero on the
-// first backward, then accumulated). Tokens and grad_out are bf16, probs f32; all on `device`.
+// Parameters are bf16 device tensors; how backward delivers their gradients is the GradMode below.
+// Tokens and grad_out are bf16, probs f32; all on `device`.
 // Blocking mode: tokens_per_expert is on the host. Rows past sum(tokens_per_expert) produce zero
 // output and zero gradients. Built only with CUDA.
 //
@@ -27,6 +27,23 @@ namespace flexep {
 
 class GroupedExperts;
 class CudaGroupedExperts;
+
+// Where backward puts the parameter gradients (Parameter::grad), fixed at construction.
+enum class GradMode {
+  // f32 buffers owned by the module: allocated zero on the first backward, then every backward adds
+  // to them; zero_grad clears them (lazily for the two weight gradients, see zero_grad). Callers
+  // that keep a gradient past the next backward must copy it.
+  accumulate_f32,
+  // Every backward hands over new tensors: it replaces each p.grad with a tensor allocated for this
+  // backward alone and holding its gradient only (never a sum with earlier ones); the module writes
+  // such a tensor inside that backward and never afterwards. So a caller may keep it (zero-copy, no
+  // copy before the next backward) and accumulate micro-batches itself, as PyTorch's autograd does.
+  // Weight gradients (gate_and_up_projs, down_projs) are bf16, the parameters' dtype, written by
+  // grouped_gemm_wgrad_bf16 (fp32 sums, one rounding; experts without rows get exact zeros): no f32
+  // buffer and no conversion pass for the big tensors. Bias gradients stay f32 (new zero tensors the
+  // bias kernels add to in f32; they are small): callers convert them if they need bf16.
+  fresh_bf16_weights,
+};
 
 // What backward needs (device tensors, covering only the rows of an expert).
 struct CudaExpertsSaved {
@@ -60,7 +77,8 @@ class CudaGroupedExperts {
  public:
   // Like GroupedExperts (first_expert = global id of local expert 0), on CUDA device `device`.
   // moe.dtype must be bf16. Parameters start at zero.
-  CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device);
+  CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device,
+                     GradMode grad_mode = GradMode::accumulate_f32);
 
   // Draws exactly the numbers GroupedExperts::init draws (same streams and offsets, in f32), rounds
   // them to bf16 and uploads them; biases zero. Blocking.
@@ -77,12 +95,17 @@ class CudaGroupedExperts {
                             const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
   CudaExpertsOutput forward(const Tensor& tokens, const TensorView& probs,
                             const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
-  // grad_out [N, dim] bf16. Accumulates the parameter grads; returns grads of tokens and probs.
+  // grad_out [N, dim] bf16. Accumulates the parameter grads (accumulate_f32) or replaces them with
+  // new tensors (fresh_bf16_weights); returns grads of tokens and probs. The new tensors are
+  // allocated on `stream`.
   CudaExpertsGrads backward(const CudaExpertsOutput& forward_output, const TensorView& grad_out,
                             cudaStream_t stream);
-  // Zeroes the gradients. The two weight gradients are not filled: they are marked, and the next
-  // backward overwrites them instead of accumulating (saving a fill and a read of GBs). Call
-  // materialize_grads before reading gradients that no backward has written since the zero_grad.
+  // accumulate_f32: zeroes the gradients. The two weight gradients are not filled: they are marked,
+  // and the next backward overwrites them instead of accumulating (saving a fill and a read of GBs).
+  // Call materialize_grads before reading gradients that no backward has written since the
+  // zero_grad. fresh_bf16_weights: releases the module's references (every p.grad becomes
+  // undefined) without writing the tensors, which belong to whoever holds them; materialize_grads
+  // does nothing.
   void zero_grad(cudaStream_t stream);
   void materialize_grads(cudaStream_t stream);
 
@@ -95,13 +118,18 @@ class CudaGroupedExperts {
   int first_expert() const { return first_; }
   int device() const { return device_; }
   const ActivationParams& activation() const { return act_; }
+  GradMode grad_mode() const { return grad_mode_; }
 
  private:
   CudaExpertsOutput forward_impl(const TensorView& tokens, const Tensor* keep, const TensorView& probs,
                                  const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
+  void renew_grads();
+  void weight_grad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
+                   const TensorView& grad, bool accumulate, cudaStream_t stream) const;
 
   MoEConfig config_;
   int local_, first_, device_;
+  GradMode grad_mode_;
   ActivationParams act_;
   Parameter gate_and_up_, down_, gate_up_bias_, down_bias_;
   bool weight_grads_stale_ = false;  // zero_grad ran; the weight grads hold stale values until backward

@@ -7,7 +7,12 @@
 //   y_rows = experts(rows)                         (CudaGroupedExperts, prob inside the FFN)
 //   y = combine(y_rows) + shared_experts(x)       (shared experts on a second stream, joined at the end)
 //
-// Parameters are bf16 device tensors and their gradients f32 device tensors; inputs and outputs bf16.
+// Parameters are bf16 device tensors; inputs and outputs bf16. Gradients follow options.grad_mode
+// (GradMode, cuda_grouped_experts.h) for every parameter of the layer: accumulate_f32 (the default)
+// keeps f32 buffers that backward adds to; fresh_bf16_weights gives every parameter a new gradient
+// tensor per backward, owned by the caller, bf16 for the expert weights (routed and shared
+// gate_and_up_projs, down_projs) and f32 for the rest (gate weight and bias, expert biases,
+// shared-expert gate: small, accumulated in f32 by their kernels).
 // Blocking dispatch mode (tokens_per_expert on the host: the grouped GEMMs take host sizes). The
 // shared experts run as a one-expert CudaGroupedExperts whose prob is the sigmoid gate (or 1): the
 // same math as Automodel's MLP, since sigmoid(g) * (a W_d + b_d) = (a * s) W_d + b_d * s.
@@ -35,6 +40,7 @@ struct CudaMoELayerOptions {
   // Benchmarks: fill the expert weights on the device with a fast hash generator (same std) instead
   // of drawing the CPU reference's numbers on the host (minutes for DeepSeek-V3-sized experts).
   bool fast_init = false;
+  GradMode grad_mode = GradMode::accumulate_f32;
 };
 
 struct CudaMoESaved;
@@ -65,6 +71,9 @@ class CudaMoELayer {
   // copy_values_to for the nn.Linear-shaped view), "shared_expert_gate.weight" [1, dim].
   std::vector<Parameter*> parameters();
   std::vector<Parameter*> replicated_parameters();
+  // accumulate_f32: zeroes every gradient (the expert weights lazily, see CudaGroupedExperts).
+  // fresh_bf16_weights: releases the layer's references to the last backward's gradients without
+  // writing them (undefined until the next backward).
   void zero_grad(cudaStream_t stream);
 
   // Copies every parameter value from / to a CPU reference layer of the same configuration and rank
@@ -87,6 +96,7 @@ class CudaMoELayer {
 
   const MoEConfig& config() const { return config_; }
   int device() const { return options_.device; }
+  GradMode grad_mode() const { return options_.grad_mode; }
   int ep_rank() const { return ep_rank_; }
   int ep_size() const { return ep_size_; }
   CudaGroupedExperts& experts() { return *experts_; }
@@ -94,6 +104,7 @@ class CudaMoELayer {
  private:
   struct Events;
   void upload_shared(const std::vector<Parameter*>& cpu_shared_params, cudaStream_t stream);
+  void renew_own_grads();
   MoEConfig config_;
   BackendConfig backend_;
   CudaMoELayerOptions options_;

@@ -81,9 +81,15 @@ class _MoEFunction(torch.autograd.Function):
                 result.append(None)
                 continue
             t = torch.from_dlpack(cpp_grad)
-            # GPU: the library's f32 buffers are reused by the next backward, so copy (into the
-            # parameter's dtype, as autograd would). CPU: a fresh tensor per backward, zero-copy.
-            result.append(t.to(p.dtype, copy=True) if module._cuda else t)
+            if module._copy_grads:
+                # grad_mode "accumulate_f32": the library's f32 buffers are reused by the next
+                # backward, so copy (into the parameter's dtype, as autograd would).
+                t = t.to(p.dtype, copy=True)
+            elif t.dtype != p.dtype:
+                # A fresh f32 gradient of a bf16 parameter (gate, biases: small); the expert weights'
+                # come in bf16 and, like the CPU path's, pass zero-copy.
+                t = t.to(p.dtype)
+            result.append(t)
         return tuple(result)
 
 
@@ -102,10 +108,14 @@ class MoE(nn.Module):
     a CUDA device (bf16 parameters). group: None (EP size 1, or the default torch.distributed group
     when one is initialised and device is CUDA), a torch.distributed group, or HostRank(world, rank)
     for simulated ranks on the CPU. Expert tensors hold this rank's experts [E_local, ...].
+    grad_mode (CUDA only): "fresh_bf16_weights" (default: every backward's gradients are new tensors,
+    the expert weights' in bf16 straight from the wgrad GEMMs, handed to autograd without a copy) or
+    "accumulate_f32" (the library's f32 buffers, copied into the parameters' dtype at each backward).
     """
 
     def __init__(self, config: MoEConfig, backend: Optional[BackendConfig] = None, *, device=None, group=None,
-                 seed: int = 1234, init_std: float = 0.02, fast_init: bool = False, pad_multiple: int = 1):
+                 seed: int = 1234, init_std: float = 0.02, fast_init: bool = False, pad_multiple: int = 1,
+                 grad_mode: str = "fresh_bf16_weights"):
         super().__init__()
         backend = backend if backend is not None else BackendConfig()
         device = torch.device(device if device is not None else "cpu")
@@ -134,11 +144,14 @@ class MoE(nn.Module):
             if not _flexep.HAS_CUDA:
                 raise _flexep.Error("flexep: this build has no CUDA (build with FLEXEP_CUDA=ON)")
             self._layer = _flexep.CudaMoELayer(moe_json, backend_json, dispatcher, device.index, seed, init_std,
-                                               fast_init, pad_multiple)
+                                               fast_init, pad_multiple, grad_mode)
         else:
             param_dtype = "float64" if config.dtype == torch.float64 else "float32"
             self._layer = _flexep.MoELayer(moe_json, backend_json, dispatcher, param_dtype, seed, init_std,
                                            pad_multiple)
+        # Only the GPU's accumulate_f32 mode returns buffers the library reuses; the CPU layer and
+        # fresh_bf16_weights return new tensors per backward.
+        self._copy_grads = self._cuda and not self._layer.fresh_grads
         self.gate = Gate(self)
         self._flat_params = []
         self._register_library_parameters()

@@ -1,5 +1,7 @@
 """Device tests (2 GPUs, a CUDA build): the alltoall and hybridep backends through PyTorch across 2
-processes, against the pure-PyTorch reference; state_dict round trip with the reference module.
+processes, against the pure-PyTorch reference (the layer with its default grad_mode, fresh bf16
+weight gradients); the two grad_modes against each other over micro-batches; state_dict round trip
+with the reference module.
 Each test launches `torchrun --nproc-per-node 2 worker.py CASE BACKEND`; CI does not collect this folder.
 
 Run: PYTHONPATH=build/python python -m pytest -q python/tests/gpu
@@ -44,6 +46,10 @@ def test_dispatch_combine_functions_match_reference(backend):
 @pytest.mark.parametrize("backend", ["torch", "hybridep"])
 def test_moe_layer_matches_reference(backend):
     launch("layer", backend)
+
+
+def test_fresh_bf16_grads_match_accumulate_f32_over_micro_batches():
+    launch("grad_modes", "torch")
 
 
 def test_state_dict_round_trip_with_reference_module():

@@ -116,6 +116,35 @@ def layer(backend, rank, dev):
                                    msg=lambda s: f"{n}: {s}")
 
 
+def grad_modes(backend, rank, dev):
+    """grad_mode "fresh_bf16_weights" (the default: new gradient tensors per backward, handed to autograd
+    without a copy) against "accumulate_f32" (the library's f32 buffers, copied into bf16) over two
+    micro-batches that autograd accumulates into .grad. Were a fresh tensor written again after its
+    backward (it becomes .grad, which the second micro-batch adds to in place), the sums would differ."""
+    cfg = ft.MoEConfig(**{**BASE, "expert_bias": True})
+    modes = ("fresh_bf16_weights", "accumulate_f32")
+    mods = [ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, seed=3, init_std=0.05, grad_mode=mode)
+            for mode in modes]
+    g = torch.Generator().manual_seed(11 + rank)
+    batches = [(torch.randn(32, cfg.dim, generator=g).to(torch.bfloat16), torch.randn(32, cfg.dim, generator=g))
+               for _ in range(2)]
+    for m in mods:
+        for x, gy in batches:
+            y = m(x.to(dev))
+            (y.float() * gy.to(dev)).sum().backward()
+    fresh, acc = (dict(m.named_parameters()) for m in mods)
+    assert fresh.keys() == acc.keys()
+    for n, p in fresh.items():
+        q = acc[n]
+        assert p.grad is not None and p.grad.dtype == p.dtype == torch.bfloat16, (n, p.grad)
+        # Each micro-batch's gradient is rounded to bf16 once in either mode (from cuBLAS's or from an
+        # f32 copy; fp32 sums in different orders can round to neighbours), then the bf16 sum: a few
+        # bf16 ulps (2^-8 relative each) apart at most.
+        scale = q.grad.float().abs().max().item() + 1e-6
+        torch.testing.assert_close(p.grad.float() / scale, q.grad.float() / scale, rtol=2 ** -6, atol=1e-3,
+                                   msg=lambda s: f"{n}: {s}")
+
+
 def state_dict(backend, rank, dev):
     cfg = ft.MoEConfig(**{**BASE, "gate_bias_update_factor": 0.0, "expert_bias": True})
     m = ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, seed=3)
@@ -154,7 +183,8 @@ def main():
     rank = dist.get_rank()
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    {"functions": functions, "layer": layer, "state_dict": state_dict}[case](backend, rank, dev)
+    cases = {"functions": functions, "layer": layer, "grad_modes": grad_modes, "state_dict": state_dict}
+    cases[case](backend, rank, dev)
     torch.cuda.synchronize()
     print(f"PASS rank {rank} {case} {backend}", flush=True)
     dist.barrier()
