@@ -222,18 +222,18 @@ TEST(CudaGroupedExperts, FreshBf16GradsAreF32GradsRounded) {
   const std::int64_t N = 150;
   GroupedExperts cpu(cfg, 4, 4, DType::f32);
   prepare_cpu(cpu, 13);
-  CudaGroupedExperts f32(cfg, 4, 4, 0), bf16(cfg, 4, 4, 0, GradMode::fresh_bf16_weights);
-  f32.load_from(cpu, stream);
-  bf16.load_from(cpu, stream);
+  CudaGroupedExperts acc(cfg, 4, 4, 0), fresh(cfg, 4, 4, 0, GradMode::fresh_bf16_weights);
+  acc.load_from(cpu, stream);
+  fresh.load_from(cpu, stream);
   const Tensor x_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 101));
   const Tensor p_d = testing::to_gpu(uniform_probs(N, 102));
   const Tensor g_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 103));
-  const CudaExpertsOutput fa = f32.forward(x_d, p_d, counts, stream), fb = bf16.forward(x_d, p_d, counts, stream);
-  const CudaExpertsGrads ga = f32.backward(fa, g_d, stream), gb = bf16.backward(fb, g_d, stream);
+  const CudaExpertsOutput fa = acc.forward(x_d, p_d, counts, stream), fb = fresh.forward(x_d, p_d, counts, stream);
+  const CudaExpertsGrads ga = acc.backward(fa, g_d, stream), gb = fresh.backward(fb, g_d, stream);
   EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(fa.out, stream), cuda::to_host(fb.out, stream)));
   EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.tokens, stream), cuda::to_host(gb.tokens, stream)));
   EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.probs, stream), cuda::to_host(gb.probs, stream)));
-  const std::vector<Parameter*> pa = f32.parameters(), pb = bf16.parameters();
+  const std::vector<Parameter*> pa = acc.parameters(), pb = fresh.parameters();
   ASSERT_EQ(pa.size(), pb.size());
   for (std::size_t i = 0; i < pa.size(); ++i) {
     SCOPED_TRACE(pa[i]->name);

@@ -215,24 +215,24 @@ TEST(CudaMoELayer, FreshBf16GradsMatchAccumulateMode) {
     const cuda::OwnedStream stream;
     CudaMoELayerOptions o;
     o.seed = 11;
-    CudaMoELayer f32(c.moe, BackendConfig{}, nullptr, o);
+    CudaMoELayer acc(c.moe, BackendConfig{}, nullptr, o);
     o.grad_mode = GradMode::fresh_bf16_weights;
-    CudaMoELayer bf16(c.moe, BackendConfig{}, nullptr, o);
-    f32.load_from(*d.cpu, stream);
-    bf16.load_from(*d.cpu, stream);
+    CudaMoELayer fresh(c.moe, BackendConfig{}, nullptr, o);
+    acc.load_from(*d.cpu, stream);
+    fresh.load_from(*d.cpu, stream);
     Tensor ya, yb;
-    const Tensor gxa = run_layer(f32, d, d.g, stream, &ya), gxb = run_layer(bf16, d, d.g, stream, &yb);
+    const Tensor gxa = run_layer(acc, d, d.g, stream, &ya), gxb = run_layer(fresh, d, d.g, stream, &yb);
     EXPECT_LT(rel_error(yb, ya), 1e-6);
     EXPECT_LT(rel_error(gxb, gxa), 1e-6);
 
-    for (Parameter* p : bf16.parameters()) {
+    for (Parameter* p : fresh.parameters()) {
       const bool weight = p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, "projs") == 0;
       ASSERT_TRUE(p->grad.defined() || !p->requires_grad) << p->name;
       if (p->grad.defined()) {
         EXPECT_EQ(p->grad.dtype(), weight ? DType::bf16 : DType::f32) << p->name;
       }
     }
-    const auto want = f32.host_gradients(stream), got = bf16.host_gradients(stream);
+    const auto want = acc.host_gradients(stream), got = fresh.host_gradients(stream);
     ASSERT_EQ(want.size(), got.size());
     for (std::size_t i = 0; i < want.size(); ++i) {
       const std::string& name = want[i].first;
