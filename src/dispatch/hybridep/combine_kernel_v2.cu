@@ -26,8 +26,8 @@
 // host backend's. The last CTA releases "consumed" on every rank and publishes the new epoch.
 //
 // Only __syncthreads orders the CTA's threads (one group: no named barriers). A flag is acquired by
-// warp 0 and handed to the CTA by the barrier; partial rows are plain stores, fenced at system
-// scope by every thread before the barrier that precedes the count and the release.
+// warp 0 and handed to the CTA by the barrier; partial rows are plain stores, ordered by the
+// barrier before thread 0's system-scope fence, count and release (cumulativity).
 // Progress: level 1 waits for nothing remote after the reuse flags, so every ready flag is
 // released; level 2 waits only for ready flags, each with a deadline.
 #include <cuda_runtime.h>
@@ -134,25 +134,22 @@ __device__ void stream_rows(const Entry* entries, int count, long long words, Ds
   }
 }
 
-// Warp 0: lane l's `n` entries (rows[0..n) by row_at) appended in lane order, the last one marked;
-// returns the total in every lane.
-template <class RowAt>
-__device__ int append_entries(Entry* entries, int n, int token, RowAt row_at, int lane) {
-  int offset = n;
+// Warp 0: where lane l's `n` entries start when every lane's entries are listed in lane order
+// (first), and how many there are in all (second, the same in every lane).
+__device__ int2 list_offsets(int n, int lane) {
+  int end = n;
   for (int o = 1; o < 32; o *= 2) {  // inclusive scan of n over the lanes
-    const int y = __shfl_up_sync(kFullMask, offset, o);
-    if (lane >= o) offset += y;
+    const int y = __shfl_up_sync(kFullMask, end, o);
+    if (lane >= o) end += y;
   }
-  const int total = __shfl_sync(kFullMask, offset, 31);
-  offset -= n;
-  for (int q = 0; q < n; ++q) entries[offset + q] = Entry{row_at(q), token, q == n - 1 ? 1 : 0};
-  return total;
+  return make_int2(end - n, __shfl_sync(kFullMask, end, 31));
 }
 
 // ---- level 1 ----------------------------------------------------------------------------------------------
 
 // Warp 0 (lane l: token t0 + l): the rows of the part's tokens that have a record of the handle's
-// dispatch here, checked; dispatch_backward: their prob gradients.
+// dispatch here; dispatch_backward: their prob gradients. The loads of a token's rows are
+// independent (no early exit), so a lane has them all in flight at once: the CTA waits for this.
 __device__ void list_partial_rows(const CombineView& v, const HandleView& h, const CombineCall& c, const Part& p,
                                   unsigned dispatch_epoch, const CtaSmem& sm, int lane) {
   const long long t = p.t0 + lane;
@@ -162,26 +159,39 @@ __device__ void list_partial_rows(const CombineView& v, const HandleView& h, con
     const unsigned char* rec = record_at(h.records, p.source, t, h.max_tokens, h.record_bytes);
     const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));
     if (head.x == dispatch_epoch) {  // else t has no row here: the source will not read (source, t)
-      const unsigned m = head.y;
       e = record_entries(rec);
-      bool bad = m == 0 || m > static_cast<unsigned>(v.width);
-      long long bad_row = -1;
-      for (unsigned q = 0; !bad && q < m; ++q) {
-        const int row = __ldcg(&e[q].row);
-        if (row < 0 || row >= h.rows) bad = true, bad_row = row;
-      }
-      if (bad)
-        report_status(v.status, StatusCode::corrupt, c.data_phase, p.source, bad_row, h.rows);
+      if (head.y == 0 || head.y > static_cast<unsigned>(v.width))
+        report_status(v.status, StatusCode::corrupt, c.data_phase, p.source, -1, h.rows);
       else
-        n = static_cast<int>(m);
+        n = static_cast<int>(head.y);
     }
   }
   const auto* rows = static_cast<const uint4*>(c.rows);
   const long long words = v.hidden / 8;
-  const int total = append_entries(
-      sm.entries, n, lane, [&](int q) { return rows + static_cast<long long>(__ldcg(&e[q].row)) * words; }, lane);
-  if (c.grad_probs)
-    for (int q = 0; q < n; ++q) *grad_at(v, v.rank, p.source, t, q) = c.grad_probs[__ldcg(&e[q].row)];
+  const int2 at = list_offsets(n, lane);
+  constexpr int kBatch = 8;  // a token's row indices (and prob gradients) loaded together
+  for (int q0 = 0; q0 < n; q0 += kBatch) {
+    int row[kBatch];
+    float grad[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) row[u] = q0 + u < n ? __ldcg(&e[q0 + u].row) : 0;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const bool ok = row[u] >= 0 && row[u] < h.rows;
+      grad[u] = c.grad_probs != nullptr && q0 + u < n && ok ? c.grad_probs[row[u]] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int q = q0 + u;
+      if (q >= n) break;
+      const bool ok = row[u] >= 0 && row[u] < h.rows;
+      // Never read outside expert_out: the call fails as corrupt, the token sums nothing.
+      if (!ok) report_status(v.status, StatusCode::corrupt, c.data_phase, p.source, row[u], h.rows);
+      if (c.grad_probs) *grad_at(v, v.rank, p.source, t, q) = grad[u];
+      sm.entries[at.x + q] = Entry{ok ? rows + static_cast<long long>(row[u]) * words : nullptr, lane, q == n - 1};
+    }
+  }
+  const int total = at.y;
   if (lane == 0) *sm.count = total;
 }
 
@@ -203,15 +213,14 @@ __device__ bool list_owner_rows(const CombineView& v, const HandleView& h, const
         owners |= 1u << d;
     n = owners == 0 ? 1 : __popc(owners);
   }
-  const int total = append_entries(
-      sm.entries, n, lane,
-      [&](int q) -> const uint4* {
-        if (owners == 0) return nullptr;
-        unsigned m = owners;
-        for (int i = 0; i < q; ++i) m &= m - 1;
-        return partial_row(v, __ffs(m) - 1, v.rank, t);
-      },
-      lane);
+  const int2 at = list_offsets(n, lane);
+  unsigned m = owners;
+  for (int q = 0; q < n; ++q) {  // owners in ascending rank order
+    const int d = __ffs(m) - 1;
+    m &= m - 1;
+    sm.entries[at.x + q] = Entry{owners == 0 ? nullptr : partial_row(v, d, v.rank, t), lane, q == n - 1};
+  }
+  const int total = at.y;
   if (lane == 0) *sm.count = total;
   return ok;
 }
@@ -266,9 +275,10 @@ __device__ void run(const CombineView& v, const HandleView& h, const CombineCall
     if (warp0) list_partial_rows(v, h, c, p, dispatch_epoch, sm, lane);
     __syncthreads();
     stream_rows(sm.entries, *sm.count, words, [&](int l) { return partial_row(v, me, p.source, p.t0 + l); });
-    // Every thread's partial rows (and warp 0's prob gradients) of the part are complete and
-    // ordered before the one count; the last part of (source, chunk) releases its ready flag.
-    fence_sys();
+    // Every thread's partial rows (and warp 0's prob gradients) of the part are ordered by the
+    // barrier before thread 0's system-scope fence in count_part (cumulative: one fence for the
+    // CTA; 512 fence.sc.sys per part, one per thread, would serialise) and its release of the
+    // chunk's ready flag on the source.
     __syncthreads();
     if (threadIdx.x == 0 &&
         count_part(&v.work[kWorkChunks + p.source * v.max_chunks + p.chunk], split1.per_chunk))
