@@ -41,13 +41,15 @@ void run(const BenchArgs& a, BenchRun& run) {
     p.copies = static_cast<int>(std::max<long long>(1, total_bytes / row_bytes / sms));
     p.in_flight = path == "warp-store" ? 1 : variant;
     p.warps = path == "warp-store" ? variant : 1;
-    if (path == "warp-load") p.in_flight = variant % 100, p.warps = variant / 100;  // variant = 100 W + U
+    if (path == "warp-load" || path == "warp-load-cg")
+      p.in_flight = variant % 100, p.warps = variant / 100;  // variant = 100 W + U
+    p.l2_only = path == "warp-load-cg";
     p.sink = sink;
     const TimeStats t = time_cuda([&] { launch(p, sms, stream); }, a.warmup, a.reps, stream);
     const double bytes = static_cast<double>(p.copies) * sms * row_bytes;
     BenchRecord r;
     r.case_name = "sm-copy";
-    r.backend = path == "warp-load" ? fmt::format("{}/{}x{}", path, p.warps, p.in_flight)  // warps x in flight
+    r.backend = path.rfind("warp-load", 0) == 0 ? fmt::format("{}/{}x{}", path, p.warps, p.in_flight)  // warps x in flight
                                     : fmt::format("{}/{}", path, variant);
     r.phase = "copy";
     r.timing = "kernel";
@@ -74,8 +76,10 @@ void run(const BenchArgs& a, BenchRun& run) {
         probe("warp-store", w, sms, launch_warp_store_probe, fmt::format("16-byte stores by {} warps", w));
       for (int w : {4, 8, 16})
         for (int u : {2, 4, 8})
-          probe("warp-load", 100 * w + u, sms, launch_warp_load_probe,
-                fmt::format("16-byte loads by {} warps, {} per lane in flight, summed", w, u));
+          for (const char* path : {"warp-load", "warp-load-cg"})
+            probe(path, 100 * w + u, sms, launch_warp_load_probe,
+                  fmt::format("16-byte loads ({}) by {} warps, {} per lane in flight, summed",
+                              std::string(path) == "warp-load" ? "ld.global.nc" : "ld.global.cg", w, u));
     }
   } catch (...) {
     cudaFree(buffer);

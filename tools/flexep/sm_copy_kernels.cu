@@ -111,7 +111,10 @@ __device__ float sum_rows(const SmCopyParams& p, int warp, int lane) {
     for (int base = lane; base < words; base += 32 * U) {
       uint4 x[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) x[u] = base + 32 * u < words ? __ldg(src + base + 32 * u) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < U; ++u)
+        x[u] = base + 32 * u >= words ? make_uint4(0, 0, 0, 0)
+               : p.l2_only            ? __ldcg(src + base + 32 * u)
+                                      : __ldg(src + base + 32 * u);
 #pragma unroll
       for (int u = 0; u < U; ++u) acc += __uint_as_float(x[u].x ^ x[u].y ^ x[u].z ^ x[u].w);
     }

@@ -18,6 +18,7 @@ struct SmCopyParams {
   int in_flight = 1;                   // bulk: copies in flight (shared-memory stages); warp load: per lane
   int warps = 1;                       // warp store / load: warps per CTA
   float* sink = nullptr;               // warp load: one float per CTA, so that the loads are not dead code
+  bool l2_only = false;                // warp load: ld.global.cg instead of the read-only path (ld.global.nc)
 };
 
 // Dynamic shared memory each probe needs.

@@ -89,17 +89,24 @@ __device__ long long cta_grab(unsigned* counter, const CtaSmem& sm) {
   return i;
 }
 
+// kReadOnly: rows this kernel never writes (expert_out) go through the read-only data path
+// (ld.global.nc), which keeps many more loads in flight per SM than L2-only loads (ld.global.cg);
+// partial rows, written during this kernel by this rank and its peers, must not (non-coherent).
+template <bool kReadOnly>
 __device__ __forceinline__ void load_words(uint4 (&x)[kWordsPerThread], const uint4* row, long long words) {
 #pragma unroll
   for (int k = 0; k < kWordsPerThread; ++k) {
     const long long w = threadIdx.x + static_cast<long long>(k) * kThreadsV2;
-    x[k] = row != nullptr && w < words ? __ldcg(row + w) : make_uint4(0, 0, 0, 0);
+    if (row == nullptr || w >= words)
+      x[k] = make_uint4(0, 0, 0, 0);
+    else
+      x[k] = kReadOnly ? __ldg(row + w) : __ldcg(row + w);
   }
 }
 
 // Streams `count` entries with kDepth rows in flight per thread: each token's rows are added in
 // entry order from +0.0f, and at its last entry dst(token) receives the bf16 sum.
-template <class Dst>
+template <bool kReadOnly, class Dst>
 __device__ void stream_rows(const Entry* entries, int count, long long words, Dst dst) {
   float acc[kWordsPerThread][8];
 #pragma unroll
@@ -108,7 +115,7 @@ __device__ void stream_rows(const Entry* entries, int count, long long words, Ds
     for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
   uint4 x[kDepth][kWordsPerThread];
 #pragma unroll
-  for (int d = 0; d < kDepth; ++d) load_words(x[d], d < count ? entries[d].row : nullptr, words);
+  for (int d = 0; d < kDepth; ++d) load_words<kReadOnly>(x[d], d < count ? entries[d].row : nullptr, words);
   for (int base = 0; base < count; base += kDepth) {
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {  // unrolled: x[d] stays in registers
@@ -128,7 +135,7 @@ __device__ void stream_rows(const Entry* entries, int count, long long words, Ds
             for (int el = 0; el < 8; ++el) acc[k][el] = 0.0f;
           }
         }
-        load_words(x[d], i + kDepth < count ? entries[i + kDepth].row : nullptr, words);
+        load_words<kReadOnly>(x[d], i + kDepth < count ? entries[i + kDepth].row : nullptr, words);
       }
     }
   }
@@ -274,7 +281,7 @@ __device__ void run(const CombineView& v, const HandleView& h, const CombineCall
     parts_of_ranks(R, split1, tokens, all, i, &p);
     if (warp0) list_partial_rows(v, h, c, p, dispatch_epoch, sm, lane);
     __syncthreads();
-    stream_rows(sm.entries, *sm.count, words, [&](int l) { return partial_row(v, me, p.source, p.t0 + l); });
+    stream_rows<true>(sm.entries, *sm.count, words, [&](int l) { return partial_row(v, me, p.source, p.t0 + l); });
     // Every thread's partial rows (and warp 0's prob gradients) of the part are ordered by the
     // barrier before thread 0's system-scope fence in count_part (cumulative: one fence for the
     // CTA; 512 fence.sc.sys per part, one per thread, would serialise) and its release of the
@@ -296,7 +303,7 @@ __device__ void run(const CombineView& v, const HandleView& h, const CombineCall
     }
     __syncthreads();
     if (!*sm.ok) return;  // timed out (status set): the whole CTA leaves together
-    stream_rows(sm.entries, *sm.count, words,
+    stream_rows<false>(sm.entries, *sm.count, words,
                 [&](int l) { return static_cast<uint4*>(c.out) + (p.t0 + l) * words; });
     if (c.grad_weights) gather_slot_grads(v, h, c, p);
     __syncthreads();  // the part's entries are consumed before warp 0 lists the next part's
