@@ -20,6 +20,17 @@ def fmt(v, nd=1):
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+def pass_of(r):
+    """The record's pass (experts: forward/backward), or for a hybridep dispatch call its mode, which
+    the bench states in the note: blocking and budget calls are separate rows."""
+    if r.get("pass"):
+        return r["pass"]
+    note = r.get("note", "")
+    if r["phase"] == "dispatch" and r["timing"] == "call" and r["backend"] == "hybridep":
+        return "budget" if "budget mode" in note else "blocking"
+    return ""
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = []
@@ -30,7 +41,7 @@ def main():
     latest = {}
     for run in runs:
         for r in run["records"]:
-            key = (r["case"], r["routing"], r["phase"], r.get("pass", ""), r["timing"], r["backend"], r["sms"],
+            key = (r["case"], r["routing"], r["phase"], pass_of(r), r["timing"], r["backend"], r["sms"],
                    r["tokens_per_rank"])
             latest[key] = (run, r)
     lines = ["| case | routing | phase | pass | timing | backend | SMs | median us | algo GB/s | NVLink GB/s | TFLOP/s | HBM GB/s | vs baseline | run |",
@@ -55,7 +66,7 @@ def main():
 
     for key in sorted(latest, key=lambda k: tuple(str(x) for x in k)):
         run, r = latest[key]
-        lines.append(f"| {r['case']} | {r['routing']} | {r['phase']} | {r.get('pass', '') or '-'} | {r['timing']} | "
+        lines.append(f"| {r['case']} | {r['routing']} | {r['phase']} | {pass_of(r) or '-'} | {r['timing']} | "
                      f"{r['backend']} | {r['sms'] if r['sms'] is not None else '-'} | {fmt(r['time_us']['median'])} | "
                      f"{fmt(r.get('algo_gbps'))} | {fmt(r.get('nvlink_gbps'))} | {fmt(r.get('tflops'))} | "
                      f"{fmt(r.get('hbm_gbps'))} | {baseline(run, r)} | {run['run_id']} ({run['device']}) |")
