@@ -75,11 +75,6 @@ Tensor upload_bf16(const TensorView& host, int device, cudaStream_t stream) {
   return cuda::to_device(h, device, stream);
 }
 
-Tensor upload_f32(const TensorView& host, int device, cudaStream_t stream) {
-  Tensor h = Tensor::wrap(host).to(DType::f32);
-  return cuda::to_device(h, device, stream);
-}
-
 Tensor download_f32(const TensorView& d, cudaStream_t stream) { return cuda::to_host(d, stream).to(DType::f32); }
 
 std::vector<std::int64_t> host_counts(const Tensor& t, cudaStream_t stream) {
