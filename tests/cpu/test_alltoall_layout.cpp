@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/dispatch_inputs.h"
 #include "flexep/core/error.h"
 #include "flexep/core/plan.h"
 #include "flexep/core/synthetic_routing.h"
@@ -284,10 +285,7 @@ TEST(AlltoallLayout, EmulatedPlacementEqualsCoreSlotRows) {
     std::vector<Tensor> indices;
     for (int r = 0; r < c.R; ++r) {
       Tensor idx = synthetic_topk(c.tokens[r], c.k, c.E, spec, 7, r).indices;
-      // Some -1 entries: every 5th token loses its last slot, every 11th token all of them.
-      for (std::int64_t t = 0; t < c.tokens[r]; ++t)
-        for (int j = 0; j < c.k; ++j)
-          if ((t % 5 == 3 && j == c.k - 1) || t % 11 == 6) idx.data<std::int64_t>()[t * c.k + j] = -1;
+      testing::drop_some_slots(idx);
       indices.push_back(idx);
     }
     const Emulated em = emulate(indices, p);

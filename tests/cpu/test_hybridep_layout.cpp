@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/dispatch_inputs.h"
 #include "cpu/host_ranks.h"
 #include "cpu/same_bytes.h"
 #include "flexep/comm/host_world.h"
@@ -32,6 +33,9 @@ namespace flexep::hybridep {
 namespace {
 
 using testing::all_ok;
+using testing::drop_some_slots;
+using testing::random_tensor;
+using testing::required_rows_of;
 using testing::same_bytes;
 using testing::run_ranks;
 
@@ -165,12 +169,6 @@ struct Inputs {
   Tensor hidden, indices, weights, routing_map, probs;
 };
 
-Tensor random_tensor(Shape shape, DType dt, std::uint64_t seed, const char* what, int rank) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, seed, stream_id(what) + static_cast<std::uint64_t>(rank), 0.0, 1.0);
-  return t;
-}
-
 Inputs make_inputs(const Config& c, int R, int r) {
   const int E = c.experts_per_rank * R;
   const std::int64_t T = c.tokens[static_cast<std::size_t>(r)];
@@ -178,9 +176,7 @@ Inputs make_inputs(const Config& c, int R, int r) {
   spec.kind = c.routing;
   spec.hot_expert = E - 1;
   TopK tk = synthetic_topk(T, c.k, E, spec, 77, r);
-  for (std::int64_t t = 0; t < T; ++t)
-    for (int j = 0; j < c.k; ++j)
-      if ((t % 5 == 3 && j == c.k - 1) || t % 11 == 6) tk.indices.data<std::int64_t>()[t * c.k + j] = -1;
+  drop_some_slots(tk.indices);
   Inputs in;
   in.hidden = random_tensor({T, c.hidden}, DType::bf16, 5, "hidden", r);
   in.indices = tk.indices;
@@ -207,18 +203,10 @@ DispatchOptions options_of(const Config& c, int R) {
   DispatchOptions o;
   o.pad_multiple = c.pad;
   if (c.budget) {
-    std::vector<std::int64_t> counts;
-    const int E = c.experts_per_rank * R;
-    for (int r = 0; r < R; ++r) {
-      const auto v = expert_counts(make_inputs(c, R, r).indices, E);
-      counts.insert(counts.end(), v.begin(), v.end());
-    }
-    PlanParams p;
-    p.ranks = R;
-    p.experts = E;
-    p.pad_multiple = c.pad;
+    std::vector<Tensor> indices;
+    for (int r = 0; r < R; ++r) indices.push_back(make_inputs(c, R, r).indices);
     std::int64_t most = 0;
-    for (const auto& lay : DispatchPlan::build(counts, p).ranks) most = std::max(most, lay.required_rows);
+    for (std::int64_t n : required_rows_of(indices, c.experts_per_rank * R, c.pad)) most = std::max(most, n);
     o.mode = DispatchMode::budget;
     o.budget_rows = static_cast<std::int64_t>(static_cast<double>(most) * c.budget_fraction) / c.pad * c.pad;
     o.overflow = OverflowPolicy::drop;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/dispatch_inputs.h"
 #include "cpu/same_bytes.h"
 #include "flexep/comm/host_world.h"
 #include "flexep/core/plan.h"
@@ -61,22 +62,13 @@ struct Inputs {
   Tensor routing_map, probs;        // multihot form of the same routing
 };
 
-inline Tensor random_tensor(Shape shape, DType dt, std::uint64_t seed, const char* what, int rank) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, seed, stream_id(what) + static_cast<std::uint64_t>(rank), 0.0, 1.0);
-  return t;
-}
-
 inline Inputs make_inputs(const Config& c, int R, int r, std::uint64_t seed = 1234) {
   const int E = c.experts_per_rank * R;
   const std::int64_t T = c.tokens[static_cast<std::size_t>(r)];
   RoutingSpec spec = c.routing;
   spec.hot_expert = E - 1;  // everything goes to the last rank
   TopK tk = synthetic_topk(T, c.k, E, spec, seed, r);
-  // -1 entries: every 5th token loses its last slot, every 11th token all of them.
-  for (std::int64_t t = 0; t < T; ++t)
-    for (int j = 0; j < c.k; ++j)
-      if ((t % 5 == 3 && j == c.k - 1) || t % 11 == 6) tk.indices.data<std::int64_t>()[t * c.k + j] = -1;
+  drop_some_slots(tk.indices);
   Inputs in;
   in.hidden = random_tensor({T, c.hidden}, DType::bf16, seed + 99, "hidden", r);
   in.indices = c.i32_indices ? tk.indices.to(DType::i32) : tk.indices;
@@ -88,20 +80,9 @@ inline Inputs make_inputs(const Config& c, int R, int r, std::uint64_t seed = 12
 }
 
 inline std::vector<std::int64_t> required_rows(const Config& c, int R) {
-  std::vector<std::int64_t> counts;
-  const int E = c.experts_per_rank * R;
-  for (int r = 0; r < R; ++r) {
-    const auto v = expert_counts(make_inputs(c, R, r).indices, E);
-    counts.insert(counts.end(), v.begin(), v.end());
-  }
-  PlanParams p;
-  p.ranks = R;
-  p.experts = E;
-  p.pad_multiple = c.pad;
-  const DispatchPlan plan = DispatchPlan::build(counts, p);
-  std::vector<std::int64_t> rows;
-  for (const auto& lay : plan.ranks) rows.push_back(lay.required_rows);
-  return rows;
+  std::vector<Tensor> indices;
+  for (int r = 0; r < R; ++r) indices.push_back(make_inputs(c, R, r).indices);
+  return required_rows_of(indices, c.experts_per_rank * R, c.pad);
 }
 
 inline DispatchOptions dispatch_options(const Config& c, int R) {
