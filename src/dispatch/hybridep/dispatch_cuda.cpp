@@ -150,17 +150,22 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     const std::int64_t n = T * rt.slots;
     const lp::Workspace ws = st.plan_workspace();
     const lp::Outputs out = st.plan_outputs();
-    lp::Layout layout;
-    layout.experts = E;
-    lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws, errors_.record(),
-                              s);
-    if (n > 0) {
-      FLEXEP_CHECK(DispatchStorage::sort_temp_bytes(n, E) <= ws.sort_temp_bytes, "hybridep: the sort of ", n,
-                   " pairs needs more scratch than reserved for ", g.max_pairs, " (internal error)");
-      lp::sort_pairs(ws, static_cast<int>(n), lp::sort_key_bits(E), s);
+    if (bit_plan_fits(T, E)) {  // one launch instead of the general plan's 5+ (bit_plan.cu)
+      launch_bit_plan(c.indices, c.indices_i64 != 0, T, rt.slots, E, reinterpret_cast<long long*>(out.kept_rows),
+                      reinterpret_cast<long long*>(out.expert_begin), out.slot_rows, errors_.record(), s);
+    } else {
+      lp::Layout layout;
+      layout.experts = E;
+      lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws,
+                                errors_.record(), s);
+      if (n > 0) {
+        FLEXEP_CHECK(DispatchStorage::sort_temp_bytes(n, E) <= ws.sort_temp_bytes, "hybridep: the sort of ", n,
+                     " pairs needs more scratch than reserved for ", g.max_pairs, " (internal error)");
+        lp::sort_pairs(ws, static_cast<int>(n), lp::sort_key_bits(E), s);
+      }
+      lp::launch_build_layout(ws, n, layout, out, errors_.record(), s);
+      lp::launch_write_slot_rows(ws, n, E, out, s);
     }
-    lp::launch_build_layout(ws, n, layout, out, errors_.record(), s);
-    lp::launch_write_slot_rows(ws, n, E, out, s);
     c.plan_counts = reinterpret_cast<const long long*>(out.kept_rows);  // int64_t is long on Linux
     c.plan_begin = reinterpret_cast<const long long*>(out.expert_begin);
     c.plan_slot_rows = out.slot_rows;

@@ -109,6 +109,17 @@ struct CombineCall {
   Phase reuse_phase = Phase::combine_reuse;
 };
 
+// --- bit_plan.cu ---------------------------------------------------------------------------------------
+// The single-GPU plan (pad 1, no budget) in one CTA: per global expert the pair count and its
+// exclusive prefix, and every slot's row (-1: no or invalid expert); bad ids reported as the general
+// plan (src/cuda/local_plan*) reports them. For ranks whose bit matrix (E x T bits) fits in
+// kBitPlanMaxBytes of shared memory; the others take the general plan.
+constexpr std::size_t kBitPlanMaxBytes = 160 * 1024;
+bool bit_plan_fits(long long tokens, int experts);
+void prepare_bit_plan();  // raises the kernel's shared-memory limit (buffer creation, never in a capture)
+void launch_bit_plan(const void* indices, bool indices_i64, long long tokens, int k, int experts, long long* counts,
+                     long long* begin, int* slot_rows, cuda::DeviceErrorRecord* errors, cudaStream_t stream);
+
 // --- preprocess.cu -------------------------------------------------------------------------------------
 // Multihot -> `slots` slots per token: the routed experts in ascending order, then -1 (prob 0). A
 // token routed to more than `slots` experts is reported as "routing_map" (value = its count).
