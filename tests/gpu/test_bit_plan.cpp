@@ -61,7 +61,9 @@ TEST(HybridEpBitPlan, MatchesTheGeneralPlan) {
             errors.check(stream, "bit plan");
             EXPECT_EQ(host_i64(got.counts, stream), host_i64(want.kept_rows, stream));
             EXPECT_EQ(host_i64(got.begin, stream), host_i64(want.expert_begin, stream));
-            if (T * k > 0) EXPECT_EQ(host_i64(got.slot_rows, stream), host_i64(want.slot_rows, stream));
+            if (T * k > 0) {
+              EXPECT_EQ(host_i64(got.slot_rows, stream), host_i64(want.slot_rows, stream));
+            }
           }
 }
 
