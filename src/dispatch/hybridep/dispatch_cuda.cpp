@@ -143,17 +143,29 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
       c.indices_i64 = input.indices.dtype == DType::i64 ? 1 : 0;
       c.weights = input.weights.ptr<float>();
     }
-    // The single-GPU plan with pad 1 and no budget: kept_rows = this rank's pair counts per
-    // expert, expert_begin = their exclusive prefix, slot_rows = prefix + the slot's rank among the
-    // pairs of its expert in (token, slot) order; bad ids are reported and get row -1.
+    // The single-GPU plan with pad 1 and no budget: pair counts per expert, and every slot's rank
+    // among the pairs of its expert in (token, slot) order; bad ids are reported and get -1.
     namespace lp = cuda::local_plan_detail;
-    const std::int64_t n = T * rt.slots;
-    const lp::Workspace ws = st.plan_workspace();
     const lp::Outputs out = st.plan_outputs();
-    if (bit_plan_fits(T, E)) {  // one launch instead of the general plan's 5+ (bit_plan.cu)
-      launch_bit_plan(c.indices, c.indices_i64 != 0, T, rt.slots, E, reinterpret_cast<long long*>(out.kept_rows),
-                      reinterpret_cast<long long*>(out.expert_begin), out.slot_rows, errors_.record(), s);
-    } else {
+    c.plan_counts = reinterpret_cast<const long long*>(out.kept_rows);  // int64_t is long on Linux
+    c.plan_slot_rows = out.slot_rows;
+    if (chunk_plan_fits(E)) {  // one kernel on the preprocess SMs (chunk_plan.cu)
+      ChunkPlanCall pc;
+      pc.indices = c.indices;
+      pc.indices_i64 = c.indices_i64;
+      pc.tokens = T;
+      pc.slots = rt.slots;
+      pc.experts = E;
+      pc.counts = reinterpret_cast<long long*>(out.kept_rows);
+      pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
+      pc.slot_rank = out.slot_rows;
+      pc.done = st.at<unsigned>(g.off_plan_done);
+      pc.errors = errors_.record();
+      launch_chunk_plan(pc, sms.preprocess, s);
+      c.plan_chunk_base = pc.chunk_base;
+    } else {  // the general plan: keys, a CUB radix sort, the layout, the slot rows
+      const std::int64_t n = T * rt.slots;
+      const lp::Workspace ws = st.plan_workspace();
       lp::Layout layout;
       layout.experts = E;
       lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws,
@@ -165,10 +177,8 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
       }
       lp::launch_build_layout(ws, n, layout, out, errors_.record(), s);
       lp::launch_write_slot_rows(ws, n, E, out, s);
+      c.plan_begin = reinterpret_cast<const long long*>(out.expert_begin);
     }
-    c.plan_counts = reinterpret_cast<const long long*>(out.kept_rows);  // int64_t is long on Linux
-    c.plan_begin = reinterpret_cast<const long long*>(out.expert_begin);
-    c.plan_slot_rows = out.slot_rows;
   }
 
   // 3. The two kernels of the exchange. The dispatch kernel is launched as a programmatic dependent

@@ -55,10 +55,13 @@ struct DispatchCall {
   const void* indices = nullptr;  // [T, slots] expert ids (user indices, or the multihot slots)
   int indices_i64 = 0;
   const float* weights = nullptr;  // [T, slots]
-  // The single-GPU plan of this rank's pairs (pad 1, no budget): counts per global expert, their
-  // exclusive prefix, and each slot's row (-1 for no or invalid expert).
+  // The single-GPU plan of this rank's pairs (pad 1, no budget): counts per global expert, and per
+  // slot (-1 for no or invalid expert) either
+  //   - the chunk plan's rank in its chunk, plus plan_chunk_base[chunk][e] (pairs of earlier chunks), or
+  //   - (plan_chunk_base null: the general plan) its row in expert-major order, minus plan_begin[e].
   const long long* plan_counts = nullptr;
   const long long* plan_begin = nullptr;
+  const int* plan_chunk_base = nullptr;
   const int* plan_slot_rows = nullptr;
   const cuda::DeviceErrorRecord* errors = nullptr;  // bad ids found by the plan (header device_* words)
   long long header[word::count] = {};               // this rank's header (device_* words filled on device)
@@ -109,16 +112,26 @@ struct CombineCall {
   Phase reuse_phase = Phase::combine_reuse;
 };
 
-// --- bit_plan.cu ---------------------------------------------------------------------------------------
-// The single-GPU plan (pad 1, no budget) in one CTA: per global expert the pair count and its
-// exclusive prefix, and every slot's row (-1: no or invalid expert); bad ids reported as the general
-// plan (src/cuda/local_plan*) reports them. For ranks whose bit matrix (E x T bits) fits in
-// kBitPlanMaxBytes of shared memory; the others take the general plan.
-constexpr std::size_t kBitPlanMaxBytes = 160 * 1024;
-bool bit_plan_fits(long long tokens, int experts);
-void prepare_bit_plan();  // raises the kernel's shared-memory limit (buffer creation, never in a capture)
-void launch_bit_plan(const void* indices, bool indices_i64, long long tokens, int k, int experts, long long* counts,
-                     long long* begin, int* slot_rows, cuda::DeviceErrorRecord* errors, cudaStream_t stream);
+// --- chunk_plan.cu -------------------------------------------------------------------------------------
+// The single-GPU plan (pad 1, no budget) in one kernel of chunks (chunk_plan_math.h): per global
+// expert the pair count, per (chunk, expert) the pairs of earlier chunks, and each slot's rank in
+// its chunk (-1: no or invalid expert); bad ids reported as the general plan (src/cuda/local_plan*)
+// reports them. For up to kChunkPlanMaxSmem / 32 experts; more take the general plan.
+struct ChunkPlanCall {
+  const void* indices = nullptr;  // [tokens, slots] expert ids
+  int indices_i64 = 0;
+  long long tokens = 0;
+  int slots = 1, experts = 1;
+  long long* counts = nullptr;  // [experts]
+  int* chunk_base = nullptr;    // [plan_chunks(tokens)][experts]
+  int* slot_rank = nullptr;     // [tokens * slots]
+  unsigned* done = nullptr;     // CTAs finished; zero between calls (the last CTA zeroes it)
+  cuda::DeviceErrorRecord* errors = nullptr;
+};
+constexpr std::size_t kChunkPlanMaxSmem = 200 * 1024;
+bool chunk_plan_fits(int experts);
+void prepare_chunk_plan(int experts);  // raises the shared-memory limit (buffer creation, never in a capture)
+void launch_chunk_plan(const ChunkPlanCall& c, int grid, cudaStream_t stream);
 
 // --- preprocess.cu -------------------------------------------------------------------------------------
 // Multihot -> `slots` slots per token: the routed experts in ascending order, then -1 (prob 0). A
