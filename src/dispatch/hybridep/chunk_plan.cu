@@ -15,6 +15,8 @@
 
 namespace flexep::hybridep {
 
+static_assert(kThreads == kPlanChunkTokens, "a token of the chunk per thread");
+
 namespace {
 
 __device__ __forceinline__ long long id_at(const void* ids, int is64, long long i) {
