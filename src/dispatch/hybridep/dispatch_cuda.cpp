@@ -124,6 +124,12 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   c.drop = options.overflow == OverflowPolicy::drop ? 1 : 0;
   c.errors = errors_.record();
   c.row_bytes = fp8 ? config_.hidden : 2 * config_.hidden;
+  const bool blocking = options.mode == DispatchMode::blocking;
+  if (blocking) {
+    c.host_control = readback_device_->control;
+    c.host_seq_at = &readback_device_->control_seq;
+    c.host_seq = static_cast<unsigned>(dispatch_seq_);
+  }
   c.scale_bytes = fp8 ? config_.hidden / kFp8ScaleBlock * 4 : 0;
   record(ev_plan, s);
   if (!local) {
@@ -219,15 +225,24 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   DispatchResult result;
   std::int64_t N = options.budget_rows;
   const std::shared_ptr<void> owner = dispatch_;
-  if (options.mode == DispatchMode::blocking) {
-    // One copy of [control | tokens_per_expert] into pinned memory, then the one wait (which raises
-    // device errors).
-    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(readback_->control, st.control(),
-                                      sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8, cudaMemcpyDeviceToHost,
-                                      s));
-    check(s, "dispatch");
+  if (blocking) {
+    // The preprocess kernel publishes [control | tokens_per_expert] into pinned memory; the call
+    // returns once it is there, while the dispatch kernel still moves the rows (stream-ordered
+    // before anything the caller enqueues next). An aborted call waits for its kernels and raises;
+    // an error of the data movement itself is raised by the next call that checks (as in budget
+    // mode, and as DeepEP's dispatch).
+    if (!wait_control(s, c.host_seq, "dispatch")) {  // not published: only a bug, take the slow road
+      FLEXEP_CUDA_CHECK(cudaMemcpyAsync(readback_->control, st.control(),
+                                        sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8,
+                                        cudaMemcpyDeviceToHost, s));
+      check(s, "dispatch");
+    }
     DispatchControl control;
     std::memcpy(&control, readback_->control, sizeof control);
+    if (control.abort) {
+      check(s, "dispatch");  // raises the reason (status abort or timeout)
+      throw Error(detail::concat("rank ", me, ": hybridep dispatch aborted without a reported reason (internal)"));
+    }
     N = control.out_rows;
     result.dropped = control.dropped;
     std::vector<std::int64_t> tpe(static_cast<std::size_t>(L));

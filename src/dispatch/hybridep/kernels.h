@@ -68,6 +68,12 @@ struct DispatchCall {
   long long pad_multiple = 1;
   long long budget = -1;  // < 0: blocking mode
   int drop = 0;
+  // Blocking mode: CTA 0 of the preprocess kernel copies [control | tokens_per_expert] into this
+  // pinned host memory, then writes host_seq to *host_seq_at, so that the host learns the layout
+  // without waiting for the data movement (as DeepEP's host-mapped receive counters).
+  unsigned char* host_control = nullptr;
+  unsigned* host_seq_at = nullptr;
+  unsigned host_seq = 0;
 };
 
 // The dispatch a handle belongs to, on this rank (read by combine and the backwards).

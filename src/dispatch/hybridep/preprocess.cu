@@ -168,6 +168,19 @@ __device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& ro
   }
 }
 
+// Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) to the host, then the
+// call's number after them.
+__device__ void publish_to_host(const DispatchView& v, const DispatchCall& c) {
+  __syncthreads();
+  const int words = static_cast<int>((sizeof(DispatchControl) + 8 * static_cast<std::size_t>(v.local_experts)) / 8);
+  const auto* src = reinterpret_cast<const long long*>(v.control);
+  auto* dst = reinterpret_cast<long long*>(c.host_control);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
+  __threadfence_system();  // each thread's copies before the barrier, the barrier before the number
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(c.host_seq_at) = c.host_seq;
+}
+
 __global__ void __launch_bounds__(kThreads)
     preprocess_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c) {
   extern __shared__ long long smem[];
@@ -223,6 +236,7 @@ __global__ void __launch_bounds__(kThreads)
   if (!__syncthreads_and(ok)) {
     // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
     if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
+    if (blockIdx.x == 0 && c.host_control) publish_to_host(v, c);  // the host then waits and raises
     return;
   }
   const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
@@ -285,6 +299,7 @@ __global__ void __launch_bounds__(kThreads)
         atomicExch(&v.status->code, static_cast<int>(StatusCode::abort));
       }
     }
+    if (c.host_control) publish_to_host(v, c);
   }
 
   // 5. Staging records and slot entries, one thread per token of this rank.
