@@ -11,6 +11,7 @@
 //   aborted anyway, since the reported error fails it on every rank.
 #include "dispatch/hybridep/chunk_plan_math.h"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/tma.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::hybridep {
@@ -71,6 +72,9 @@ __device__ void scan_chunks(const ChunkPlanCall& c, long long chunks) {
 __global__ void __launch_bounds__(kThreads) chunk_plan_kernel(const __grid_constant__ ChunkPlanCall c) {
   extern __shared__ std::uint32_t bits[];  // [experts][kPlanChunkWords]
   __shared__ bool s_last;
+  // The preprocess kernel may be scheduled now: it waits for this grid's completion (and its
+  // memory) before it reads anything, but its launch latency hides behind this kernel.
+  tma::allow_dependent_launch();
   const int tid = threadIdx.x, words = c.experts * kPlanChunkWords;
   const long long chunks = plan_chunks(c.tokens);
   for (long long g = blockIdx.x; g < chunks; g += gridDim.x) {

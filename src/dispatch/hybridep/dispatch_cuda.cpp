@@ -131,6 +131,11 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     c.host_seq = static_cast<unsigned>(dispatch_seq_);
   }
   c.scale_bytes = fp8 ? config_.hidden / kFp8ScaleBlock * 4 : 0;
+  const bool v2 = options_.kernels == 2 && dispatch_v2_supported(c.row_bytes, c.scale_bytes);
+  // Programmatic dependent launch only with the v2 kernels for now: the v1 path stays exactly the
+  // one that passed the device tests until PDL has run on the GPU too.
+  const bool overlap = v2 && !options_.kernel_timing && !capturing(s);
+  bool after_plan = false;  // the chunk plan kernel is the last launch before the preprocess kernel
   record(ev_plan, s);
   if (!local) {
     const std::int64_t T = rt.tokens;
@@ -168,6 +173,7 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
       pc.done = st.at<unsigned>(g.off_plan_done);
       pc.errors = errors_.record();
       launch_chunk_plan(pc, sms.preprocess, s);
+      after_plan = overlap;
       c.plan_chunk_base = pc.chunk_base;
     } else {  // the general plan: keys, a CUB radix sort, the layout, the slot rows
       const std::int64_t n = T * rt.slots;
@@ -195,12 +201,8 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
   //    dependencies they had before.
   const DispatchView view = st.view(status_, options_.timeout_seconds);
-  const bool v2 = options_.kernels == 2 && dispatch_v2_supported(c.row_bytes, c.scale_bytes);
-  // Programmatic dependent launch only with the v2 kernels for now: the v1 path stays exactly the
-  // one that passed the device tests until PDL has run on the GPU too.
-  const bool overlap = v2 && !options_.kernel_timing && !capturing(s);
   record(ev_preprocess, s);
-  launch_preprocess(view, c, sms.preprocess, s);
+  launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);
   (v2 ? launch_dispatch_v2 : launch_dispatch)(view, c, sms.dispatch, s, overlap);
   record(ev_dispatch_end, s);

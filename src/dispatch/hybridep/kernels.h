@@ -148,7 +148,11 @@ void launch_multihot_slots(const unsigned char* routing_map, const float* probs,
 // Count exchange, layout of every rank, the abort decision, staging records and slot entries.
 // `grid` CTAs of kThreads; dynamic shared memory preprocess_smem_bytes(E).
 std::size_t preprocess_smem_bytes(int experts);
-void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream);
+// `after_plan`: the launch directly follows launch_chunk_plan on `stream`, so it may be scheduled
+// while the plan runs (programmatic dependent launch; the kernel waits for the plan grid's
+// completion before it reads anything).
+void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                       bool after_plan = false);
 // Raises the kernel's dynamic shared memory limit once (outside any graph capture).
 void prepare_preprocess(int experts);
 

@@ -22,6 +22,7 @@
 #include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/chunk_plan_math.h"
 #include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/tma.cuh"
 #include "flexep/cuda/runtime.h"
@@ -189,6 +190,8 @@ __global__ void __launch_bounds__(kThreads)
   // before reading anything. All of this grid's CTAs are resident once every CTA has executed this,
   // so the early dispatch CTAs cannot keep a preprocess CTA from running.
   tma::allow_dependent_launch();
+  // Launched as a dependent of the plan kernel: nothing of the plan may be read before it completed.
+  tma::grid_dependency_wait();
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
   long long* s_begin = smem;        // [E] first row of every expert's group on its owner
   long long* s_kept = smem + E;     // [E] real rows kept per group
@@ -334,9 +337,9 @@ void launch_multihot_slots(const unsigned char* routing_map, const float* probs,
   FLEXEP_CUDA_CHECK_LAUNCH("multihot_slots_kernel");
 }
 
-void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
-  preprocess_kernel<<<grid, kThreads, preprocess_smem_bytes(v.experts), stream>>>(v, c);
-  FLEXEP_CUDA_CHECK_LAUNCH("hybridep preprocess_kernel");
+void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                       bool after_plan) {
+  launch_kernel(preprocess_kernel, grid, kThreads, preprocess_smem_bytes(v.experts), stream, after_plan, v, c);
 }
 
 }  // namespace flexep::hybridep
