@@ -3,7 +3,8 @@ pure-PyTorch reference (NCCL all_to_all_single + torch._grouped_mm), in the same
 Writes one JSON per run to bench/results/ in DESIGN §5's format (the reference as backend
 "torch_reference"; phase "layer_fwd_bwd", timing "call": CUDA events around forward + backward).
 
-Run: PYTHONPATH=build/python torchrun --nproc-per-node 2 bench/torch_moe_bench.py [--backends hybridep,torch]
+Run: PYTHONPATH=build/python torchrun --nproc-per-node 2 bench/torch_moe_bench.py [--backends hybridep,alltoall] [--sms 64]
+(`--backends` takes Automodel's dispatcher names too: "torch" is flexep's alltoall, recorded under that name.)
 Routing: Automodel's FakeBalancedGate (noise 0) on both sides, so both move exactly the same rows.
 """
 

@@ -165,6 +165,13 @@ void bind_layer(nb::module_& m) {
                    "True when backward returns new gradient tensors (grad_mode 'fresh_bf16_weights').")
       .def("parameters", [](CudaMoELayer& l) { return export_parameters(l.parameters()); })
       .def(
+          "e_score_correction_bias",
+          [](CudaMoELayer& l) {
+            const Tensor& b = l.e_score_correction_bias();
+            return b.defined() ? to_python(b) : nb::none();
+          },
+          "The correction bias on the device [E] f32 (shared, not copied), or None without one.")
+      .def(
           "forward",
           [](CudaMoELayer& l, nb::handle x, nb::handle padding_mask, bool training, std::uintptr_t stream) {
             TensorView xv = to_view_or_none(x, "x"), mv = to_view_or_none(padding_mask, "padding_mask");

@@ -541,10 +541,16 @@ void CudaMoELayer::update_bias(ProcessGroup* group, cudaStream_t stream) {
   if (group) group->all_reduce_sum(sum, "gate bias update (expert load)");
   double mean = 0;
   for (std::int64_t e = 0; e < sum.numel(); ++e) mean += sum.data<double>()[e] / static_cast<double>(sum.numel());
+  // The device buffer is shared with callers (PyTorch registers it as a buffer without a copy):
+  // an entry that no longer equals its master's f32 value was written from outside (e.g.
+  // load_state_dict), and that value is the new master.
+  const Tensor current = cuda::to_host(correction_bias_, stream);
   Tensor bias = Tensor::empty({sum.numel()}, DType::f32);
   for (std::int64_t e = 0; e < sum.numel(); ++e) {
     const double diff = mean - sum.data<double>()[e];
     double& m = correction_master_[static_cast<std::size_t>(e)];
+    const float now = current.data<float>()[e];
+    if (static_cast<float>(m) != now) m = now;
     m += (diff > 0 ? 1.0 : diff < 0 ? -1.0 : 0.0) * config_.gate_bias_update_factor;
     bias.data<float>()[e] = static_cast<float>(m);
   }

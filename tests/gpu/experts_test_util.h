@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/same_bytes.h"
 #include "flexep/core/random.h"
 #include "flexep/core/tensor.h"
 #include "flexep/cuda/grouped_gemm.h"
@@ -61,10 +62,6 @@ inline bool rows_equal(const TensorView& t, std::int64_t begin, std::int64_t end
   for (std::int64_t i = begin * cols; i < end * cols; ++i)
     if (read_as_double(t, i) != v) return false;
   return true;
-}
-
-inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
 // Sets the grouped GEMM's own-GEMM threshold for one scope (0: every expert its own cublasGemmEx).

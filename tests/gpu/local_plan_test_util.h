@@ -17,6 +17,7 @@
 #include "flexep/core/synthetic_routing.h"
 #include "flexep/cuda/local_plan.h"
 #include "flexep/cuda/runtime.h"
+#include "cpu/same_bytes.h"
 #include "gpu/gpu_test_util.h"
 
 namespace flexep::testing {
@@ -176,20 +177,6 @@ inline void expect_plan_eq(const cuda::LocalPlan& gpu, const RefPlan& ref, cudaS
     EXPECT_EQ(std::vector<std::int64_t>(h.data<std::int64_t>(), h.data<std::int64_t>() + h.numel()),
               lay.tokens_per_expert);
   }
-}
-
-// Byte-for-byte equality of two CPU tensors, naming the first differing element.
-inline ::testing::AssertionResult bitwise_equal(const Tensor& got, const Tensor& want) {
-  if (got.shape() != want.shape() || got.dtype() != want.dtype())
-    return ::testing::AssertionFailure() << "shape/dtype " << got.shape().str() << " vs " << want.shape().str();
-  const std::size_t es = element_size(got.dtype());
-  const auto* a = static_cast<const unsigned char*>(got.raw());
-  const auto* b = static_cast<const unsigned char*>(want.raw());
-  for (std::int64_t i = 0; i < got.numel(); ++i)
-    if (std::memcmp(a + static_cast<std::size_t>(i) * es, b + static_cast<std::size_t>(i) * es, es) != 0)
-      return ::testing::AssertionFailure() << "element " << i << " of " << got.numel() << ": got "
-                                           << read_as_double(got, i) << ", expected " << read_as_double(want, i);
-  return ::testing::AssertionSuccess();
 }
 
 }  // namespace flexep::testing

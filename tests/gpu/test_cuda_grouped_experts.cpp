@@ -230,9 +230,9 @@ TEST(CudaGroupedExperts, FreshBf16GradsAreF32GradsRounded) {
   const Tensor g_d = testing::to_gpu_bf16(bf16_exact({N, 64}, 103));
   const CudaExpertsOutput fa = acc.forward(x_d, p_d, counts, stream), fb = fresh.forward(x_d, p_d, counts, stream);
   const CudaExpertsGrads ga = acc.backward(fa, g_d, stream), gb = fresh.backward(fb, g_d, stream);
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(fa.out, stream), cuda::to_host(fb.out, stream)));
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.tokens, stream), cuda::to_host(gb.tokens, stream)));
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.probs, stream), cuda::to_host(gb.probs, stream)));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(fa.out, stream), cuda::to_host(fb.out, stream)));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(ga.tokens, stream), cuda::to_host(gb.tokens, stream)));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(ga.probs, stream), cuda::to_host(gb.probs, stream)));
   const std::vector<Parameter*> pa = acc.parameters(), pb = fresh.parameters();
   ASSERT_EQ(pa.size(), pb.size());
   for (std::size_t i = 0; i < pa.size(); ++i) {
@@ -240,7 +240,7 @@ TEST(CudaGroupedExperts, FreshBf16GradsAreF32GradsRounded) {
     const Tensor want = cuda::to_host(pa[i]->grad, stream), got = cuda::to_host(pb[i]->grad, stream);
     ASSERT_EQ(got.dtype(), grad_dtype(GradMode::fresh_bf16_weights, *pb[i]));
     if (!is_weight(*pb[i])) {
-      EXPECT_TRUE(testing::bitwise_equal(got, want));
+      EXPECT_TRUE(testing::same_bytes(got, want));
       continue;
     }
     double largest = 0;
@@ -282,16 +282,16 @@ TEST(CudaGroupedExperts, FreshBf16GradsAreNewTensorsPerBackward) {
     SCOPED_TRACE(ps[i]->name);
     ASSERT_TRUE(ps[i]->grad.defined());
     EXPECT_NE(ps[i]->grad.raw(), first[i].raw()) << "the second backward reused the first one's tensor";
-    EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(first[i], stream), first_values[i]))
+    EXPECT_TRUE(testing::same_bytes(cuda::to_host(first[i], stream), first_values[i]))
         << "the second backward changed the first one's gradient";
-    EXPECT_FALSE(testing::bitwise_equal(cuda::to_host(ps[i]->grad, stream), first_values[i]))
+    EXPECT_FALSE(testing::same_bytes(cuda::to_host(ps[i]->grad, stream), first_values[i]))
         << "the second backward (another grad_out) gave the same gradient: not this backward's alone?";
   }
   gpu.zero_grad(stream);
   gpu.materialize_grads(stream);
   for (std::size_t i = 0; i < ps.size(); ++i) {
     EXPECT_FALSE(ps[i]->grad.defined()) << ps[i]->name;
-    EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(first[i], stream), first_values[i])) << ps[i]->name;
+    EXPECT_TRUE(testing::same_bytes(cuda::to_host(first[i], stream), first_values[i])) << ps[i]->name;
   }
 }
 
@@ -323,9 +323,9 @@ TEST(CudaGroupedExperts, OverloadsAgreeAndGradsAccumulate) {
   const CudaExpertsGrads gb = gpu.backward(b, g_d, stream);
   const std::vector<Tensor> twice = grads_now();
 
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(a.out, stream), cuda::to_host(b.out, stream)));
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.tokens, stream), cuda::to_host(gb.tokens, stream)));
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(ga.probs, stream), cuda::to_host(gb.probs, stream)));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(a.out, stream), cuda::to_host(b.out, stream)));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(ga.tokens, stream), cuda::to_host(gb.tokens, stream)));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(ga.probs, stream), cuda::to_host(gb.probs, stream)));
   for (std::size_t i = 0; i < once.size(); ++i) {
     Tensor doubled = once[i].clone();
     for (std::int64_t j = 0; j < doubled.numel(); ++j) doubled.data<float>()[j] *= 2.f;
@@ -359,7 +359,7 @@ TEST(CudaGroupedExperts, InitMatchesCpuInit) {
     const std::vector<Parameter*> want = cpu.parameters(), got = back.parameters();
     ASSERT_EQ(want.size(), got.size());
     for (std::size_t i = 0; i < want.size(); ++i)
-      EXPECT_TRUE(testing::bitwise_equal(got[i]->value, want[i]->value.to(DType::bf16).to(DType::f32)))
+      EXPECT_TRUE(testing::same_bytes(got[i]->value, want[i]->value.to(DType::bf16).to(DType::f32)))
           << want[i]->name;
   }
 }

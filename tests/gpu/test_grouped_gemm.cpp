@@ -108,7 +108,7 @@ void check_all(std::int64_t N, std::int64_t K, std::int64_t M, const std::vector
   EXPECT_LT(rel_error(w, w_ref), 1e-4);
   for (std::int64_t g = 0; g < G; ++g) {
     if (counts[static_cast<std::size_t>(g)] != 0) continue;
-    EXPECT_TRUE(testing::bitwise_equal(Tensor::wrap(w.view().rows(g, g + 1)).clone(),
+    EXPECT_TRUE(testing::same_bytes(Tensor::wrap(w.view().rows(g, g + 1)).clone(),
                                        Tensor::wrap(w0.view().rows(g, g + 1)).clone()))
         << "wgrad changed the block of empty expert " << g;
   }
@@ -243,7 +243,7 @@ TEST(GroupedGemm, ZeroRows) {
   cuda::grouped_gemm_dgrad(d, b, {0, 0}, gx, nullptr);
   cuda::grouped_gemm_wgrad(a, d, {0, 0}, w, nullptr);
   FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(w, nullptr), w0));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(w, nullptr), w0));
 }
 
 TEST(GroupedGemm, ExpertOffsets) {
@@ -349,7 +349,7 @@ TEST(DenseGemm, EmptyInnerDimension) {
   const Tensor c0 = bf16_exact({6, 5}, 14);
   Tensor c = testing::to_gpu(c0);
   cuda::gemm(a, true, b, false, c, 1.f, 1.f, nullptr);  // accumulate nothing
-  EXPECT_TRUE(testing::bitwise_equal(cuda::to_host(c, nullptr), c0));
+  EXPECT_TRUE(testing::same_bytes(cuda::to_host(c, nullptr), c0));
   cuda::gemm(a, true, b, false, c, 1.f, 0.f, nullptr);  // overwrite with zeros
   EXPECT_TRUE(testing::rows_equal(cuda::to_host(c, nullptr), 0, 6, 0.0));
 }

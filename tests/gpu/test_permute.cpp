@@ -93,20 +93,20 @@ void check_roundtrip(const Routed& r, const PlanParams& params, std::int64_t H, 
   poison(tokens_d, stream, kPoison);
   poison(probs_d, stream, kPoison);
   cuda::permute(x_d, w_d, plan, tokens_d, probs_d, stream);
-  EXPECT_TRUE(bitwise_equal(cuda::to_host(tokens_d, stream), want_tokens)) << "permuted tokens";
-  EXPECT_TRUE(bitwise_equal(cuda::to_host(probs_d, stream), want_probs)) << "permuted probs";
+  EXPECT_TRUE(same_bytes(cuda::to_host(tokens_d, stream), want_tokens)) << "permuted tokens";
+  EXPECT_TRUE(same_bytes(cuda::to_host(probs_d, stream), want_probs)) << "permuted probs";
 
   // unpermute of arbitrary expert rows
   const Tensor rows = random_tensor({N, H}, dt, seed + 1);
   const Tensor want_out = reference_unpermute(rows, r.indices, ref.rows, dt);
   Tensor core_out = Tensor::empty({T, H}, dt);
   unpermute(rows, r.indices, ref.rows, core_out);
-  ASSERT_TRUE(bitwise_equal(core_out, want_out)) << "the test's reference disagrees with core unpermute";
+  ASSERT_TRUE(same_bytes(core_out, want_out)) << "the test's reference disagrees with core unpermute";
   const Tensor rows_d = cuda::to_device(rows, 0, stream);
   const Tensor out_d = device_empty({T, H}, dt);
   poison(out_d, stream, kPoison);
   cuda::unpermute(rows_d, plan, out_d, stream);
-  EXPECT_TRUE(bitwise_equal(cuda::to_host(out_d, stream), want_out)) << "unpermute";
+  EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream), want_out)) << "unpermute";
 
   // gather_slot_values
   const Tensor values = random_tensor({N}, DType::f32, seed + 2);
@@ -114,7 +114,7 @@ void check_roundtrip(const Routed& r, const PlanParams& params, std::int64_t H, 
   const Tensor grad_d = device_empty({T, k}, DType::f32);
   poison(grad_d, stream, kPoison);
   cuda::gather_slot_values(values_d, plan, grad_d, stream);
-  EXPECT_TRUE(bitwise_equal(cuda::to_host(grad_d, stream),
+  EXPECT_TRUE(same_bytes(cuda::to_host(grad_d, stream),
                             Tensor::from_vector(reference_gather(values, ref.rows), {T, k})))
       << "gather_slot_values";
   errors.check(stream, "test");
@@ -212,13 +212,13 @@ TEST(Permute, BudgetTailIsZeroAndNothingIsWrittenPastTheBudget) {
     permute(x, r.weights, ref.rows, want_tokens, want_probs);
     const Tensor got_tokens = cuda::to_host(tokens_full, stream);
     const Tensor got_probs = cuda::to_host(probs_full, stream);
-    EXPECT_TRUE(bitwise_equal(Tensor::wrap(got_tokens.view().rows(0, c.budget)), want_tokens));
-    EXPECT_TRUE(bitwise_equal(Tensor::wrap(got_probs.view().rows(0, c.budget)), want_probs));
+    EXPECT_TRUE(same_bytes(Tensor::wrap(got_tokens.view().rows(0, c.budget)), want_tokens));
+    EXPECT_TRUE(same_bytes(Tensor::wrap(got_probs.view().rows(0, c.budget)), want_probs));
     EXPECT_TRUE(all_bytes(Tensor::wrap(got_tokens.view().rows(c.budget, c.budget + guard)), kPoison))
         << "rows past the budget were written";
     EXPECT_TRUE(all_bytes(Tensor::wrap(got_probs.view().rows(c.budget, c.budget + guard)), kPoison))
         << "probs past the budget were written";
-    EXPECT_TRUE(bitwise_equal(cuda::to_host(out_d, stream),
+    EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream),
                               reference_unpermute(want_tokens, r.indices, ref.rows, DType::bf16)));
     expect_plan_eq(plan, ref, stream);
     if (overflow) {
@@ -263,7 +263,7 @@ TEST(Permute, IdentityExpertsGiveCountTimesX) {
         write_from_double(want, t * H + h,
                           static_cast<float>(count) * static_cast<float>(read_as_double(x, t * H + h)));
     }
-    EXPECT_TRUE(bitwise_equal(got, want));
+    EXPECT_TRUE(same_bytes(got, want));
   }
 }
 
@@ -291,17 +291,17 @@ TEST(Permute, MatchesHostDispatcherWithOneRank) {
   const Tensor w_d = cuda::to_device(r.weights, 0, stream);
   const LocalPlan plan = cuda::plan_local(idx_d, local_params(E, 16), errors, stream);
   ASSERT_EQ(plan.out_rows, res.tokens.size(0));
-  EXPECT_TRUE(bitwise_equal(plan.host_tokens_per_expert, res.tokens_per_expert));
+  EXPECT_TRUE(same_bytes(plan.host_tokens_per_expert, res.tokens_per_expert));
   const Tensor tokens_d = device_empty({plan.out_rows, H}, DType::f32);
   const Tensor probs_d = device_empty({plan.out_rows}, DType::f32);
   poison(tokens_d, stream, kPoison);
   poison(probs_d, stream, kPoison);
   cuda::permute(x_d, w_d, plan, tokens_d, probs_d, stream);
-  EXPECT_TRUE(bitwise_equal(cuda::to_host(tokens_d, stream), res.tokens));
-  EXPECT_TRUE(bitwise_equal(cuda::to_host(probs_d, stream), res.token_probs));
+  EXPECT_TRUE(same_bytes(cuda::to_host(tokens_d, stream), res.tokens));
+  EXPECT_TRUE(same_bytes(cuda::to_host(probs_d, stream), res.token_probs));
   const Tensor out_d = device_empty({T, H}, DType::f32);
   cuda::unpermute(tokens_d, plan, out_d, stream);
-  EXPECT_TRUE(bitwise_equal(cuda::to_host(out_d, stream), combined));
+  EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream), combined));
 }
 
 TEST(Permute, MixedDtypeUnpermuteRoundsOnce) {
@@ -321,7 +321,7 @@ TEST(Permute, MixedDtypeUnpermuteRoundsOnce) {
     const Tensor out_d = device_empty({T, H}, out_dt);
     poison(out_d, stream, kPoison);
     cuda::unpermute(rows_d, plan, out_d, stream);
-    EXPECT_TRUE(bitwise_equal(cuda::to_host(out_d, stream), reference_unpermute(rows, r.indices, ref.rows, out_dt)));
+    EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream), reference_unpermute(rows, r.indices, ref.rows, out_dt)));
   }
 }
 
@@ -385,9 +385,9 @@ TEST(Permute, CudaGraphReplaysPlanPermuteUnpermute) {
       expect_plan_eq(plan, ref, stream);
       Tensor want_tokens = Tensor::empty({budget, H}, DType::bf16), want_probs = Tensor::empty({budget}, DType::f32);
       permute(x, r.weights, ref.rows, want_tokens, want_probs);
-      EXPECT_TRUE(bitwise_equal(cuda::to_host(tokens_d, stream), want_tokens));
-      EXPECT_TRUE(bitwise_equal(cuda::to_host(probs_d, stream), want_probs));
-      EXPECT_TRUE(bitwise_equal(cuda::to_host(out_d, stream),
+      EXPECT_TRUE(same_bytes(cuda::to_host(tokens_d, stream), want_tokens));
+      EXPECT_TRUE(same_bytes(cuda::to_host(probs_d, stream), want_probs));
+      EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream),
                                 reference_unpermute(want_tokens, r.indices, ref.rows, DType::bf16)));
     }
     FLEXEP_CUDA_CHECK(cudaGraphExecDestroy(exec));

@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include "bench_cases.h"
+#include "bench_processes.h"
 #include "commands.h"
 #include "flexep/core/error.h"
 
@@ -103,6 +104,7 @@ void run(const BenchCli& cli) {
       found->fn(points[i].first, run);
     }
   }
+  if (process_rank().rank != 0) return;  // one rank per process: rank 0 reports for all
   fmt::print("{}", format_table(run.records));
   fmt::print("wrote {}\n", write_bench_run(run, cli.out));
 }

@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "bench_cases.h"
+#include "bench_processes.h"
 #include "bench_timing_cuda.h"
 #include "flexep/comm/communicator.h"
 #include "flexep/core/plan.h"
@@ -175,7 +176,8 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
 }
 
 void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
-  const int ranks = cuda::device_count();
+  const ProcessRank process = process_rank();  // one rank per process (bench_processes.h), or all here
+  const int ranks = process.active ? process.size : cuda::device_count();
   const std::int64_t T = a.tokens ? a.tokens : shape.tokens;
   const int H = a.hidden ? a.hidden : shape.hidden, k = a.topk ? a.topk : shape.topk;
   const int E = a.experts ? a.experts : shape.experts;
@@ -200,19 +202,20 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
   const double row_bytes = 2.0 * H;
   const bool want_alltoall = a.backend == "all" || a.backend == "alltoall" || a.backend == "torch";
   const bool want_hybridep = a.backend == "all" || a.backend == "hybridep";
-  const ncclUniqueId id = Communicator::new_unique_id();
+  const ncclUniqueId id = process.active ? ncclUniqueId{} : Communicator::new_unique_id();
   std::mutex m;
 
-  run_ranks(ranks, [&](int rank) {
-    cuda::DeviceGuard guard(rank);
-    const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
+  auto body = [&](int rank) {
+    std::shared_ptr<Communicator> comm =
+        process.active ? Communicator::from_environment() : Communicator::create(id, rank, ranks, rank);
+    cuda::DeviceGuard guard(comm->device());
+    const cuda::OwnedStream stream;  // destroyed after every tensor ordered on it (declared after comm)
     cuda::StreamGuard sg(stream);
-    std::shared_ptr<Communicator> comm = Communicator::create(id, rank, ranks, rank);
-    const Device dev = Device::cuda(rank);
+    const Device dev = Device::cuda(comm->device());
     Tensor x = Tensor::empty({T, H}, DType::bf16, dev);
     cuda::fill_random(x, 7 + static_cast<std::uint64_t>(rank), 1.0f, stream);
-    const Tensor idx = cuda::to_device(routing[static_cast<std::size_t>(rank)].indices, rank, stream);
-    const Tensor w = cuda::to_device(routing[static_cast<std::size_t>(rank)].weights, rank, stream);
+    const Tensor idx = cuda::to_device(routing[static_cast<std::size_t>(rank)].indices, comm->device(), stream);
+    const Tensor w = cuda::to_device(routing[static_cast<std::size_t>(rank)].weights, comm->device(), stream);
     std::vector<BenchRecord> mine;
     auto record = [&](const std::string& backend, const std::string& phase, const TimeStats& t, const std::string& note,
                     const std::string& timing = "call") {
@@ -312,7 +315,11 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
       std::lock_guard<std::mutex> lock(m);
       for (BenchRecord& r : mine) run.records.push_back(r);
     }
-  });
+  };
+  if (process.active)
+    body(process.rank);
+  else
+    run_ranks(ranks, body);
 }
 
 void run_dsv3(const BenchArgs& a, BenchRun& run) { run_shape(a, run, {"dsv3-ep2", 4096, 7168, 8, 64}); }

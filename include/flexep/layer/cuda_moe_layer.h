@@ -88,6 +88,8 @@ class CudaMoELayer {
 
   // The fp32 correction bias [E] on the device (undefined without one), and a setter that also
   // resets the fp64 master the bias update accumulates into (checkpoint loads). Blocking.
+  // The device buffer itself [E] f32 (undefined without a correction bias). Writes into it from
+  // outside are taken over by the next update_bias().
   const Tensor& e_score_correction_bias() const { return correction_bias_; }
   void set_e_score_correction_bias(const TensorView& host_f32, cudaStream_t stream);
 

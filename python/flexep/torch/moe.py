@@ -173,12 +173,14 @@ class MoE(nn.Module):
             self._submodule(path).register_parameter(leaf, p)
             self._flat_params.append((name, p))
         self._data_ptrs = [p.data_ptr() for _, p in self._flat_params]
-        bias = self._layer.e_score_correction_bias() if not self._cuda else None
+        # The library's own buffer, shared (CPU and GPU): update_bias() changes what state_dict()
+        # returns, and load_state_dict() writes the library's values in place.
+        bias = self._layer.e_score_correction_bias()
         if bias is not None:
             self.gate.register_buffer("e_score_correction_bias", torch.from_dlpack(bias))
         elif self._cuda and (self.config.gate_bias_update_factor > 0 or self.config.force_e_score_correction_bias):
-            # GPU: the library keeps this buffer on the device without an accessor yet (see
-            # docs/python.md); registered for state_dict key parity with Automodel.
+            # The fake balanced gate has no router, hence no bias: the key is kept for state_dict
+            # parity with Automodel.
             self.gate.register_buffer("e_score_correction_bias",
                                       torch.zeros(self.config.n_routed_experts, dtype=torch.float32,
                                                   device=self.device_))

@@ -54,3 +54,7 @@ def test_fresh_bf16_grads_match_accumulate_f32_over_micro_batches():
 
 def test_state_dict_round_trip_with_reference_module():
     launch("state_dict", "torch")
+
+
+def test_correction_bias_is_the_library_buffer():
+    launch("correction_bias", "torch")

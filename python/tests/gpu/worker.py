@@ -177,13 +177,45 @@ def state_dict(backend, rank, dev):
     torch.testing.assert_close(y.cpu().double() / scale, ry / scale, rtol=0, atol=2e-2)
 
 
+def correction_bias(backend, rank, dev):
+    """The GPU layer's e_score_correction_bias is the library's buffer: update_bias() shows in
+    state_dict(), and a loaded value is what the next update_bias() starts from."""
+    f = 1e-3
+    cfg = ft.MoEConfig(**{**BASE, "gate_bias_update_factor": f})
+    m = ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, seed=5)
+    key = "gate.e_score_correction_bias"
+    assert torch.equal(m.state_dict()[key].cpu(), torch.zeros(cfg.n_routed_experts)), m.state_dict()[key]
+
+    def train_and_update():
+        m.train()
+        m(torch.randn(64, cfg.dim, device=dev).to(torch.bfloat16)).float().sum().backward()
+        m.update_bias()
+        torch.cuda.synchronize(dev)
+        return m.state_dict()[key].cpu()
+
+    first = train_and_update()
+    steps = [-f, 0.0, f]
+    assert all(any(abs(x - s) < 1e-9 for s in steps) for x in first.tolist()), first
+    assert first.abs().sum() > 0, "the load of a random batch is never perfectly balanced"
+    both = gather(first.to(dev))
+    assert torch.equal(both[0].cpu(), both[1].cpu()), "the update uses the load summed over the group"
+
+    loaded = torch.arange(cfg.n_routed_experts, dtype=torch.float32) * 0.25
+    m.load_state_dict({**m.state_dict(), key: loaded})
+    assert torch.equal(m.state_dict()[key].cpu(), loaded)
+    second = train_and_update()
+    step = second - loaded
+    assert all(any(abs(x - s) < 1e-6 for s in steps) for x in step.tolist()), (second, loaded)
+
+
 def main():
     case, backend = sys.argv[1], sys.argv[2]
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    cases = {"functions": functions, "layer": layer, "grad_modes": grad_modes, "state_dict": state_dict}
+    cases = {"functions": functions, "layer": layer, "grad_modes": grad_modes, "state_dict": state_dict,
+             "correction_bias": correction_bias}
     cases[case](backend, rank, dev)
     torch.cuda.synchronize()
     print(f"PASS rank {rank} {case} {backend}", flush=True)

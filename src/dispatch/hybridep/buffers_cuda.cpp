@@ -62,6 +62,7 @@ DispatchStorage::DispatchStorage(std::shared_ptr<Communicator> comm, const Buffe
   local_ = init_symmetric_and_local(sym_, geo_.window_bytes, geo_.flag_bytes, geo_.local_bytes);
   prepare_preprocess(config.experts);
   prepare_dispatch_v2();
+  prepare_chunk_plan(config.experts);
 }
 
 DispatchStorage::~DispatchStorage() { free_local(local_, sym_.comm().device()); }

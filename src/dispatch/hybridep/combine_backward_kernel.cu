@@ -20,6 +20,7 @@
 #include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/work_items.cuh"
 #include "dispatch/hybridep/rows.cuh"
 #include "flexep/cuda/runtime.h"
 
@@ -115,10 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  if (last_cta_to_finish(v.control)) {
-    if (threadIdx.x < v.ranks) st_release_sys(consumed_flag(v, threadIdx.x, v.rank), epoch);
-    if (threadIdx.x == 0) finish_op(v.control, epoch);
-  }
+  finish_combine_side(v, epoch);
 }
 
 }  // namespace

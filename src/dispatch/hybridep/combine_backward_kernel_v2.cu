@@ -32,6 +32,7 @@
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/ring.cuh"
+#include "dispatch/hybridep/store_lag.cuh"
 #include "dispatch/hybridep/rows.cuh"
 #include "dispatch/hybridep/tma.cuh"
 #include "dispatch/hybridep/work_items.cuh"
@@ -46,9 +47,7 @@ constexpr int kPipes = 2;
 constexpr int kZeroWarp = 2 * kPipes;
 constexpr int kThreadsV2 = 32 * (2 * kPipes + 1);
 constexpr int kMinStages = 3, kMaxStages = 8;
-constexpr int kFreeLag = 2;  // as dispatch_kernel_v2.cu
 static_assert(kFreeLag < kMinStages, "the store warp must free a stage before the loader needs it");
-constexpr int kReleaseLag = 4;
 constexpr long long kMaxRowBytes = 32768;
 
 enum Kind : int { kStage = 0, kPull = 1, kPartEnd = 2, kFlush = 3, kExit = 4 };
@@ -173,34 +172,18 @@ __device__ void publish_part(const CombineView& v, int chunk, int per_chunk, int
 
 __device__ void store(const CombineView& v, const HandleView& h, uint4* out, const Ring& ring, const Env& env,
                       int lane) {
-  unsigned j = 0, freed = 0;
-  int pending = -1, pending_parts = 0, since = 0;  // a staged part whose stores may still be in flight
-  while (true) {
+  StoreLag lag;
+  auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env); };
+  for (unsigned j = 0;; ++j) {
     const Job job = ring.wait_lane0(j, lane);
     if (job.kind == kExit) break;
     if (job.kind == kStage && lane == 0)
       tma::store_async(partial_row(v, v.rank, 0, job.b), ring.stage(j), env.row_bytes);
     if (job.kind == kPull) store_pulled(v, h, ring.stage(j), out, job, env, lane);
-    if (lane == 0) {
-      tma::commit();  // one group per job
-      if (pending >= 0) ++since;
-      if (job.kind == kPartEnd) {
-        if (pending >= 0) publish_part(v, pending, pending_parts, since, env);
-        pending = job.a, pending_parts = job.b, since = 0;
-      } else if (pending >= 0 && (since >= kReleaseLag || job.kind == kFlush)) {
-        publish_part(v, pending, pending_parts, since, env);
-        pending = -1;
-      }
-      tma::wait_groups_read<kFreeLag>();
-      for (; freed + kFreeLag <= j; ++freed) ring.release(freed);
-    }
+    if (lane == 0) lag.after_job(ring, j, job.kind == kPartEnd, job.kind == kFlush, job.a, job.b, publish);
     __syncwarp();
-    ++j;
   }
-  if (lane == 0) {
-    tma::wait_groups<0>();  // nothing may still read the ring when the CTA exits
-    if (pending >= 0) publish_part(v, pending, pending_parts, 0, env);
-  }
+  if (lane == 0) lag.finish(publish);
   __syncwarp();
 }
 
@@ -235,15 +218,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
                          static_cast<int>(gridDim.x), lane);
     }
   }
-  if (last_cta_to_finish(v.control)) {
-    // Every read of a peer's window by this grid is done: each rank may overwrite its staged rows.
-    if (threadIdx.x < v.ranks) st_release_sys(consumed_flag(v, threadIdx.x, v.rank), epoch);
-    if (threadIdx.x == 0) {
-      v.work[kWorkFirst] = 0;
-      v.work[kWorkSecond] = 0;
-      finish_op(v.control, epoch);
-    }
-  }
+  finish_combine_side(v, epoch);
 }
 
 SmemBudget smem_budget;

@@ -23,6 +23,7 @@
 #include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/work_items.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::hybridep {
@@ -145,11 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!consume_chunk(v, h, c, chunk, epoch, wait, lane)) break;
     }
   }
-  if (last_cta_to_finish(v.control)) {
-    // Every read of a peer's window by this grid is done: each rank may overwrite its partials.
-    if (threadIdx.x < v.ranks) st_release_sys(consumed_flag(v, threadIdx.x, v.rank), epoch);
-    if (threadIdx.x == 0) finish_op(v.control, epoch);
-  }
+  finish_combine_side(v, epoch);
 }
 
 }  // namespace

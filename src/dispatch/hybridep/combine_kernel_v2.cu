@@ -293,15 +293,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     else
       compute(v, h, c, ring, epoch, threadIdx.x - (pipe * kWarpsPerPipe + 1) * 32, pipe);
   }
-  if (last_cta_to_finish(v.control)) {
-    // Every read of a peer's window by this grid is done: each rank may overwrite its partials.
-    if (threadIdx.x < v.ranks) st_release_sys(consumed_flag(v, threadIdx.x, v.rank), epoch);
-    if (threadIdx.x == 0) {
-      v.work[kWorkFirst] = 0;
-      v.work[kWorkSecond] = 0;
-      finish_op(v.control, epoch);
-    }
-  }
+  finish_combine_side(v, epoch);
 }
 
 // The kernel's shared-memory budget on each device.

@@ -124,7 +124,18 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   c.drop = options.overflow == OverflowPolicy::drop ? 1 : 0;
   c.errors = errors_.record();
   c.row_bytes = fp8 ? config_.hidden : 2 * config_.hidden;
+  const bool blocking = options.mode == DispatchMode::blocking;
+  if (blocking) {
+    c.host_control = readback_device_->control;
+    c.host_seq_at = &readback_device_->control_seq;
+    c.host_seq = static_cast<unsigned>(dispatch_seq_);
+  }
   c.scale_bytes = fp8 ? config_.hidden / kFp8ScaleBlock * 4 : 0;
+  const bool v2 = options_.kernels == 2 && dispatch_v2_supported(c.row_bytes, c.scale_bytes);
+  // Programmatic dependent launch only with the v2 kernels for now: the v1 path stays exactly the
+  // one that passed the device tests until PDL has run on the GPU too.
+  const bool overlap = v2 && !options_.kernel_timing && !capturing(s);
+  bool after_plan = false;  // the chunk plan kernel is the last launch before the preprocess kernel
   record(ev_plan, s);
   if (!local) {
     const std::int64_t T = rt.tokens;
@@ -143,27 +154,43 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
       c.indices_i64 = input.indices.dtype == DType::i64 ? 1 : 0;
       c.weights = input.weights.ptr<float>();
     }
-    // The single-GPU plan with pad 1 and no budget: kept_rows = this rank's pair counts per
-    // expert, expert_begin = their exclusive prefix, slot_rows = prefix + the slot's rank among the
-    // pairs of its expert in (token, slot) order; bad ids are reported and get row -1.
+    // The single-GPU plan with pad 1 and no budget: pair counts per expert, and every slot's rank
+    // among the pairs of its expert in (token, slot) order; bad ids are reported and get -1.
     namespace lp = cuda::local_plan_detail;
-    const std::int64_t n = T * rt.slots;
-    const lp::Workspace ws = st.plan_workspace();
     const lp::Outputs out = st.plan_outputs();
-    lp::Layout layout;
-    layout.experts = E;
-    lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws, errors_.record(),
-                              s);
-    if (n > 0) {
-      FLEXEP_CHECK(DispatchStorage::sort_temp_bytes(n, E) <= ws.sort_temp_bytes, "hybridep: the sort of ", n,
-                   " pairs needs more scratch than reserved for ", g.max_pairs, " (internal error)");
-      lp::sort_pairs(ws, static_cast<int>(n), lp::sort_key_bits(E), s);
-    }
-    lp::launch_build_layout(ws, n, layout, out, errors_.record(), s);
-    lp::launch_write_slot_rows(ws, n, E, out, s);
     c.plan_counts = reinterpret_cast<const long long*>(out.kept_rows);  // int64_t is long on Linux
-    c.plan_begin = reinterpret_cast<const long long*>(out.expert_begin);
     c.plan_slot_rows = out.slot_rows;
+    if (chunk_plan_fits(E)) {  // one kernel on the preprocess SMs (chunk_plan.cu)
+      ChunkPlanCall pc;
+      pc.indices = c.indices;
+      pc.indices_i64 = c.indices_i64;
+      pc.tokens = T;
+      pc.slots = rt.slots;
+      pc.experts = E;
+      pc.counts = reinterpret_cast<long long*>(out.kept_rows);
+      pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
+      pc.slot_rank = out.slot_rows;
+      pc.done = st.at<unsigned>(g.off_plan_done);
+      pc.errors = errors_.record();
+      launch_chunk_plan(pc, sms.preprocess, s);
+      after_plan = overlap;
+      c.plan_chunk_base = pc.chunk_base;
+    } else {  // the general plan: keys, a CUB radix sort, the layout, the slot rows
+      const std::int64_t n = T * rt.slots;
+      const lp::Workspace ws = st.plan_workspace();
+      lp::Layout layout;
+      layout.experts = E;
+      lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws,
+                                errors_.record(), s);
+      if (n > 0) {
+        FLEXEP_CHECK(DispatchStorage::sort_temp_bytes(n, E) <= ws.sort_temp_bytes, "hybridep: the sort of ", n,
+                     " pairs needs more scratch than reserved for ", g.max_pairs, " (internal error)");
+        lp::sort_pairs(ws, static_cast<int>(n), lp::sort_key_bits(E), s);
+      }
+      lp::launch_build_layout(ws, n, layout, out, errors_.record(), s);
+      lp::launch_write_slot_rows(ws, n, E, out, s);
+      c.plan_begin = reinterpret_cast<const long long*>(out.expert_begin);
+    }
   }
 
   // 3. The two kernels of the exchange. The dispatch kernel is launched as a programmatic dependent
@@ -174,12 +201,8 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
   //    dependencies they had before.
   const DispatchView view = st.view(status_, options_.timeout_seconds);
-  const bool v2 = options_.kernels == 2 && dispatch_v2_supported(c.row_bytes, c.scale_bytes);
-  // Programmatic dependent launch only with the v2 kernels for now: the v1 path stays exactly the
-  // one that passed the device tests until PDL has run on the GPU too.
-  const bool overlap = v2 && !options_.kernel_timing && !capturing(s);
   record(ev_preprocess, s);
-  launch_preprocess(view, c, sms.preprocess, s);
+  launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);
   (v2 ? launch_dispatch_v2 : launch_dispatch)(view, c, sms.dispatch, s, overlap);
   record(ev_dispatch_end, s);
@@ -204,15 +227,24 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   DispatchResult result;
   std::int64_t N = options.budget_rows;
   const std::shared_ptr<void> owner = dispatch_;
-  if (options.mode == DispatchMode::blocking) {
-    // One copy of [control | tokens_per_expert] into pinned memory, then the one wait (which raises
-    // device errors).
-    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(readback_->control, st.control(),
-                                      sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8, cudaMemcpyDeviceToHost,
-                                      s));
-    check(s, "dispatch");
+  if (blocking) {
+    // The preprocess kernel publishes [control | tokens_per_expert] into pinned memory; the call
+    // returns once it is there, while the dispatch kernel still moves the rows (stream-ordered
+    // before anything the caller enqueues next). An aborted call waits for its kernels and raises;
+    // an error of the data movement itself is raised by the next call that checks (as in budget
+    // mode, and as DeepEP's dispatch).
+    if (!wait_control(s, c.host_seq, "dispatch")) {  // not published: only a bug, take the slow road
+      FLEXEP_CUDA_CHECK(cudaMemcpyAsync(readback_->control, st.control(),
+                                        sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8,
+                                        cudaMemcpyDeviceToHost, s));
+      check(s, "dispatch");
+    }
     DispatchControl control;
     std::memcpy(&control, readback_->control, sizeof control);
+    if (control.abort) {
+      check(s, "dispatch");  // raises the reason (status abort or timeout)
+      throw Error(detail::concat("rank ", me, ": hybridep dispatch aborted without a reported reason (internal)"));
+    }
     N = control.out_rows;
     result.dropped = control.dropped;
     std::vector<std::int64_t> tpe(static_cast<std::size_t>(L));

@@ -41,6 +41,7 @@
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/ring.cuh"
+#include "dispatch/hybridep/store_lag.cuh"
 #include "dispatch/hybridep/tma.cuh"
 #include "dispatch/hybridep/work_items.cuh"
 #include "flexep/core/error.h"
@@ -55,11 +56,9 @@ constexpr int kZeroWarp = 2 * kPipes;  // the warp that zeroes unfilled rows
 constexpr int kThreadsV2 = 32 * (2 * kPipes + 1);
 constexpr int kMinStages = 3, kMaxStages = 8;
 constexpr int kZeroBytes = 4096;  // block of zeros the zeroing bulk stores read
-constexpr int kFreeLag = 2;       // the newest jobs' stores may still be reading their stages
 // A producer waiting for the stage of job j + stages needs job j freed, which happens once job
-// j + kFreeLag is committed: with fewer stages than that the ring would deadlock.
+// j + kFreeLag is committed (store_lag.cuh): with fewer stages than that the ring would deadlock.
 static_assert(kFreeLag < kMinStages, "the consumer must free a stage before the producer needs it");
-constexpr int kReleaseLag = 4;               // a finished part is published after this many newer jobs
 constexpr long long kMaxStageBytes = 32768;  // larger rows: the v1 kernel
 
 enum Kind : int { kSendRow = 0, kFanOut = 1, kPartEnd = 2, kFlush = 3, kExit = 4 };
@@ -339,34 +338,17 @@ __device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, in
 }
 
 __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
-  unsigned j = 0, freed = 0;
-  int pending = -1, pending_parts = 0, since = 0;  // a part whose stores may still be in flight
-  while (true) {
+  StoreLag lag;
+  auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env); };
+  for (unsigned j = 0;; ++j) {
     const Job job = ring.wait_lane0(j, lane);
     if (job.kind == kExit) break;
     if (job.kind == kSendRow) store_send_row(v, c, ring.stage(j), job.a, env, lane);
     if (job.kind == kFanOut) store_fan_out(v, c, ring.stage(j), job, env, lane);
-    if (lane == 0) {
-      tma::commit();  // one group per job, also for a part end (empty)
-      if (pending >= 0) ++since;
-      if (job.kind == kPartEnd) {
-        if (pending >= 0) publish_part(v, pending, pending_parts, since, env);
-        pending = job.a, pending_parts = job.b, since = 0;
-      } else if (pending >= 0 && (since >= kReleaseLag || job.kind == kFlush)) {
-        publish_part(v, pending, pending_parts, since, env);
-        pending = -1;
-      }
-      // Stages whose stores have read them may be refilled.
-      tma::wait_groups_read<kFreeLag>();
-      for (; freed + kFreeLag <= j; ++freed) ring.release(freed);
-    }
+    if (lane == 0) lag.after_job(ring, j, job.kind == kPartEnd, job.kind == kFlush, job.a, job.b, publish);
     __syncwarp();
-    ++j;
   }
-  if (lane == 0) {
-    tma::wait_groups<0>();  // nothing may still read the ring when the CTA exits
-    if (pending >= 0) publish_part(v, pending, pending_parts, 0, env);
-  }
+  if (lane == 0) lag.finish(publish);
   __syncwarp();
 }
 

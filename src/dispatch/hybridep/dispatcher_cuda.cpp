@@ -3,6 +3,7 @@
 // the factory.
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "dispatch/hybridep/hybridep_dispatcher.h"
@@ -80,6 +81,8 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
   FLEXEP_CUDA_CHECK(cudaMalloc(&status_, sizeof(Status)));
   FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
   FLEXEP_CUDA_CHECK(cudaMallocHost(&readback_, sizeof(Readback)));
+  std::memset(static_cast<void*>(readback_), 0, sizeof(Readback));
+  FLEXEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&readback_device_), readback_, 0));
   for (cudaEvent_t& e : events_) FLEXEP_CUDA_CHECK(cudaEventCreate(&e));
 }
 
@@ -274,6 +277,33 @@ void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
     else
       std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
+}
+
+bool Dispatcher::wait_control(cudaStream_t s, unsigned seq, const std::string& op) {
+  // As wait_stream: spin 5 ms, then sleep; the preprocess kernel's own waits have deadlines.
+  const double seconds = 3 * options_.timeout_seconds + 30;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::duration<double>(seconds);
+  const auto spin_until = start + std::chrono::milliseconds(5);
+  const volatile unsigned* published = &readback_->control_seq;
+  while (*published != seq) {
+    const cudaError_t q = cudaStreamQuery(s);
+    if (q == cudaSuccess) return *published == seq;
+    if (q != cudaErrorNotReady) cuda::throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
+    if (std::chrono::steady_clock::now() > deadline) {
+      broken_ = true;
+      broken_why_ = "the GPU did not finish " + op;
+      throw TimeoutError(op, -1,
+                         detail::concat("rank ", rank(), ": the hybridep preprocess kernel did not publish the layout "
+                                        "within ", seconds, " s although every device wait has a deadline"));
+    }
+    if (std::chrono::steady_clock::now() < spin_until)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // the layout was written before the number
+  return true;
 }
 
 void Dispatcher::check(cudaStream_t s, const std::string& op) {

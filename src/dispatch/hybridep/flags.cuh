@@ -129,9 +129,11 @@ __device__ inline unsigned op_epoch(const OpControl* op) {
 //   Every CTA fences its work at system scope before counting itself (its reads of peer memory
 //   must be complete before a peer may overwrite that memory), and the last CTA fences after
 //   seeing the full count, so everything the grid did happens-before what it publishes.
+//   The answer reaches the CTA through __syncthreads_or, not a shared variable: nothing for
+//   racecheck to misread when warps of the CTA also used named barriers.
 __device__ inline bool last_cta_to_finish(OpControl* op) {
-  __shared__ bool last;
   __syncthreads();
+  bool last = false;
   if (threadIdx.x == 0) {
     fence_sys();
     const unsigned before = atomicAdd(&op->done_ctas, 1u);
@@ -141,8 +143,7 @@ __device__ inline bool last_cta_to_finish(OpControl* op) {
       op->done_ctas = 0;  // the next kernel on this buffer starts counting from 0 (stream order)
     }
   }
-  __syncthreads();
-  return last;
+  return __syncthreads_or(last) != 0;
 }
 
 // The last CTA ends the operation: later kernels on this buffer see the new epoch.

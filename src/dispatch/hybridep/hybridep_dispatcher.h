@@ -27,12 +27,14 @@ struct HepHandle final : HandleState {
 };
 
 // Pinned host memory the checks copy into (copies into pageable memory would block without the
-// deadline of wait_stream). `control` is [DispatchControl | tokens_per_expert [L]].
+// deadline of wait_stream). `control` is [DispatchControl | tokens_per_expert [L]], written by the
+// preprocess kernel in blocking mode, which then writes the call's number into `control_seq`.
 struct Readback {
   Status status;
   cuda::DeviceErrorRecord errors;
   long long dropped;
   alignas(16) unsigned char control[sizeof(DispatchControl) + 8 * 1024];  // L <= 1024 local experts
+  unsigned control_seq;
 };
 
 class Dispatcher final : public HybridEpDispatcher {
@@ -79,6 +81,9 @@ class Dispatcher final : public HybridEpDispatcher {
   // Waits for `s` (deadline) and raises what the kernels recorded, clearing it. `op` names the call.
   void check(cudaStream_t s, const std::string& op);
   void wait_stream(cudaStream_t s, const std::string& op);
+  // Blocking dispatch: waits until the preprocess kernel has published call `seq`'s layout into
+  // readback_->control (false: the stream finished without it, which only a bug would cause).
+  bool wait_control(cudaStream_t s, unsigned seq, const std::string& op);
   void record(Event e, cudaStream_t s);
   bool blocking_check(const HepHandle& h) const {
     return options_.check_blocking_calls && h.mode == DispatchMode::blocking;
@@ -99,7 +104,8 @@ class Dispatcher final : public HybridEpDispatcher {
   std::shared_ptr<DispatchStorage> dispatch_;
   std::shared_ptr<CombineStorage> combine_;
   Status* status_ = nullptr;      // device
-  Readback* readback_ = nullptr;  // pinned host
+  Readback* readback_ = nullptr;         // pinned host
+  Readback* readback_device_ = nullptr;  // the same memory, as the GPU addresses it
   cuda::DeviceErrors errors_;
   std::uint64_t dispatch_seq_ = 0;
   bool broken_ = false;

@@ -55,16 +55,25 @@ struct DispatchCall {
   const void* indices = nullptr;  // [T, slots] expert ids (user indices, or the multihot slots)
   int indices_i64 = 0;
   const float* weights = nullptr;  // [T, slots]
-  // The single-GPU plan of this rank's pairs (pad 1, no budget): counts per global expert, their
-  // exclusive prefix, and each slot's row (-1 for no or invalid expert).
+  // The single-GPU plan of this rank's pairs (pad 1, no budget): counts per global expert, and per
+  // slot (-1 for no or invalid expert) either
+  //   - the chunk plan's rank in its chunk, plus plan_chunk_base[chunk][e] (pairs of earlier chunks), or
+  //   - (plan_chunk_base null: the general plan) its row in expert-major order, minus plan_begin[e].
   const long long* plan_counts = nullptr;
   const long long* plan_begin = nullptr;
+  const int* plan_chunk_base = nullptr;
   const int* plan_slot_rows = nullptr;
   const cuda::DeviceErrorRecord* errors = nullptr;  // bad ids found by the plan (header device_* words)
   long long header[word::count] = {};               // this rank's header (device_* words filled on device)
   long long pad_multiple = 1;
   long long budget = -1;  // < 0: blocking mode
   int drop = 0;
+  // Blocking mode: CTA 0 of the preprocess kernel copies [control | tokens_per_expert] into this
+  // pinned host memory, then writes host_seq to *host_seq_at, so that the host learns the layout
+  // without waiting for the data movement (as DeepEP's host-mapped receive counters).
+  unsigned char* host_control = nullptr;
+  unsigned* host_seq_at = nullptr;
+  unsigned host_seq = 0;
 };
 
 // The dispatch a handle belongs to, on this rank (read by combine and the backwards).
@@ -109,6 +118,27 @@ struct CombineCall {
   Phase reuse_phase = Phase::combine_reuse;
 };
 
+// --- chunk_plan.cu -------------------------------------------------------------------------------------
+// The single-GPU plan (pad 1, no budget) in one kernel of chunks (chunk_plan_math.h): per global
+// expert the pair count, per (chunk, expert) the pairs of earlier chunks, and each slot's rank in
+// its chunk (-1: no or invalid expert); bad ids reported as the general plan (src/cuda/local_plan*)
+// reports them. For up to kChunkPlanMaxSmem / 32 experts; more take the general plan.
+struct ChunkPlanCall {
+  const void* indices = nullptr;  // [tokens, slots] expert ids
+  int indices_i64 = 0;
+  long long tokens = 0;
+  int slots = 1, experts = 1;
+  long long* counts = nullptr;  // [experts]
+  int* chunk_base = nullptr;    // [plan_chunks(tokens)][experts]
+  int* slot_rank = nullptr;     // [tokens * slots]
+  unsigned* done = nullptr;     // CTAs finished; zero between calls (the last CTA zeroes it)
+  cuda::DeviceErrorRecord* errors = nullptr;
+};
+constexpr std::size_t kChunkPlanMaxSmem = 200 * 1024;
+bool chunk_plan_fits(int experts);
+void prepare_chunk_plan(int experts);  // raises the shared-memory limit (buffer creation, never in a capture)
+void launch_chunk_plan(const ChunkPlanCall& c, int grid, cudaStream_t stream);
+
 // --- preprocess.cu -------------------------------------------------------------------------------------
 // Multihot -> `slots` slots per token: the routed experts in ascending order, then -1 (prob 0). A
 // token routed to more than `slots` experts is reported as "routing_map" (value = its count).
@@ -118,7 +148,11 @@ void launch_multihot_slots(const unsigned char* routing_map, const float* probs,
 // Count exchange, layout of every rank, the abort decision, staging records and slot entries.
 // `grid` CTAs of kThreads; dynamic shared memory preprocess_smem_bytes(E).
 std::size_t preprocess_smem_bytes(int experts);
-void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream);
+// `after_plan`: the launch directly follows launch_chunk_plan on `stream`, so it may be scheduled
+// while the plan runs (programmatic dependent launch; the kernel waits for the plan grid's
+// completion before it reads anything).
+void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                       bool after_plan = false);
 // Raises the kernel's dynamic shared memory limit once (outside any graph capture).
 void prepare_preprocess(int experts);
 

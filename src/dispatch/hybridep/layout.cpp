@@ -4,6 +4,7 @@
 #include <climits>
 #include <sstream>
 
+#include "dispatch/hybridep/chunk_plan_math.h"
 #include "flexep/core/error.h"
 
 namespace flexep::hybridep {
@@ -119,6 +120,8 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_
   g.off_plan_begin = take(E * 8);
   g.off_plan_kept = take(E * 8);
   g.off_plan_slot_rows = take(pairs * 4);
+  g.off_plan_chunk_base = take(static_cast<std::size_t>(plan_chunks(c.max_tokens)) * E * 4);
+  g.off_plan_done = take(4);
   g.off_keys_in = take(pairs * 4);
   g.off_keys_out = take(pairs * 4);
   g.off_pairs_in = take(pairs * 4);

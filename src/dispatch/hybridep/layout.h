@@ -61,7 +61,8 @@ inline std::size_t align_up(std::size_t x, std::size_t a = kRegionAlign) { retur
 //   local (plain device memory): the DispatchControl + tokens_per_expert [L], begin [L], kept [L],
 //     the abort snapshot (a copy of the count slots), the sender's staging records [R][T], the
 //     slot entries [T * slots], the multihot slots [T * slots] (expert, prob), the v2 kernel's work
-//     counters [2 + max_chunks] uint32 (work_items.cuh), and the single-GPU plan's outputs and
+//     counters [2 + max_chunks] uint32 (work_items.cuh), the single-GPU plan's outputs, the chunk
+//     plan's chunk bases [plan_chunks(T)][E] int32 and CTA counter, and the general plan's
 //     workspace (sized for T * slots pairs; the CUB sort storage last).
 struct DispatchGeometry {
   BufferConfig cfg;
@@ -75,6 +76,7 @@ struct DispatchGeometry {
   std::size_t off_plan_tpe = 0, off_plan_used = 0, off_plan_dropped = 0, off_plan_begin = 0, off_plan_kept = 0,
               off_plan_slot_rows = 0, off_keys_in = 0, off_keys_out = 0, off_pairs_in = 0, off_pairs_out = 0,
               off_sorted_begin = 0, off_sort_temp = 0, sort_temp_bytes = 0, local_bytes = 0;
+  std::size_t off_plan_chunk_base = 0, off_plan_done = 0;  // the chunk plan (chunk_plan.cu)
 };
 DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_bytes);
 

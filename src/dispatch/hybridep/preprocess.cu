@@ -1,7 +1,8 @@
 // Preprocessing of a hybridep dispatch, on the GPU with no host synchronisation:
 //
 //   multihot_slots_kernel  (multihot form only) [T, E] map -> `slots` ascending expert ids per token.
-//   (the single-GPU plan, src/cuda/local_plan*.cu: per-expert counts and each slot's stable rank)
+//   (the single-GPU plan, chunk_plan.cu or src/cuda/local_plan*.cu: per-expert counts and each
+//   slot's rank among the pairs of its expert)
 //   preprocess_kernel      one grid of `preprocess_sms` CTAs; every CTA does steps 1-4 redundantly
 //                          (tiny, and it means no CTA ever waits for another CTA of this grid):
 //     1. write [header | E pair counts] into slot `me` of every rank's count region, then release
@@ -19,7 +20,9 @@
 #include <cuda_runtime.h>
 
 #include "dispatch/hybridep/access.cuh"
+#include "dispatch/hybridep/chunk_plan_math.h"
 #include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/tma.cuh"
 #include "flexep/cuda/runtime.h"
@@ -67,6 +70,118 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Where the slots of this rank's tokens go, once every receiver's layout is known (steps 3 + 4).
+struct TokenRows {
+  const DispatchCall& c;
+  const long long* src;    // [E] first row of this rank's pairs in each group
+  const long long* begin;  // [E] first row of each group on its owner
+  const long long* kept;   // [E] rows kept per group
+  int experts, local_experts;
+  bool abort;
+
+  // Slot i of token t: its row on the owner of its expert (-1: no or invalid expert, dropped by the
+  // budget, or the call aborted) and that owner.
+  __device__ long long row(long long t, long long i, int& dest) const {
+    const int local = abort ? -1 : c.plan_slot_rows[i];
+    if (local < 0) return -1;
+    const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));  // valid: the plan ranked it
+    const long long rank =
+        c.plan_chunk_base ? c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e] + local
+                          : local - c.plan_begin[e];
+    dest = e / local_experts;
+    return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
+  }
+};
+
+// Tokens with at most this many slots build their records in registers and store them once.
+constexpr int kRegisterSlots = 8;
+
+// A token's record for each destination (entries sorted by row) and its slots' entries. The rows of
+// one token on one rank belong to distinct experts, hence distinct groups: an entry's place is the
+// number of the token's entries for the same rank with a lower row.
+__device__ void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t) {
+  const int k = rows.c.slots;
+  int row[kRegisterSlots], dest[kRegisterSlots];
+  float prob[kRegisterSlots];
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    row[j] = -1;
+    dest[j] = -1;
+    prob[j] = 0.0f;
+    if (j < k) {
+      const long long i = t * k + j;
+      int d = -1;
+      const long long r = rows.row(t, i, d);
+      if (r >= 0) {
+        row[j] = static_cast<int>(r);
+        dest[j] = d;
+        prob[j] = rows.c.weights[i];
+      }
+    }
+  }
+  for (int d = 0; d < v.ranks; ++d) {
+    unsigned n = 0;
+#pragma unroll
+    for (int j = 0; j < kRegisterSlots; ++j) n += dest[j] == d ? 1u : 0u;
+    *record_header(staging_at(v, d, t)) = RecordHeader{0u, n < static_cast<unsigned>(v.width) ? n : v.width};
+  }
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    if (j >= k) break;
+    int entry = -1;
+    if (row[j] >= 0) {
+      int place = 0;
+#pragma unroll
+      for (int q = 0; q < kRegisterSlots; ++q) place += dest[q] == dest[j] && row[q] < row[j] ? 1 : 0;
+      if (place < v.width) {
+        record_entries(staging_at(v, dest[j], t))[place] = RecordEntry{row[j], prob[j]};
+        entry = dest[j] * v.width + place;
+      } else {
+        report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, dest[j], v.width);
+      }
+    }
+    v.slot_entry[t * k + j] = entry;
+  }
+}
+
+// Any number of slots: sorted inserts into the staged records, then a search for each slot's entry.
+__device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& rows, long long t) {
+  const int k = rows.c.slots;
+  for (int d = 0; d < v.ranks; ++d) record_clear(staging_at(v, d, t));
+  for (int j = 0; j < k; ++j) {
+    const long long i = t * k + j;
+    int d = -1;
+    const long long row = rows.row(t, i, d);
+    if (row < 0) continue;
+    if (!record_insert(staging_at(v, d, t), v.width, static_cast<int>(row), rows.c.weights[i]))
+      report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, d, v.width);
+  }
+  for (int j = 0; j < k; ++j) {
+    const long long i = t * k + j;
+    int d = -1;
+    const long long row = rows.row(t, i, d);
+    int entry = -1;
+    if (row >= 0) {
+      const int found = record_find(staging_at(v, d, t), static_cast<int>(row));
+      if (found >= 0) entry = d * v.width + found;
+    }
+    v.slot_entry[i] = entry;
+  }
+}
+
+// Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) to the host, then the
+// call's number after them.
+__device__ void publish_to_host(const DispatchView& v, const DispatchCall& c) {
+  __syncthreads();
+  const int words = static_cast<int>((sizeof(DispatchControl) + 8 * static_cast<std::size_t>(v.local_experts)) / 8);
+  const auto* src = reinterpret_cast<const long long*>(v.control);
+  auto* dst = reinterpret_cast<long long*>(c.host_control);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
+  __threadfence_system();  // each thread's copies before the barrier, the barrier before the number
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(c.host_seq_at) = c.host_seq;
+}
+
 __global__ void __launch_bounds__(kThreads)
     preprocess_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c) {
   extern __shared__ long long smem[];
@@ -75,6 +190,8 @@ __global__ void __launch_bounds__(kThreads)
   // before reading anything. All of this grid's CTAs are resident once every CTA has executed this,
   // so the early dispatch CTAs cannot keep a preprocess CTA from running.
   tma::allow_dependent_launch();
+  // Launched as a dependent of the plan kernel: nothing of the plan may be read before it completed.
+  tma::grid_dependency_wait();
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
   long long* s_begin = smem;        // [E] first row of every expert's group on its owner
   long long* s_kept = smem + E;     // [E] real rows kept per group
@@ -122,6 +239,7 @@ __global__ void __launch_bounds__(kThreads)
   if (!__syncthreads_and(ok)) {
     // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
     if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
+    if (blockIdx.x == 0 && c.host_control) publish_to_host(v, c);  // the host then waits and raises
     return;
   }
   const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
@@ -184,38 +302,17 @@ __global__ void __launch_bounds__(kThreads)
         atomicExch(&v.status->code, static_cast<int>(StatusCode::abort));
       }
     }
+    if (c.host_control) publish_to_host(v, c);
   }
 
   // 5. Staging records and slot entries, one thread per token of this rank.
-  const long long T = c.tokens;
-  const int k = c.slots;
+  const TokenRows rows{c, s_src, s_begin, s_kept, v.experts, v.local_experts, abort};
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + tid; t < T; t += stride) {
-    for (int d = 0; d < R; ++d) record_clear(staging_at(v, d, t));
-    for (int j = 0; j < k; ++j) {
-      const long long i = t * k + j;
-      const int local_row = abort ? -1 : c.plan_slot_rows[i];  // -1: no expert or an invalid id
-      if (local_row < 0) continue;
-      const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-      const long long row = slot_destination_row(local_row, c.plan_begin[e], s_src[e], s_begin[e] + s_kept[e]);
-      if (row < 0) continue;  // dropped by the budget
-      if (!record_insert(staging_at(v, e / L, t), v.width, static_cast<int>(row), c.weights[i]))
-        report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, me, e, v.width);
-    }
-    for (int j = 0; j < k; ++j) {
-      const long long i = t * k + j;
-      const int local_row = abort ? -1 : c.plan_slot_rows[i];
-      int entry = -1;
-      if (local_row >= 0) {
-        const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));
-        const long long row = slot_destination_row(local_row, c.plan_begin[e], s_src[e], s_begin[e] + s_kept[e]);
-        if (row >= 0) {
-          const int found = record_find(staging_at(v, e / L, t), static_cast<int>(row));
-          if (found >= 0) entry = (e / L) * v.width + found;
-        }
-      }
-      v.slot_entry[i] = entry;
-    }
+  for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + tid; t < c.tokens; t += stride) {
+    if (c.slots <= kRegisterSlots)
+      stage_token_in_registers(v, rows, t);
+    else
+      stage_token_in_memory(v, rows, t);
   }
 }
 
@@ -240,9 +337,9 @@ void launch_multihot_slots(const unsigned char* routing_map, const float* probs,
   FLEXEP_CUDA_CHECK_LAUNCH("multihot_slots_kernel");
 }
 
-void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
-  preprocess_kernel<<<grid, kThreads, preprocess_smem_bytes(v.experts), stream>>>(v, c);
-  FLEXEP_CUDA_CHECK_LAUNCH("hybridep preprocess_kernel");
+void launch_preprocess(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
+                       bool after_plan) {
+  launch_kernel(preprocess_kernel, grid, kThreads, preprocess_smem_bytes(v.experts), stream, after_plan, v, c);
 }
 
 }  // namespace flexep::hybridep

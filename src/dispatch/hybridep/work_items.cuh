@@ -7,6 +7,7 @@
 // "next item" counters are reset by the grid's last CTA.
 #pragma once
 
+#include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/layout_math.h"
 #include "dispatch/hybridep/parts.h"
@@ -36,6 +37,19 @@ __device__ inline bool count_part(unsigned* done, int per_chunk) {
   fence_sys();
   *done = 0;  // every part of this call has counted itself; the next kernel comes in stream order
   return true;
+}
+
+// The end of every combine-side kernel (combine, dispatch_backward, combine_backward; v1 and v2),
+// called by every thread: the grid's last CTA lets every rank overwrite what this grid read of its
+// window ("consumed"), resets the work counters (unused by v1: they stay 0) and ends the operation.
+__device__ inline void finish_combine_side(const CombineView& v, unsigned epoch) {
+  if (!last_cta_to_finish(v.control)) return;
+  if (threadIdx.x < v.ranks) st_release_sys(consumed_flag(v, threadIdx.x, v.rank), epoch);
+  if (threadIdx.x == 0) {
+    v.work[kWorkFirst] = 0;
+    v.work[kWorkSecond] = 0;
+    finish_op(v.control, epoch);
+  }
 }
 
 }  // namespace flexep::hybridep

@@ -1,0 +1,120 @@
+// The single-GPU plan of a hybridep dispatch in ONE kernel on the preprocess SMs
+// (chunk_plan_math.h says what it computes and why that is enough):
+//
+//   per chunk of kPlanChunkTokens tokens (CTA b takes chunks b, b + grid, ...; a token per thread):
+//     1. check the token's ids in slot order (out of range, or a repeat of an earlier slot's expert:
+//        reported as the general plan reports them) and set bit (e, token) in shared memory;
+//     2. the chunk's count of every expert (popcounts) into chunk_base[g][e];
+//     3. every slot's rank among the chunk's pairs of its expert;
+//   then the last CTA to finish turns chunk_base into its exclusive scan over the chunks, and writes
+//   count(e). A repeated expert gets the same rank twice (the general plan gives it two): the call is
+//   aborted anyway, since the reported error fails it on every rank.
+#include "dispatch/hybridep/chunk_plan_math.h"
+#include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/tma.cuh"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::hybridep {
+
+static_assert(kThreads == kPlanChunkTokens, "a token of the chunk per thread");
+
+namespace {
+
+__device__ __forceinline__ long long id_at(const void* ids, int is64, long long i) {
+  return is64 ? static_cast<const long long*>(ids)[i] : static_cast<const int*>(ids)[i];
+}
+
+// Step 1 for token `t` (chunk token i): bits set, bad ids reported.
+__device__ void set_token_bits(std::uint32_t* bits, const ChunkPlanCall& c, long long t, int i) {
+  for (int j = 0; j < c.slots; ++j) {
+    const long long id = id_at(c.indices, c.indices_i64, t * c.slots + j);
+    if (id == -1) continue;
+    if (id < 0 || id >= c.experts) {
+      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, id, c.experts);
+      continue;
+    }
+    // Only this thread sets token t's bits, in slot order: a bit already set is an earlier slot.
+    const std::uint32_t bit = plan_bit(i);
+    if (atomicOr(&bits[id * kPlanChunkWords + plan_word(i)], bit) & bit)
+      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, id, c.experts);
+  }
+}
+
+// Step 3 for token `t`: each slot's rank in the chunk, -1 for no or an invalid expert.
+__device__ void write_slot_ranks(const std::uint32_t* bits, const ChunkPlanCall& c, long long t, int i) {
+  const int w = plan_word(i);
+  for (int j = 0; j < c.slots; ++j) {
+    const long long id = id_at(c.indices, c.indices_i64, t * c.slots + j);
+    int rank = -1;
+    if (id >= 0 && id < c.experts) {
+      const int e = static_cast<int>(id);
+      rank = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, i);
+    }
+    c.slot_rank[t * c.slots + j] = rank;
+  }
+}
+
+// The last CTA: chunk counts -> their exclusive scan over chunks, and the totals. The chunk counts
+// were written by other CTAs (ordered by their fence before the `done` increment): read via L2.
+__device__ void scan_chunks(const ChunkPlanCall& c, long long chunks) {
+  for (int e = threadIdx.x; e < c.experts; e += blockDim.x) {
+    long long running = 0;
+    for (long long g = 0; g < chunks; ++g) {
+      int* at = c.chunk_base + g * c.experts + e;
+      const int n = __ldcg(at);
+      *at = static_cast<int>(running);
+      running += n;
+    }
+    c.counts[e] = running;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) chunk_plan_kernel(const __grid_constant__ ChunkPlanCall c) {
+  extern __shared__ std::uint32_t bits[];  // [experts][kPlanChunkWords]
+  __shared__ bool s_last;
+  // The preprocess kernel may be scheduled now: it waits for this grid's completion (and its
+  // memory) before it reads anything, but its launch latency hides behind this kernel.
+  tma::allow_dependent_launch();
+  const int tid = threadIdx.x, words = c.experts * kPlanChunkWords;
+  const long long chunks = plan_chunks(c.tokens);
+  for (long long g = blockIdx.x; g < chunks; g += gridDim.x) {
+    for (int w = tid; w < words; w += blockDim.x) bits[w] = 0;
+    __syncthreads();
+    const long long t = g * kPlanChunkTokens + tid;
+    if (t < c.tokens) set_token_bits(bits, c, t, tid);
+    __syncthreads();
+    for (int e = tid; e < c.experts; e += blockDim.x)
+      c.chunk_base[g * c.experts + e] = plan_word_prefix(bits, e, kPlanChunkWords);
+    if (t < c.tokens) write_slot_ranks(bits, c, t, tid);
+    __syncthreads();  // the bits are cleared for the next chunk
+  }
+  __threadfence();  // this CTA's chunk counts before its arrival
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(c.done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  scan_chunks(c, chunks);
+  if (tid == 0) *c.done = 0;  // every CTA has arrived: zero again for the next call
+}
+
+std::size_t chunk_plan_smem_bytes(int experts) {
+  return static_cast<std::size_t>(experts) * kPlanChunkWords * sizeof(std::uint32_t);
+}
+
+}  // namespace
+
+bool chunk_plan_fits(int experts) { return chunk_plan_smem_bytes(experts) <= kChunkPlanMaxSmem; }
+
+void prepare_chunk_plan(int experts) {
+  if (!chunk_plan_fits(experts)) return;
+  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(chunk_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(chunk_plan_smem_bytes(experts))));
+}
+
+void launch_chunk_plan(const ChunkPlanCall& c, int grid, cudaStream_t stream) {
+  chunk_plan_kernel<<<grid, kThreads, chunk_plan_smem_bytes(c.experts), stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("hybridep chunk_plan_kernel");
+}
+
+}  // namespace flexep::hybridep
