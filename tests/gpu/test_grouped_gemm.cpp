@@ -109,7 +109,7 @@ void check_all(std::int64_t N, std::int64_t K, std::int64_t M, const std::vector
   for (std::int64_t g = 0; g < G; ++g) {
     if (counts[static_cast<std::size_t>(g)] != 0) continue;
     EXPECT_TRUE(testing::same_bytes(Tensor::wrap(w.view().rows(g, g + 1)).clone(),
-                                       Tensor::wrap(w0.view().rows(g, g + 1)).clone()))
+                                    Tensor::wrap(w0.view().rows(g, g + 1)).clone()))
         << "wgrad changed the block of empty expert " << g;
   }
 }

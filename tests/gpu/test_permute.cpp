@@ -115,7 +115,7 @@ void check_roundtrip(const Routed& r, const PlanParams& params, std::int64_t H, 
   poison(grad_d, stream, kPoison);
   cuda::gather_slot_values(values_d, plan, grad_d, stream);
   EXPECT_TRUE(same_bytes(cuda::to_host(grad_d, stream),
-                            Tensor::from_vector(reference_gather(values, ref.rows), {T, k})))
+                         Tensor::from_vector(reference_gather(values, ref.rows), {T, k})))
       << "gather_slot_values";
   errors.check(stream, "test");
 }
@@ -219,7 +219,7 @@ TEST(Permute, BudgetTailIsZeroAndNothingIsWrittenPastTheBudget) {
     EXPECT_TRUE(all_bytes(Tensor::wrap(got_probs.view().rows(c.budget, c.budget + guard)), kPoison))
         << "probs past the budget were written";
     EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream),
-                              reference_unpermute(want_tokens, r.indices, ref.rows, DType::bf16)));
+                           reference_unpermute(want_tokens, r.indices, ref.rows, DType::bf16)));
     expect_plan_eq(plan, ref, stream);
     if (overflow) {
       try {
@@ -388,7 +388,7 @@ TEST(Permute, CudaGraphReplaysPlanPermuteUnpermute) {
       EXPECT_TRUE(same_bytes(cuda::to_host(tokens_d, stream), want_tokens));
       EXPECT_TRUE(same_bytes(cuda::to_host(probs_d, stream), want_probs));
       EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream),
-                                reference_unpermute(want_tokens, r.indices, ref.rows, DType::bf16)));
+                             reference_unpermute(want_tokens, r.indices, ref.rows, DType::bf16)));
     }
     FLEXEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
     FLEXEP_CUDA_CHECK(cudaGraphDestroy(graph));
