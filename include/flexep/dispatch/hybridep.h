@@ -32,8 +32,9 @@
 // MoE layer's backward needs them: one dispatcher per layer). Outputs of combine and the backwards
 // are fresh tensors (or caller-provided, *_into).
 //
-// Modes: blocking (tokens_per_expert on the host; the call waits for the GPU once, and so do
-// combine and the backwards of a blocking dispatch unless check_blocking_calls is off) and budget
+// Modes: blocking (tokens_per_expert on the host; the call waits until the preprocess kernel has
+// published the layout, not for the rows to arrive, as DeepEP's dispatch; combine and the
+// backwards of a blocking dispatch wait for the GPU unless check_blocking_calls is off) and budget
 // (no host synchronisation at all, CUDA-graph capturable together with combine_into; errors are
 // recorded on the device and raised by the next host check: check_errors(), last_dropped(), or a
 // blocking call). Overflow with the error policy fails the call on every rank; the drop policy
