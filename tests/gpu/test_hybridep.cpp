@@ -25,6 +25,7 @@
 #include "flexep/core/random.h"
 #include "flexep/core/routing.h"
 #include "flexep/core/synthetic_routing.h"
+#include "flexep/cuda/graph.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/dispatch/host.h"
 #include "flexep/dispatch/hybridep.h"
@@ -324,23 +325,14 @@ TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
         d->combine_into(warm.handle, warm.tokens, out);
         d->check_errors();
 
-        cudaGraph_t graph = nullptr;
         DispatchResult res;
-        FLEXEP_CUDA_CHECK(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal));
-        try {
+        const cuda::CapturedGraph graph(g.stream, cudaStreamCaptureModeThreadLocal, [&] {
           res = d->dispatch(di, o);
           FLEXEP_CUDA_CHECK(cudaMemcpyAsync(experts.raw(), res.tokens.raw(), res.tokens.nbytes(),
                                             cudaMemcpyDeviceToDevice, g.stream));
           cuda::add_into(experts, res.tokens, g.stream);  // the "experts": y = 2 x
           d->combine_into(res.handle, experts, out);
-        } catch (...) {
-          cudaStreamEndCapture(g.stream, &graph);
-          if (graph) cudaGraphDestroy(graph);
-          throw;
-        }
-        FLEXEP_CUDA_CHECK(cudaStreamEndCapture(g.stream, &graph));
-        cudaGraphExec_t exec = nullptr;
-        FLEXEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        });
         Config cr = c;
         for (int rep = 0; rep < replays; ++rep) {
           SCOPED_TRACE("replay " + std::to_string(rep) + ", rank " + std::to_string(g.rank));
@@ -349,7 +341,7 @@ TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
           cuda::copy_async(x, in.hidden, g.stream);
           cuda::copy_async(idx, in.indices, g.stream);
           cuda::copy_async(w, in.weights, g.stream);
-          FLEXEP_CUDA_CHECK(cudaGraphLaunch(exec, g.stream));
+          graph.launch(g.stream);
           const Want& want_r = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(g.rank)];
           EXPECT_TRUE(same_bytes(want_r.tokens, cuda::to_host(res.tokens, g.stream))) << "tokens";
           EXPECT_TRUE(same_bytes(want_r.probs, cuda::to_host(res.token_probs, g.stream))) << "probs";
@@ -357,8 +349,6 @@ TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
           EXPECT_TRUE(same_bytes(want_r.combined, cuda::to_host(out, g.stream))) << "combine";
         }
         d->check_errors();
-        FLEXEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
-        FLEXEP_CUDA_CHECK(cudaGraphDestroy(graph));
       },
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));

@@ -12,6 +12,7 @@
 
 #include "flexep/comm/host_world.h"
 #include "flexep/core/error.h"
+#include "flexep/cuda/graph.h"
 #include "flexep/cuda/local_plan.h"
 #include "flexep/cuda/permute.h"
 #include "flexep/dispatch/host.h"
@@ -349,20 +350,11 @@ TEST(Permute, CudaGraphReplaysPlanPermuteUnpermute) {
     (void)cuda::sm_count(0);          // cached before capture (it is a plain attribute query anyway)
     FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-    cudaGraph_t graph = nullptr;
-    FLEXEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    try {
+    const cuda::CapturedGraph graph(stream, cudaStreamCaptureModeGlobal, [&] {
       cuda::plan_local_into(plan, idx_d, errors, stream);
       cuda::permute(x_d, w_d, plan, tokens_d, probs_d, stream);
       cuda::unpermute(tokens_d, plan, out_d, stream);
-    } catch (...) {
-      cudaStreamEndCapture(stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    FLEXEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec = nullptr;
-    FLEXEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    });
 
     for (int replay = 0; replay < 10; ++replay) {
       SCOPED_TRACE("replay " + std::to_string(replay));
@@ -375,7 +367,7 @@ TEST(Permute, CudaGraphReplaysPlanPermuteUnpermute) {
       poison(tokens_d, stream, kPoison);
       poison(probs_d, stream, kPoison);
       poison(out_d, stream, kPoison);
-      FLEXEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch(stream);
       errors.check(stream, "graph replay");
 
       const RefPlan ref = reference_plan(r.indices, params);
@@ -390,8 +382,6 @@ TEST(Permute, CudaGraphReplaysPlanPermuteUnpermute) {
       EXPECT_TRUE(same_bytes(cuda::to_host(out_d, stream),
                              reference_unpermute(want_tokens, r.indices, ref.rows, DType::bf16)));
     }
-    FLEXEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    FLEXEP_CUDA_CHECK(cudaGraphDestroy(graph));
   }
 }
 

@@ -21,6 +21,7 @@
 #include "flexep/core/plan.h"
 #include "flexep/core/routing.h"
 #include "flexep/core/synthetic_routing.h"
+#include "flexep/cuda/graph.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/dispatch/alltoall.h"
 #include "flexep/dispatch/hybridep.h"
@@ -81,24 +82,12 @@ TimeStats graph_replay_time(const BenchArgs& a, Communicator& comm, HybridEpDisp
   DispatchResult warm = d.dispatch(in, budget);  // loads the kernels outside the capture
   d.combine(warm.handle, warm.tokens);
   d.check_errors();
-  cudaGraph_t graph = nullptr;
-  FLEXEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  try {
+  const cuda::CapturedGraph graph(stream, cudaStreamCaptureModeThreadLocal, [&] {
     DispatchResult r = d.dispatch(in, budget);
     d.combine(r.handle, r.tokens);
-  } catch (...) {
-    cudaStreamEndCapture(stream, &graph);
-    if (graph) cudaGraphDestroy(graph);
-    throw;
-  }
-  FLEXEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec = nullptr;
-  FLEXEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const TimeStats t =
-      timed_collective(comm, [&] { FLEXEP_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, a.warmup, a.reps, stream);
+  });
+  const TimeStats t = timed_collective(comm, [&] { graph.launch(stream); }, a.warmup, a.reps, stream);
   d.check_errors();
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   return t;
 }
 
