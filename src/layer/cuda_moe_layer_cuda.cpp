@@ -28,7 +28,8 @@ struct ReleaseOn {
 struct CudaMoESaved {
   ReleaseOn release;  // first member: destroyed last, so it is active while the tensors are freed
   ~CudaMoESaved() { release.activate(); }
-  Tensor x;            // [T, dim] bf16, a copy (router and shared-gate backward read it)
+  std::int64_t tokens = 0;
+  Tensor x;            // [T, dim] bf16, a copy when the backward reads it (router, shared experts)
   Tensor padding;      // [T] bool or undefined
   cuda::RouterOutput router;
   GateOutput fake;     // fake balanced gate: routing computed on the host
@@ -204,8 +205,15 @@ CudaMoEOutput CudaMoELayer::forward(const TensorView& x, const TensorView& paddi
   Events& ev = *events_;
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[0], stream));
 
-  s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
-  cuda::copy_async(s->x, x, stream);
+  s->tokens = T;
+  // Only the router's and the shared experts' backwards read x: without them (the fake gate, no
+  // shared experts) the forward reads the caller's x and keeps no copy.
+  const bool keep_x = shared_ != nullptr || !backend_.fake_balanced_gate;
+  if (keep_x) {
+    s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
+    cuda::copy_async(s->x, x, stream);
+  }
+  const TensorView x_in = keep_x ? s->x.view() : x;
   if (padding_mask.defined()) {
     s->padding = Tensor::empty({T}, DType::b8, dev);
     cuda::copy_async(s->padding, padding_mask, stream);
@@ -231,14 +239,25 @@ CudaMoEOutput CudaMoELayer::forward(const TensorView& x, const TensorView& paddi
     token_mask = Tensor::empty({T}, DType::b8, dev);
     cuda::logical_not(s->padding, token_mask, stream);
   }
-  if (backend_.fake_balanced_gate) {
-    // Fake routing depends only on T and the first 4 values of x: compute it on the host from a
-    // [T, min(dim, 4)] probe (the same first 4 values; a [T, dim] one costs ~80 ms of page faults at
-    // T 4096, dim 7168).
+  if (backend_.fake_balanced_gate && backend_.fake_gate_noise == 0) {
+    // Without noise the fake routing is a fixed pattern of the token index (fake_balanced_gate.cpp):
+    // computed and uploaded once per T, then reused, with no readback of x and no host sync.
+    if (fixed_fake_.tokens != T) {
+      const GateOutput g = FakeBalancedGate(config_, 0.0).forward(Tensor::zeros({T, 1}, DType::f32), Tensor());
+      fixed_fake_.indices = cuda::to_device(g.indices, options_.device, stream);
+      fixed_fake_.weights = cuda::to_device(g.weights, options_.device, stream);
+      fixed_fake_.tokens = T;
+    }
+    s->router.indices = fixed_fake_.indices;
+    s->weights = fixed_fake_.weights;
+  } else if (backend_.fake_balanced_gate) {
+    // Fake routing with noise depends only on T and the first 4 values of x: compute it on the host
+    // from a [T, min(dim, 4)] probe (the same first 4 values; a [T, dim] one costs ~80 ms of page
+    // faults at T 4096, dim 7168).
     Tensor probe = Tensor::zeros({T, std::min<std::int64_t>(config_.dim, 4)}, DType::f32);
     if (T * config_.dim > 0) {
       const std::int64_t n = std::min<std::int64_t>(4, T * config_.dim);
-      Tensor head = cuda::to_host(s->x.view().reshape({T * config_.dim}).rows(0, n), stream).to(DType::f32);
+      Tensor head = cuda::to_host(x_in.reshape({T * config_.dim}).rows(0, n), stream).to(DType::f32);
       std::memcpy(probe.raw(), head.raw(), static_cast<std::size_t>(n) * sizeof(float));
     }
     FakeBalancedGate fake(config_, backend_.fake_gate_noise);
@@ -262,7 +281,7 @@ CudaMoEOutput CudaMoELayer::forward(const TensorView& x, const TensorView& paddi
 
   // Dispatch, experts, combine.
   DispatchInput in;
-  in.hidden = s->x;
+  in.hidden = x_in;
   in.indices = s->indices;
   in.weights = s->weights;
   s->dispatched = dispatcher_->dispatch(in, options_.dispatch);
@@ -293,7 +312,7 @@ Tensor CudaMoELayer::backward(const CudaMoEOutput& forward_output, const TensorV
   FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
   const CudaMoESaved& s = *forward_output.saved;
   const Device dev = Device::cuda(options_.device);
-  const std::int64_t T = s.x.size(0);
+  const std::int64_t T = s.tokens;
   check::shape(grad_out, {T, config_.dim}, "grad_out");
   check::dtype(grad_out, {DType::bf16}, "grad_out");
   check::device(grad_out, dev, "grad_out");

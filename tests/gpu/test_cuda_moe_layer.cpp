@@ -299,6 +299,41 @@ TEST(CudaMoELayer, FreshBf16GradsAreNewTensorsPerBackward) {
     for (std::int64_t i = 0; i < grad.numel(); ++i) ASSERT_EQ(read_as_double(grad, i), 0.0) << name;
 }
 
+// The fake balanced gate on the device layer against the CPU layer with the same gate: without
+// noise (routing cached per T on the device, and no copy of x kept, since no backward reads it)
+// and with noise (routing from x on the host). T changes between calls and comes back, so a stale
+// cached routing would show; both sides route identically, so outputs agree to bf16 precision.
+TEST(CudaMoELayer, FakeGateMatchesCpuAcrossChangingT) {
+  if (!testing::require_gpus(1)) return;
+  for (double noise : {0.0, 0.3}) {
+    SCOPED_TRACE("noise " + std::to_string(noise));
+    Case c{"fake_gate", base_config()};
+    BackendConfig backend;
+    backend.fake_balanced_gate = true;
+    backend.fake_gate_noise = noise;
+    LayerData d = layer_data(c, 300, 4);
+    d.cpu = std::make_unique<MoELayer>(c.moe, backend, nullptr, MoELayerOptions{});
+    for (Parameter* p : d.cpu->parameters()) p->value = round_bf16(p->value);
+    const cuda::OwnedStream stream;
+    CudaMoELayer gpu(c.moe, backend, nullptr, CudaMoELayerOptions{});
+    gpu.load_from(*d.cpu, stream);
+    for (std::int64_t T : {300, 97, 300}) {
+      SCOPED_TRACE("T " + std::to_string(T));
+      LayerData part;
+      part.x = Tensor::wrap(d.x.view().rows(0, T));
+      part.pad = Tensor::zeros({T}, DType::b8);
+      part.g = Tensor::wrap(d.g.view().rows(0, T));
+      MoEOutput ref = d.cpu->forward(part.x, part.pad, true);
+      d.cpu->zero_grad();
+      const Tensor ref_gx = d.cpu->backward(ref, part.g);
+      Tensor y;
+      const Tensor gx = run_layer(gpu, part, part.g, stream, &y);
+      EXPECT_LT(rel_error(y, ref.out), 3e-2);
+      EXPECT_LT(rel_error(gx, ref_gx), 3e-2);
+    }
+  }
+}
+
 TEST(CudaMoELayer, ZeroTokensAndBadInput) {
   if (!testing::require_gpus(1)) return;
   MoEConfig c = base_config();

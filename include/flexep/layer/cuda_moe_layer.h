@@ -117,6 +117,12 @@ class CudaMoELayer {
   Tensor cumulative_load_;                  // [E] i64 device
   std::vector<double> correction_master_;  // fp64 master of the correction bias
   std::unique_ptr<CudaGroupedExperts> experts_, shared_;
+  // The fake balanced gate without noise routes by the token index alone: its routing for the last
+  // T, on the device, reused while T stays the same.
+  struct FixedFakeRouting {
+    std::int64_t tokens = -1;
+    Tensor indices, weights;
+  } fixed_fake_;
   cudaStream_t side_stream_ = nullptr;
   bool timing_ = false;
   CudaMoEPhaseTimes times_;
