@@ -21,6 +21,10 @@ void register_hybridep() {
                      sizes.max_tokens_per_rank, ")");
     HybridEpOptions o = HybridEpOptions::from_backend(b, sizes.max_tokens_per_rank, sizes.hidden);
     o.max_topk = sizes.max_topk;
+    // As DeepEP's buffer under Megatron / Automodel: combine and the backwards return without
+    // waiting for the GPU. A device error they record is raised by the next dispatch (its preprocess
+    // kernel publishes the status along with the layout) or by check_errors().
+    o.check_blocking_calls = false;
     return std::shared_ptr<TokenDispatcher>(make_hybridep_dispatcher(std::move(comm), num_experts, o));
   });
 #endif

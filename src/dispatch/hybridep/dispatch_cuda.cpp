@@ -127,6 +127,7 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   const bool blocking = options.mode == DispatchMode::blocking;
   if (blocking) {
     c.host_control = readback_device_->control;
+    c.host_status = &readback_device_->published_status;
     c.host_seq_at = &readback_device_->control_seq;
     c.host_seq = static_cast<unsigned>(dispatch_seq_);
   }
@@ -241,9 +242,10 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     }
     DispatchControl control;
     std::memcpy(&control, readback_->control, sizeof control);
-    if (control.abort) {
-      check(s, "dispatch");  // raises the reason (status abort or timeout)
-      throw Error(detail::concat("rank ", me, ": hybridep dispatch aborted without a reported reason (internal)"));
+    if (control.abort || readback_->published_status.code != 0) {
+      check(s, "dispatch");  // raises the reason: this call's abort, or an error an earlier call left
+      if (control.abort)
+        throw Error(detail::concat("rank ", me, ": hybridep dispatch aborted without a reported reason (internal)"));
     }
     N = control.out_rows;
     result.dropped = control.dropped;

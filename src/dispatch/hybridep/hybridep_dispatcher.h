@@ -34,6 +34,7 @@ struct Readback {
   cuda::DeviceErrorRecord errors;
   long long dropped;
   alignas(16) unsigned char control[sizeof(DispatchControl) + 8 * 1024];  // L <= 1024 local experts
+  Status published_status;  // the device status as the preprocess kernel saw it (with `control`)
   unsigned control_seq;
 };
 

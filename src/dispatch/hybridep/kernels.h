@@ -72,6 +72,7 @@ struct DispatchCall {
   // pinned host memory, then writes host_seq to *host_seq_at, so that the host learns the layout
   // without waiting for the data movement (as DeepEP's host-mapped receive counters).
   unsigned char* host_control = nullptr;
+  Status* host_status = nullptr;  // and the status, so that an error an earlier call left is raised now
   unsigned* host_seq_at = nullptr;
   unsigned host_seq = 0;
 };

@@ -169,14 +169,22 @@ __device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& ro
   }
 }
 
-// Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) to the host, then the
-// call's number after them.
+// Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) and the status to the
+// host, then the call's number after them.
 __device__ void publish_to_host(const DispatchView& v, const DispatchCall& c) {
   __syncthreads();
   const int words = static_cast<int>((sizeof(DispatchControl) + 8 * static_cast<std::size_t>(v.local_experts)) / 8);
   const auto* src = reinterpret_cast<const long long*>(v.control);
   auto* dst = reinterpret_cast<long long*>(c.host_control);
   for (int i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
+  if (threadIdx.x == 0) {
+    const volatile Status* st = v.status;  // errors of this call's CTAs or of earlier calls
+    c.host_status->code = st->code;
+    c.host_status->phase = st->phase;
+    c.host_status->peer = st->peer;
+    c.host_status->value = st->value;
+    c.host_status->limit = st->limit;
+  }
   __threadfence_system();  // each thread's copies before the barrier, the barrier before the number
   __syncthreads();
   if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(c.host_seq_at) = c.host_seq;
