@@ -115,8 +115,13 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per module")
     ap.add_argument("--grad-mode", default="fresh_bf16_weights", choices=["fresh_bf16_weights", "accumulate_f32"],
                     help="flexep.torch.MoE grad_mode (accumulate_f32: the f32 gradients copied into bf16)")
+    ap.add_argument("--own-gemm-min-work", type=int, default=None,
+                    help="experts with at least this many multiply-adds get their own GEMM (0: all; 2**63-1: none)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
+    if a.own_gemm_min_work is not None:
+        from flexep import _flexep
+        _flexep.set_grouped_gemm_own_gemm_min_work(a.own_gemm_min_work)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -144,6 +149,7 @@ def main():
         m = ft.MoE(cfg, bc, device=dev, fast_init=True, grad_mode=a.grad_mode)
         records.append(dict(common, backend=backend, sms=a.sms if backend == "hybridep" else None,
                             time_us=time_fwd_bwd(m, x, grad, a.iters, a.warmup),
+                            own_gemm_min_work=a.own_gemm_min_work,
                             note="flexep.torch.MoE forward + backward (one autograd Function over CudaMoELayer), "
                                  f"grad_mode {a.grad_mode}"))
         if a.profile:

@@ -16,6 +16,7 @@
 #include "flexep/layer/moe_layer.h"
 
 #ifdef FLEXEP_WITH_CUDA
+#include "flexep/cuda/grouped_gemm.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/cuda_moe_layer.h"
 #endif
@@ -231,6 +232,11 @@ void bind_layer(nb::module_& m) {
             l.update_bias(group, reinterpret_cast<cudaStream_t>(stream));
           },
           nb::arg("group").none() = nb::none(), nb::arg("stream") = 0);
+
+  m.def("set_grouped_gemm_own_gemm_min_work", &cuda::set_grouped_gemm_own_gemm_min_work, nb::arg("macs"),
+        "Experts with at least this many multiply-adds get their own cuBLAS GEMM, the rest one grouped call "
+        "(0: every expert its own; 2**63 - 1: all grouped). Process-wide; for tuning.");
+  m.def("grouped_gemm_own_gemm_min_work", &cuda::grouped_gemm_own_gemm_min_work);
 #endif
 }
 
