@@ -34,6 +34,24 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
   EXPECT_EQ(part_split(num_chunks(128), 32).tokens, 4);    // decode, 4 chunks: the smallest parts
 }
 
+// HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid
+// sizes leave the choice to the split (the dispatcher rejects invalid ones before a kernel runs).
+TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {
+  for (int forced : {4, 8, 16, 32}) {
+    EXPECT_TRUE(valid_part_tokens(forced));
+    for (long long chunks : {1LL, 128LL})
+      for (int pipelines : {1, 32, 256}) {
+        const PartSplit s = part_split(chunks, pipelines, forced);
+        EXPECT_EQ(s.tokens, forced);
+        EXPECT_EQ(s.tokens * s.per_chunk, kChunkTokens);
+      }
+  }
+  for (int bad : {0, -4, 1, 2, 3, 6, 12, 64}) {
+    EXPECT_FALSE(valid_part_tokens(bad)) << bad;
+    EXPECT_EQ(part_split(128, 32, bad).tokens, part_split(128, 32).tokens) << bad;
+  }
+}
+
 TEST(HybridEpParts, PartsOfOneRankCoverEveryTokenOnceAndStayInsideTheirChunk) {
   for (long long T : {0LL, 1LL, 3LL, 31LL, 32LL, 33LL, 100LL, 128LL, 257LL, 4096LL}) {
     for (int pipelines : {1, 5, 32, 264}) {

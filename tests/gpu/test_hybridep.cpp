@@ -481,6 +481,41 @@ TEST_P(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
   for (std::size_t i = 0; i < got.size(); ++i) expect_equal(want, got[i], c.name + " sms setting " + std::to_string(i));
 }
 
+// HybridEpOptions::part_tokens (the v2 kernels' work item, for sweeps): every size gives the host
+// backend's results; an invalid one is refused naming the option.
+TEST_P(HybridEpMultiGpu, PartSizesChangeNoResult) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const Config c = config("parts zipf E=16R k=8 H=2048", 16, 8, 2048, {700, 300, 0, 65}, RoutingKind::zipf, 16);
+  const std::vector<Outputs> want = run_host(c, R);
+  const std::vector<int> sizes = {4, 8, 16, 32};
+  std::vector<std::vector<Outputs>> got(sizes.size(), std::vector<Outputs>(static_cast<std::size_t>(R)));
+  std::vector<std::exception_ptr> bad(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          HybridEpOptions o = hybridep_options(c, g.size);
+          o.stream = g.stream;
+          o.part_tokens = sizes[i];
+          auto d = make_hybridep_dispatcher(g.comm, c.experts_per_rank * g.size, o);
+          got[i][static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, c);
+        }
+        HybridEpOptions o = hybridep_options(c, g.size);
+        o.part_tokens = 12;
+        try {
+          make_hybridep_dispatcher(g.comm, c.experts_per_rank * g.size, o);
+        } catch (...) {
+          bad[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    expect_equal(want, got[i], c.name + " part_tokens " + std::to_string(sizes[i]));
+  EXPECT_TRUE(all_threw<ArgumentError>(bad, [](const ArgumentError& e) { return e.argument() == "part_tokens"; }));
+}
+
 TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();

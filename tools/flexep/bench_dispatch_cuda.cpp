@@ -103,6 +103,7 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
   ho.kernel_timing = true;
   ho.stream = stream;
   ho.kernels = a.hybridep_kernels;
+  ho.part_tokens = a.hybridep_part_tokens;
   // A second dispatcher without kernel timing for the graph record (no event records in the capture).
   HybridEpOptions go = ho;
   go.kernel_timing = false;
@@ -159,8 +160,10 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
            "graph once per repetition)", "graph");
     tag(first);
     // Which kernels produced these records (--hybridep-kernels), in every note.
+    const std::string parts =
+        a.hybridep_part_tokens ? ", parts of " + std::to_string(a.hybridep_part_tokens) + " tokens" : "";
     for (std::size_t i = first; i < mine.size(); ++i)
-      mine[i].note = "kernels v" + std::to_string(a.hybridep_kernels) + ": " + mine[i].note;
+      mine[i].note = "kernels v" + std::to_string(a.hybridep_kernels) + parts + ": " + mine[i].note;
   }
 }
 

@@ -91,7 +91,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
   const WaitContext reuse{v.status, v.timeout_ns, Phase::combine_backward_reuse};
   if (warp_wait_ranks(consumed_flag(v, me, 0), 1, R, env.epoch - 1, reuse, lane)) {
     // Stage: this rank's grad_out rows into its window, where the expert ranks pull them.
-    const PartSplit split1 = part_split(num_chunks(h.tokens), env.pipelines);
+    const PartSplit split1 = part_split(num_chunks(h.tokens), env.pipelines, v.part_tokens);
     const long long parts1 = static_cast<long long>(num_chunks(h.tokens)) * split1.per_chunk;
     for (long long i = grab_item(&v.work[kWorkFirst], lane); i < parts1; i = grab_item(&v.work[kWorkFirst], lane)) {
       const Part p = part_in_rank(i, split1, h.tokens, me);
@@ -112,7 +112,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
     // Pull: every source's tokens that have rows here, once the source has staged their chunk.
     auto none = [](int) { return false; };
     auto tokens = [&h](int s) { return tokens_of(h.control, s, h.max_tokens); };
-    const PartSplit split2 = part_split(chunks_of_ranks(R, tokens, none), env.pipelines);
+    const PartSplit split2 = part_split(chunks_of_ranks(R, tokens, none), env.pipelines, v.part_tokens);
     const long long parts2 = parts_of_ranks(R, split2, tokens, none);
     const WaitContext wait{v.status, v.timeout_ns, Phase::combine_backward_rows};
     for (long long i = grab_item(&v.work[kWorkSecond], lane); i < parts2; i = grab_item(&v.work[kWorkSecond], lane)) {

@@ -23,7 +23,8 @@ void Dispatcher::run_combine(const HepHandle& h, const TensorView& rows, const T
   c.grad_weights = grad_weights.defined() ? grad_weights.ptr<float>() : nullptr;
   c.data_phase = data;
   c.reuse_phase = reuse;
-  const CombineView view = combine_->view(status_, options_.timeout_seconds);
+  CombineView view = combine_->view(status_, options_.timeout_seconds);
+  view.part_tokens = options_.part_tokens;
   record(ev_combine, s);
   if (options_.kernels == 2 && combine_v2_supported(h.hidden))
     launch_combine_v2(view, handle_view(h), c, num_sms().combine, s);
@@ -35,7 +36,8 @@ void Dispatcher::run_combine(const HepHandle& h, const TensorView& rows, const T
 void Dispatcher::run_combine_backward(const HepHandle& h, const TensorView& grad_out, const TensorView& out,
                                       cudaStream_t s) {
   record(ev_combine, s);
-  const CombineView view = combine_->view(status_, options_.timeout_seconds);
+  CombineView view = combine_->view(status_, options_.timeout_seconds);
+  view.part_tokens = options_.part_tokens;
   if (options_.kernels == 2 && combine_backward_v2_supported(h.hidden))
     launch_combine_backward_v2(view, handle_view(h), grad_out.data, out.data, num_sms().combine, s);
   else

@@ -156,7 +156,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     // Level 1: every source's tokens that have rows here.
     auto all = [](int) { return false; };
     auto tokens = [&h](int s) { return tokens_of(h.control, s, h.max_tokens); };
-    const PartSplit split1 = part_split(chunks_of_ranks(R, tokens, all), pipelines);
+    const PartSplit split1 = part_split(chunks_of_ranks(R, tokens, all), pipelines, v.part_tokens);
     const long long parts1 = parts_of_ranks(R, split1, tokens, all);
     for (long long i = grab_item(&v.work[kWorkFirst], lane); i < parts1; i = grab_item(&v.work[kWorkFirst], lane)) {
       Part p;
@@ -168,7 +168,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     }
     // Level 2: this rank's tokens, once every rank has published the chunk's partials.
     const WaitContext wait{v.status, v.timeout_ns, c.data_phase};
-    const PartSplit split2 = part_split(num_chunks(h.tokens), pipelines);
+    const PartSplit split2 = part_split(num_chunks(h.tokens), pipelines, v.part_tokens);
     const long long parts2 = static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
     for (long long i = grab_item(&v.work[kWorkSecond], lane); i < parts2; i = grab_item(&v.work[kWorkSecond], lane)) {
       const Part p = part_in_rank(i, split2, h.tokens, me);

@@ -201,7 +201,8 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    complete before it reads anything, so the results cannot change. Not in a graph capture:
   //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
   //    dependencies they had before.
-  const DispatchView view = st.view(status_, options_.timeout_seconds);
+  DispatchView view = st.view(status_, options_.timeout_seconds);
+  view.part_tokens = options_.part_tokens;
   record(ev_preprocess, s);
   launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);

@@ -221,7 +221,7 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   auto received_tokens = [&v](int s) { return tokens_of(v.control, s, v.max_tokens); };
 
   // 1. This rank's tokens: never waits for anything remote.
-  const PartSplit send = part_split(num_chunks(c.tokens), env.pipelines);
+  const PartSplit send = part_split(num_chunks(c.tokens), env.pipelines, v.part_tokens);
   const long long send_parts = static_cast<long long>(num_chunks(c.tokens)) * send.per_chunk;
   for (long long i = grab_item(&v.work[kWorkFirst], lane); i < send_parts; i = grab_item(&v.work[kWorkFirst], lane)) {
     const Part p = part_in_rank(i, send, c.tokens, me);
@@ -238,7 +238,7 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   ++j;
 
   // 2. The other ranks' tokens that arrived here: probs and the copies into their other rows.
-  const PartSplit recv = part_split(chunks_of_ranks(R, received_tokens, not_mine), env.pipelines);
+  const PartSplit recv = part_split(chunks_of_ranks(R, received_tokens, not_mine), env.pipelines, v.part_tokens);
   const long long recv_parts = parts_of_ranks(R, recv, received_tokens, not_mine);
   const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_tokens};
   for (long long i = grab_item(&v.work[kWorkSecond], lane); i < recv_parts; i = grab_item(&v.work[kWorkSecond], lane)) {

@@ -42,6 +42,7 @@ struct DispatchView {
   unsigned* work = nullptr;          // [2 + max_chunks] v2 work counters (work_items.cuh), zero between kernels
   Status* status = nullptr;
   unsigned long long timeout_ns = 0;
+  int part_tokens = 0;  // v2 part size (parts.h); 0: chosen per call
 };
 
 // One dispatch call.
@@ -107,6 +108,7 @@ struct CombineView {
   unsigned* work = nullptr;  // [2 + R * max_chunks] v2 work counters (work_items.cuh), zero between kernels
   Status* status = nullptr;
   unsigned long long timeout_ns = 0;
+  int part_tokens = 0;  // v2 part size (parts.h); 0: chosen per call
 };
 
 // combine (grad_probs null) or dispatch_backward.

@@ -20,11 +20,20 @@ struct PartSplit {
   int per_chunk = 1;          // parts per chunk (the last chunk's trailing parts may hold no token)
 };
 
+// Whether `tokens` may be forced as the part size: a power of two in [kMinPartTokens, kChunkTokens].
+FLEXEP_HD bool valid_part_tokens(int tokens) {
+  return tokens >= kMinPartTokens && tokens <= kChunkTokens && (tokens & (tokens - 1)) == 0;
+}
+
 // The largest part size that still gives at least 8 parts per pipeline (so that the hand-out
-// balances the load to within ~1/8 of a pipeline's share), but not below kMinPartTokens.
-FLEXEP_HD PartSplit part_split(long long chunks, int pipelines) {
+// balances the load to within ~1/8 of a pipeline's share), but not below kMinPartTokens; or
+// `forced` when it is a valid part size (HybridEpOptions::part_tokens, for sweeps).
+FLEXEP_HD PartSplit part_split(long long chunks, int pipelines, int forced = 0) {
   int p = kChunkTokens;
-  while (p > kMinPartTokens && chunks * (kChunkTokens / p) < 8LL * pipelines) p /= 2;
+  if (valid_part_tokens(forced))
+    p = forced;
+  else
+    while (p > kMinPartTokens && chunks * (kChunkTokens / p) < 8LL * pipelines) p /= 2;
   PartSplit s;
   s.tokens = p;
   s.per_chunk = kChunkTokens / p;
