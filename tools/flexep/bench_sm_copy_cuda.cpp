@@ -1,10 +1,13 @@
 // Case `sm-copy`: what one SM's copy paths move per second between shared memory and HBM (probes in
 // sm_copy_kernels.cu), over SM counts and copies in flight: bulk stores (one issuing thread, the
-// v2 consumer's path), bulk loads (the v2 producer's path), 16-byte stores by W warps and 16-byte
-// loads by W warps with U in flight per lane (a combine that sums rows straight from HBM). The
+// v2 consumer's path), bulk loads (the v2 producer's path; also by 2 and 4 issuing threads), 16-byte
+// stores by W warps, 16-byte loads by W warps with U in flight per lane (a combine that sums rows
+// straight from HBM), and bulk loads with warp loads at once (whether the two load paths add up). The
 // hybridep v2 kernels move ~66 GB/s per SM (dispatch) and ~49 (combine) on 2x H200; these numbers
 // say how much of that is the path itself. Records: backend "<path>/<in flight or warps>", sms set,
 // hbm_gbps = bytes / kernel time (per SM in the note).
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "bench_cases.h"
@@ -43,10 +46,17 @@ void run(const BenchArgs& a, BenchRun& run) {
     p.warps = path == "warp-store" ? variant : 1;
     if (path == "warp-load" || path == "warp-load-cg")
       p.in_flight = variant % 100, p.warps = variant / 100;  // variant = 100 W + U
+    if (path == "bulk-load-issuers") p.issuers = variant, p.in_flight = 8 / variant;
+    if (path == "mixed-load") {  // W warps' loads take two thirds of the rows, one thread's bulk loads a third
+      p.warps = variant;
+      p.in_flight = 8;
+      p.bulk_copies = std::max(1, p.copies / 3);
+      p.copies = std::max(1, p.copies - p.bulk_copies);
+    }
     p.l2_only = path == "warp-load-cg";
     p.sink = sink;
     const TimeStats t = time_cuda([&] { launch(p, sms, stream); }, a.warmup, a.reps, stream);
-    const double bytes = static_cast<double>(p.copies) * sms * row_bytes;
+    const double bytes = static_cast<double>(p.copies + p.bulk_copies) * sms * row_bytes;
     BenchRecord r;
     r.case_name = "sm-copy";
     r.backend = path.rfind("warp-load", 0) == 0 ? fmt::format("{}/{}x{}", path, p.warps, p.in_flight)  // warps x in flight
@@ -72,6 +82,14 @@ void run(const BenchArgs& a, BenchRun& run) {
         probe("bulk-load", k, sms, launch_bulk_load_probe,
               fmt::format("cp.async.bulk global->shared by one thread, {} in flight", k));
       }
+      for (int n : {2, 4})
+        probe("bulk-load-issuers", n, sms, launch_bulk_load_probe,
+              fmt::format("cp.async.bulk global->shared by {} threads, {} in flight each", n, 8 / n));
+      for (int w : {8, 12})
+        probe("mixed-load", w, sms, launch_mixed_load_probe,
+              fmt::format("16-byte loads by {} warps (8 per lane in flight) on 2/3 of the rows while one thread "
+                          "bulk-loads the other 1/3 (8 in flight)",
+                          w));
       for (int w : {1, 4, 16})
         probe("warp-store", w, sms, launch_warp_store_probe, fmt::format("16-byte stores by {} warps", w));
       for (int w : {4, 8, 16})

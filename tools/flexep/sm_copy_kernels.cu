@@ -2,6 +2,7 @@
 // visible to the bulk-copy unit by a proxy fence), then moves `copies` rows; nothing is checked:
 // the probes measure speed (the hybridep tests check the same primitives' results).
 #include "dispatch/hybridep/tma.cuh"
+#include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
 #include "sm_copy_kernels.h"
 
@@ -13,6 +14,7 @@ namespace {
 
 constexpr int kThreads = 512;  // 16 warps: the most the warp-store probe uses
 constexpr int kMaxInFlight = 8;
+constexpr int kMaxStages = 16;  // issuers x in flight (16 rows of 14 KB fill the 227 KB of shared memory)
 
 __device__ long long row_of(int copy) { return static_cast<long long>(copy) * gridDim.x + blockIdx.x; }
 
@@ -66,24 +68,42 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_store_probe(const SmCopyPara
   tma::wait_groups<0>();
 }
 
-__global__ void __launch_bounds__(kThreads, 1) bulk_load_probe(const SmCopyParams p) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem + p.in_flight * p.row_bytes);
+// One issuing thread's bulk loads: rows first, first + step, ... below `copies` (row_of(offset + i)),
+// each into the next of its `stages` stages, at most `stages` in flight.
+__device__ void bulk_load_rows(const SmCopyParams& p, unsigned char* stages, std::uint64_t* full, int n_stages,
+                               int first, int step, int copies, int offset) {
+  int n = 0;
+  for (int i = first; i < copies; i += step, ++n) {
+    const int s = n % n_stages;
+    if (n >= n_stages) tma::mbar_wait(&full[s], static_cast<std::uint32_t>((n / n_stages - 1) & 1));
+    tma::mbar_arrive_expect_tx(&full[s], static_cast<std::uint32_t>(p.row_bytes));
+    tma::load_async(stages + s * p.row_bytes, p.src + (row_of(offset + i) % p.rows) * p.row_bytes,
+                    static_cast<std::uint32_t>(p.row_bytes), &full[s]);
+  }
+  for (int m = n > n_stages ? n - n_stages : 0; m < n; ++m)
+    tma::mbar_wait(&full[m % n_stages], static_cast<std::uint32_t>((m / n_stages) & 1));
+}
+
+// The mbarriers after `stages` stages of shared memory, initialised by thread 0 (one arrival each).
+__device__ std::uint64_t* init_full_barriers(unsigned char* smem, const SmCopyParams& p, int stages) {
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem + static_cast<long long>(stages) * p.row_bytes);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < p.in_flight; ++s) tma::mbar_init(&full[s], 1);
+    for (int s = 0; s < stages; ++s) tma::mbar_init(&full[s], 1);
     tma::fence_mbar_init();
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  for (int i = 0; i < p.copies; ++i) {
-    const int s = i % p.in_flight;
-    if (i >= p.in_flight) tma::mbar_wait(&full[s], static_cast<std::uint32_t>((i / p.in_flight - 1) & 1));
-    tma::mbar_arrive_expect_tx(&full[s], static_cast<std::uint32_t>(p.row_bytes));
-    tma::load_async(smem + s * p.row_bytes, p.src + (row_of(i) % p.rows) * p.row_bytes,
-                    static_cast<std::uint32_t>(p.row_bytes), &full[s]);
-  }
-  for (int i = p.copies > p.in_flight ? p.copies - p.in_flight : 0; i < p.copies; ++i)
-    tma::mbar_wait(&full[i % p.in_flight], static_cast<std::uint32_t>((i / p.in_flight) & 1));
+  return full;
+}
+
+// `issuers` threads (lane 0 of warps 0, 1, ...) each bulk-load every issuers-th row into their own
+// `in_flight` stages.
+__global__ void __launch_bounds__(kThreads, 1) bulk_load_probe(const SmCopyParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  std::uint64_t* full = init_full_barriers(smem, p, p.issuers * p.in_flight);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0 || warp >= p.issuers) return;
+  bulk_load_rows(p, smem + static_cast<long long>(warp) * p.in_flight * p.row_bytes, full + warp * p.in_flight,
+                 p.in_flight, warp, p.issuers, p.copies, 0);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) warp_store_probe(const SmCopyParams p) {
@@ -144,6 +164,19 @@ __global__ void __launch_bounds__(kThreads, 1) warp_load_probe(const SmCopyParam
   if (acc == 1.2345f) p.sink[blockIdx.x] = acc;  // practically never; keeps the loads alive
 }
 
+__global__ void __launch_bounds__(kThreads, 1) mixed_load_probe(const SmCopyParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  std::uint64_t* full = init_full_barriers(smem, p, p.in_flight);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == kThreads / 32 - 1) {
+    if (lane == 0) bulk_load_rows(p, smem, full, p.in_flight, 0, 1, p.bulk_copies, p.copies);
+    return;
+  }
+  if (warp >= p.warps) return;
+  const float acc = sum_rows<8, false>(p, warp, lane);
+  if (acc == 1.2345f) p.sink[blockIdx.x] = acc;
+}
+
 template <class Kernel>
 void launch(Kernel kernel, const SmCopyParams& p, int sms, cudaStream_t stream) {
   const std::size_t smem = sm_copy_smem_bytes(p);
@@ -155,14 +188,20 @@ void launch(Kernel kernel, const SmCopyParams& p, int sms, cudaStream_t stream) 
 }  // namespace
 
 std::size_t sm_copy_smem_bytes(const SmCopyParams& p) {
-  const int stages = p.in_flight < 1 ? 1 : (p.in_flight > kMaxInFlight ? kMaxInFlight : p.in_flight);
-  return static_cast<std::size_t>(stages) * p.row_bytes + kMaxInFlight * sizeof(std::uint64_t);
+  const int in_flight = p.in_flight < 1 ? 1 : (p.in_flight > kMaxInFlight ? kMaxInFlight : p.in_flight);
+  const int issuers = p.issuers < 1 ? 1 : p.issuers;
+  const int stages = issuers * in_flight > kMaxStages ? kMaxStages : issuers * in_flight;
+  return static_cast<std::size_t>(stages) * p.row_bytes + kMaxStages * sizeof(std::uint64_t);
 }
 
 void launch_bulk_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
   launch(bulk_store_probe, p, sms, stream);
 }
 void launch_bulk_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
+  FLEXEP_CHECK(p.issuers >= 1 && p.issuers <= kThreads / 32 && p.in_flight >= 1 && p.in_flight <= kMaxInFlight &&
+                   p.issuers * p.in_flight <= kMaxStages,
+               "bulk load probe: issuers x in flight must be at most ", kMaxStages, ", got ", p.issuers, " x ",
+               p.in_flight);
   launch(bulk_load_probe, p, sms, stream);
 }
 void launch_warp_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
@@ -170,6 +209,11 @@ void launch_warp_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream
 }
 void launch_warp_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
   launch(warp_load_probe, p, sms, stream);
+}
+void launch_mixed_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
+  FLEXEP_CHECK(p.warps >= 1 && p.warps < kThreads / 32, "mixed load probe: 1 to ", kThreads / 32 - 1,
+               " loading warps (the last warp issues the bulk loads), got ", p.warps);
+  launch(mixed_load_probe, p, sms, stream);
 }
 
 }  // namespace flexep::tools

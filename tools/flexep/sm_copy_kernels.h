@@ -1,7 +1,8 @@
 // Probes of one SM's copy paths, for `flexep bench sm-copy`: how many bytes per second a CTA moves
-// between its shared memory and HBM with the bulk-copy unit (cp.async.bulk, one issuing thread, a
-// given number of copies in flight), with ordinary 16-byte stores by W warps, and with ordinary
-// 16-byte loads by W warps (U loads in flight per lane, summed as the combine sums rows). The hybridep v2
+// between its shared memory and HBM with the bulk-copy unit (cp.async.bulk, one or more issuing
+// threads, a given number of copies in flight each), with ordinary 16-byte stores by W warps, with
+// ordinary 16-byte loads by W warps (U loads in flight per lane, summed as the combine sums rows),
+// and with bulk loads and warp loads at the same time. The hybridep v2
 // kernels are built from exactly these paths (docs/hybridep.md, "Where the time goes").
 #pragma once
 
@@ -19,6 +20,8 @@ struct SmCopyParams {
   int warps = 1;                       // warp store / load: warps per CTA
   float* sink = nullptr;               // warp load: one float per CTA, so that the loads are not dead code
   bool l2_only = false;                // warp load: ld.global.cg instead of the read-only path (ld.global.nc)
+  int issuers = 1;                     // bulk load: threads (of different warps) issuing, each its own stages
+  int bulk_copies = 0;                 // mixed load: rows one thread bulk-loads while the warps load `copies`
 };
 
 // Dynamic shared memory each probe needs.
@@ -27,5 +30,9 @@ void launch_bulk_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream
 void launch_bulk_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 void launch_warp_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 void launch_warp_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
+// Both load paths at once: warps 0..W-1 load and sum `copies` rows (8 per lane in flight) while one
+// thread of the last warp bulk-loads `bulk_copies` other rows (`in_flight` stages): whether the
+// bulk-copy unit and the warps' loads share one limit per SM or add up.
+void launch_mixed_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 
 }  // namespace flexep::tools
