@@ -227,6 +227,37 @@ TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
   EXPECT_TRUE(all_threw<Error>(at_check, overflow));
+
+  // Without a check in between, the next blocking dispatch raises it: its preprocess kernel
+  // publishes the status with the layout. Afterwards the dispatcher works again.
+  std::vector<std::exception_ptr> at_dispatch(static_cast<std::size_t>(R));
+  const auto errors2 = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_dispatcher(g, c);
+        const Inputs in = make_inputs(c, R, g.rank);
+        const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
+        const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
+        const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
+        DispatchInput di;
+        di.hidden = hidden;
+        di.indices = indices;
+        di.weights = weights;
+        d->dispatch(di, dispatch_options(c, R));  // budget overflow, recorded on the device only
+        Config blocking = c;
+        blocking.mode = DispatchMode::blocking;
+        try {
+          d->dispatch(di, dispatch_options(blocking, R));
+        } catch (...) {
+          at_dispatch[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+        DispatchResult ok = d->dispatch(di, dispatch_options(blocking, R));
+        d->combine(ok.handle, ok.tokens);
+        d->check_errors();
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors2));
+  EXPECT_TRUE(all_threw<Error>(at_dispatch, overflow));
 }
 
 // ---- determinism -----------------------------------------------------------------------------------------
