@@ -22,8 +22,9 @@ void register_hybridep() {
     HybridEpOptions o = HybridEpOptions::from_backend(b, sizes.max_tokens_per_rank, sizes.hidden);
     o.max_topk = sizes.max_topk;
     // As DeepEP's buffer under Megatron / Automodel: combine and the backwards return without
-    // waiting for the GPU. A device error they record is raised by the next dispatch (its preprocess
-    // kernel publishes the status along with the layout) or by check_errors().
+    // waiting for the GPU. A device error they record is raised by the next blocking dispatch (its
+    // preprocess kernel publishes the status along with the layout); one after the last dispatch
+    // of a run is not raised (a peer that is gone is, by the next dispatch's count exchange).
     o.check_blocking_calls = false;
     return std::shared_ptr<TokenDispatcher>(make_hybridep_dispatcher(std::move(comm), num_experts, o));
   });

@@ -232,6 +232,16 @@ int check_common(const Act& act, const TensorView& h, const TensorView& gate_up_
   return E;
 }
 
+// The kernels take their pointers as __restrict__: an output must share no byte with an input.
+void check_disjoint(const TensorView& out, const char* out_name, const TensorView& in, const char* in_name) {
+  if (!out.defined() || !in.defined() || out.data == nullptr || in.data == nullptr) return;
+  const auto* a = static_cast<const char*>(out.data);
+  const auto* b = static_cast<const char*>(in.data);
+  const bool overlap = a < b + in.nbytes() && b < a + out.nbytes();
+  FLEXEP_CHECK_ARG(!overlap, out_name, "overlaps ", in_name, ": the kernel reads ", in_name, " while it writes ",
+                   out_name, "; pass separate memory");
+}
+
 }  // namespace
 
 void activation_forward(const ActivationParams& params, const TensorView& h, const TensorView& gate_up_bias,
@@ -243,6 +253,9 @@ void activation_forward(const ActivationParams& params, const TensorView& h, con
   const int E = check_common(act, h, gate_up_bias, probs, expert_offsets, rows, inter);
   detail::check_matrix(out, rows, inter, DType::bf16, "out");
   check::device(out, h.device, "out");
+  check_disjoint(out, "out", h, "h");
+  check_disjoint(out, "out", gate_up_bias, "gate_up_bias");
+  check_disjoint(out, "out", probs, "probs");
   if (rows == 0) return;
   DeviceGuard guard(h.device.index);
   const bool vec = inter % 8 == 0 && detail::aligned16(h) && detail::aligned16(gate_up_bias) && detail::aligned16(out);
@@ -282,6 +295,10 @@ void activation_backward(const ActivationParams& params, const TensorView& h, co
     detail::check_matrix(grad_gate_up_bias, E, up, DType::f32, "grad_gate_up_bias");
     check::device(grad_gate_up_bias, h.device, "grad_gate_up_bias");
   }
+  check_disjoint(grad_h, "grad_h", h, "h");
+  check_disjoint(grad_h, "grad_h", grad_ap, "grad_ap");
+  check_disjoint(grad_h, "grad_h", gate_up_bias, "gate_up_bias");
+  check_disjoint(grad_probs, "grad_probs", probs, "probs");
   if (rows == 0) return;
   DeviceGuard guard(h.device.index);
   const bool vec = inter % 8 == 0 && detail::aligned16(h) && detail::aligned16(gate_up_bias) &&

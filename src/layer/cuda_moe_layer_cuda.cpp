@@ -207,8 +207,10 @@ CudaMoEOutput CudaMoELayer::forward(const TensorView& x, const TensorView& paddi
 
   s->tokens = T;
   // Only the router's and the shared experts' backwards read x: without them (the fake gate, no
-  // shared experts) the forward reads the caller's x and keeps no copy.
-  const bool keep_x = shared_ != nullptr || !backend_.fake_balanced_gate;
+  // shared experts) the forward reads the caller's x and keeps no copy, unless x is not 16-byte
+  // aligned (the dispatchers move rows as 16-byte words; the copy is).
+  const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0;
+  const bool keep_x = shared_ != nullptr || !backend_.fake_balanced_gate || !aligned;
   if (keep_x) {
     s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
     cuda::copy_async(s->x, x, stream);
@@ -242,11 +244,17 @@ CudaMoEOutput CudaMoELayer::forward(const TensorView& x, const TensorView& paddi
   if (backend_.fake_balanced_gate && backend_.fake_gate_noise == 0) {
     // Without noise the fake routing is a fixed pattern of the token index (fake_balanced_gate.cpp):
     // computed and uploaded once per T, then reused, with no readback of x and no host sync.
-    if (fixed_fake_.tokens != T) {
+    if (fixed_fake_.tokens != T || fixed_fake_.stream != stream) {
+      {
+        cuda::StreamGuard last_use(fixed_fake_.stream);  // freed after the work that read them
+        fixed_fake_.indices = Tensor();
+        fixed_fake_.weights = Tensor();
+      }
       const GateOutput g = FakeBalancedGate(config_, 0.0).forward(Tensor::zeros({T, 1}, DType::f32), Tensor());
       fixed_fake_.indices = cuda::to_device(g.indices, options_.device, stream);
       fixed_fake_.weights = cuda::to_device(g.weights, options_.device, stream);
       fixed_fake_.tokens = T;
+      fixed_fake_.stream = stream;
     }
     s->router.indices = fixed_fake_.indices;
     s->weights = fixed_fake_.weights;

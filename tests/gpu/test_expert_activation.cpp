@@ -312,6 +312,19 @@ TEST(ExpertActivation, BadArguments) {
                                   nullptr);
       },
       "grad_gate_up_bias");
+  {
+    // The kernels take __restrict__ pointers: an output overlapping an input is refused.
+    const Tensor buf = Tensor::empty({10, 16}, DType::bf16, Device::cuda(0));
+    const TensorView real_h = buf.view();
+    const TensorView out_in_h(buf.raw(), DType::bf16, {10, 8}, Device::cuda(0));
+    expect_arg_error([&] { fwd(real_h, TensorView(), probs, offsets, out_in_h); }, "out");
+    expect_arg_error(
+        [&] {
+          cuda::activation_backward(act, real_h, TensorView(), probs, offsets, out, real_h, TensorView(), TensorView(),
+                                    nullptr);
+        },
+        "grad_h");
+  }
   expect_arg_error([&] { cuda::down_bias_forward(fake_cuda({10, 8}, DType::f32), out, probs, offsets, nullptr); }, "y");
   expect_arg_error([&] { cuda::down_bias_forward(out, fake_cuda({2, 9}, DType::bf16), probs, offsets, nullptr); },
                    "down_bias");

@@ -68,7 +68,8 @@ void run(const BenchArgs& a, BenchRun& run) {
     r.time_us = t;
     r.hbm_gbps = bytes / (t.median * 1e-6) / 1e9;
     r.note =
-        fmt::format("{}: {:.1f} GB/s per SM ({} rows of {} B per CTA)", what, *r.hbm_gbps / sms, p.copies, row_bytes);
+        fmt::format("{}: {:.1f} GB/s per SM ({} rows of {} B per CTA)", what, *r.hbm_gbps / sms,
+                    p.copies + p.bulk_copies, row_bytes);
     run.records.push_back(r);
     if (!a.quiet)
       fmt::print(stderr, "  sm-copy {:<14} {:>3} SMs  {:8.1f} GB/s  {:6.1f} GB/s per SM\n", r.backend, sms, *r.hbm_gbps,

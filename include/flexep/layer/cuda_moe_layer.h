@@ -118,9 +118,11 @@ class CudaMoELayer {
   std::vector<double> correction_master_;  // fp64 master of the correction bias
   std::unique_ptr<CudaGroupedExperts> experts_, shared_;
   // The fake balanced gate without noise routes by the token index alone: its routing for the last
-  // T, on the device, reused while T stays the same.
+  // T and stream, on the device, reused while both stay the same (every use is then ordered on that
+  // stream, and the memory is freed there).
   struct FixedFakeRouting {
     std::int64_t tokens = -1;
+    cudaStream_t stream = nullptr;
     Tensor indices, weights;
   } fixed_fake_;
   cudaStream_t side_stream_ = nullptr;
