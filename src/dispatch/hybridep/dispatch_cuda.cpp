@@ -102,11 +102,12 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   // 1. Local checks.
   Routing rt;
   RankHeader mine;
-  HybridEpSms sms{1, 1, 1};  // a failed rank still runs the protocol, on one CTA if need be
   const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
-    sms = num_sms();
+    (void)num_sms();  // checks the SM counts
     rt = check_input(input, scales, options, config_, comm_->device(), fp8);
   });
+  // A failed rank still runs the protocol, on one CTA if need be.
+  const HybridEpSms sms = local ? HybridEpSms{1, 1, 1} : num_sms();
   call_signature::set_call(mine, E, input.multihot(), rt.hidden, rt.multihot ? 0 : rt.slots, options,
                            local ? 0 : rt.tokens);
   mine.fp8 = fp8;
