@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include "dispatch/hybridep/hybridep_dispatcher.h"
@@ -252,7 +253,8 @@ HybridEpKernelTimes Dispatcher::kernel_times() {
   return t;
 }
 
-void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
+bool Dispatcher::wait_until(cudaStream_t s, const std::string& op, const char* failure,
+                            const std::function<bool()>& done) {
   // Every device wait has its own deadline, so the stream finishes; this bound only guards against
   // a GPU that stopped making progress altogether.
   const double seconds = 3 * options_.timeout_seconds + 30;
@@ -264,15 +266,15 @@ void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
   // blocking 775 us against 690 us for the same dispatch in budget mode (2x H200). 5 ms covers the
   // kernels of one layer; after that the sleeps keep a long wait (a slow peer) from burning a core.
   const auto spin_until = start + std::chrono::milliseconds(5);
-  while (true) {
+  while (!done()) {
     const cudaError_t q = cudaStreamQuery(s);
-    if (q == cudaSuccess) return;
+    if (q == cudaSuccess) return done();
     if (q != cudaErrorNotReady) cuda::throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
     if (std::chrono::steady_clock::now() > deadline) {
       broken_ = true;
       broken_why_ = "the GPU did not finish " + op;
       throw TimeoutError(op, -1,
-                         detail::concat("rank ", rank(), ": the hybridep kernels did not finish within ", seconds,
+                         detail::concat("rank ", rank(), ": ", failure, " within ", seconds,
                                         " s although every device wait has a deadline"));
     }
     if (std::chrono::steady_clock::now() < spin_until)
@@ -280,31 +282,18 @@ void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
     else
       std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
+  return true;
+}
+
+void Dispatcher::wait_stream(cudaStream_t s, const std::string& op) {
+  wait_until(s, op, "the hybridep kernels did not finish", [] { return false; });
 }
 
 bool Dispatcher::wait_control(cudaStream_t s, unsigned seq, const std::string& op) {
-  // As wait_stream: spin 5 ms, then sleep; the preprocess kernel's own waits have deadlines.
-  const double seconds = 3 * options_.timeout_seconds + 30;
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + std::chrono::duration<double>(seconds);
-  const auto spin_until = start + std::chrono::milliseconds(5);
   const volatile unsigned* published = &readback_->control_seq;
-  while (*published != seq) {
-    const cudaError_t q = cudaStreamQuery(s);
-    if (q == cudaSuccess) return *published == seq;
-    if (q != cudaErrorNotReady) cuda::throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
-    if (std::chrono::steady_clock::now() > deadline) {
-      broken_ = true;
-      broken_why_ = "the GPU did not finish " + op;
-      throw TimeoutError(op, -1,
-                         detail::concat("rank ", rank(), ": the hybridep preprocess kernel did not publish the layout "
-                                        "within ", seconds, " s although every device wait has a deadline"));
-    }
-    if (std::chrono::steady_clock::now() < spin_until)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+  if (!wait_until(s, op, "the hybridep preprocess kernel did not publish the layout",
+                  [&] { return *published == seq; }))
+    return false;
   std::atomic_thread_fence(std::memory_order_acquire);  // the layout was written before the number
   return true;
 }

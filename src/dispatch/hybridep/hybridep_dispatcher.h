@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -81,6 +82,9 @@ class Dispatcher final : public HybridEpDispatcher {
   void check_rows(const TensorView& t, std::int64_t rows, const HepHandle& h, const std::string& arg) const;
   // Waits for `s` (deadline) and raises what the kernels recorded, clearing it. `op` names the call.
   void check(cudaStream_t s, const std::string& op);
+  // Waits on the host until done() holds (true) or the stream has finished without it (false);
+  // past a generous deadline raises TimeoutError(op) saying `failure`.
+  bool wait_until(cudaStream_t s, const std::string& op, const char* failure, const std::function<bool()>& done);
   void wait_stream(cudaStream_t s, const std::string& op);
   // Blocking dispatch: waits until the preprocess kernel has published call `seq`'s layout into
   // readback_->control (false: the stream finished without it, which only a bug would cause).
