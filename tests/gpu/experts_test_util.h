@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,6 +63,21 @@ inline bool rows_equal(const TensorView& t, std::int64_t begin, std::int64_t end
   for (std::int64_t i = begin * cols; i < end * cols; ++i)
     if (read_as_double(t, i) != v) return false;
   return true;
+}
+
+// `got` is `want` rounded to bf16: every element within half a bf16 ulp (2^-8 relative) plus
+// `slack` times the largest |want| (fp32 summation-order differences). Names the first element off.
+inline ::testing::AssertionResult within_bf16_rounding(const Tensor& got, const Tensor& want, double slack) {
+  if (got.numel() != want.numel())
+    return ::testing::AssertionFailure() << got.numel() << " elements, want " << want.numel();
+  double largest = 0;
+  for (std::int64_t i = 0; i < want.numel(); ++i) largest = std::max(largest, std::fabs(read_as_double(want, i)));
+  for (std::int64_t i = 0; i < want.numel(); ++i) {
+    const double w = read_as_double(want, i), g = read_as_double(got, i);
+    if (!(std::fabs(w - g) <= std::ldexp(std::fabs(w), -8) + slack * largest))
+      return ::testing::AssertionFailure() << "element " << i << ": " << g << ", want " << w;
+  }
+  return ::testing::AssertionSuccess();
 }
 
 // Sets the grouped GEMM's own-GEMM threshold for one scope (0: every expert its own cublasGemmEx).
