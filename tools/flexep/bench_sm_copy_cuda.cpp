@@ -46,7 +46,9 @@ void run(const BenchArgs& a, BenchRun& run) {
     p.warps = path == "warp-store" ? variant : 1;
     if (path == "warp-load" || path == "warp-load-cg")
       p.in_flight = variant % 100, p.warps = variant / 100;  // variant = 100 W + U
-    if (path == "bulk-load-issuers") p.issuers = variant, p.in_flight = 8 / variant;
+    if (path.rfind("bulk-load-issuers", 0) == 0 || path == "bulk-load-lanes") p.issuers = variant, p.in_flight = 8 / variant;
+    if (path == "bulk-load-issuers-smsp0") p.issuer_warp_step = 4;
+    if (path == "bulk-load-lanes") p.issuer_warp_step = 0;
     if (path == "mixed-load") {  // W warps' loads take two thirds of the rows, one thread's bulk loads a third
       p.warps = variant;
       p.in_flight = 8;
@@ -83,9 +85,16 @@ void run(const BenchArgs& a, BenchRun& run) {
         probe("bulk-load", k, sms, launch_bulk_load_probe,
               fmt::format("cp.async.bulk global->shared by one thread, {} in flight", k));
       }
-      for (int n : {2, 4})
+      for (int n : {2, 4}) {
         probe("bulk-load-issuers", n, sms, launch_bulk_load_probe,
-              fmt::format("cp.async.bulk global->shared by {} threads, {} in flight each", n, 8 / n));
+              fmt::format("cp.async.bulk global->shared by lane 0 of {} warps (sub-partitions 0..{}), {} in flight each",
+                          n, n - 1, 8 / n));
+        probe("bulk-load-issuers-smsp0", n, sms, launch_bulk_load_probe,
+              fmt::format("cp.async.bulk global->shared by lane 0 of {} warps of sub-partition 0, {} in flight each", n,
+                          8 / n));
+        probe("bulk-load-lanes", n, sms, launch_bulk_load_probe,
+              fmt::format("cp.async.bulk global->shared by {} lanes of one warp, {} in flight each", n, 8 / n));
+      }
       for (int w : {8, 12})
         probe("mixed-load", w, sms, launch_mixed_load_probe,
               fmt::format("16-byte loads by {} warps (8 per lane in flight) on 2/3 of the rows while one thread "

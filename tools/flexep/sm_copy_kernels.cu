@@ -95,15 +95,18 @@ __device__ std::uint64_t* init_full_barriers(unsigned char* smem, const SmCopyPa
   return full;
 }
 
-// `issuers` threads (lane 0 of warps 0, 1, ...) each bulk-load every issuers-th row into their own
-// `in_flight` stages.
+// `issuers` threads each bulk-load every issuers-th row into their own `in_flight` stages: lane 0 of
+// warps 0, step, 2 step, ... (warp w runs on sub-partition w % 4), or lanes 0, 1, ... of warp 0
+// (step 0): which of thread, warp and sub-partition limits the bulk loads one issuer has in flight.
 __global__ void __launch_bounds__(kThreads, 1) bulk_load_probe(const SmCopyParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   std::uint64_t* full = init_full_barriers(smem, p, p.issuers * p.in_flight);
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 != 0 || warp >= p.issuers) return;
-  bulk_load_rows(p, smem + static_cast<long long>(warp) * p.in_flight * p.row_bytes, full + warp * p.in_flight,
-                 p.in_flight, warp, p.issuers, p.copies, 0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int step = p.issuer_warp_step;
+  const int issuer = step == 0 ? (warp == 0 ? lane : -1) : (lane == 0 && warp % step == 0 ? warp / step : -1);
+  if (issuer < 0 || issuer >= p.issuers) return;
+  bulk_load_rows(p, smem + static_cast<long long>(issuer) * p.in_flight * p.row_bytes, full + issuer * p.in_flight,
+                 p.in_flight, issuer, p.issuers, p.copies, 0);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) warp_store_probe(const SmCopyParams p) {

@@ -21,6 +21,7 @@ struct SmCopyParams {
   float* sink = nullptr;               // warp load: one float per CTA, so that the loads are not dead code
   bool l2_only = false;                // warp load: ld.global.cg instead of the read-only path (ld.global.nc)
   int issuers = 1;                     // bulk load: threads (of different warps) issuing, each its own stages
+  int issuer_warp_step = 1;            // bulk load: issuer i is lane 0 of warp i * step (4: one sub-partition); 0: lane i of warp 0
   int bulk_copies = 0;                 // mixed load: rows one thread bulk-loads while the warps load `copies`
 };
 
