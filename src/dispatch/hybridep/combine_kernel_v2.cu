@@ -189,17 +189,36 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
 
 // ---- compute ----------------------------------------------------------------------------------------------
 
-// This thread is done with the stage of job j; the group's kComputeThreads arrivals free it (one
-// per reading thread: ring.cuh says why).
-__device__ void free_stage(const Ring& ring, unsigned j) { ring.release(j); }
+// Thread tid's 16-byte words of a row: tid, tid + kComputeThreads, ... Words past the row's end are
+// clamped to its last word, so that every thread loads all kWordsPerThread words of a stage without
+// a branch (ncu: a branch per word kept the loads from being issued together and stalled each one);
+// the sums of the clamped words are never stored.
+struct RowWords {
+  int words;  // 16-byte words in a row
+  int at[kWordsPerThread];
+  __device__ RowWords(long long hidden, int tid) : words(static_cast<int>(hidden / 8)) {
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) at[k] = min(tid + k * kComputeThreads, words - 1);
+  }
+  __device__ bool mine(int k, int tid) const { return tid + k * kComputeThreads < words; }
+};
+
+// acc += the stage's row, in fp32: all loads first, then the additions (v1's add_bf16x8, same order).
+__device__ __forceinline__ void add_stage(float (&acc)[kWordsPerThread][8], const uint4* stage, const RowWords& rw) {
+  uint4 x[kWordsPerThread];
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) x[k] = stage[rw.at[k]];
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) add_bf16x8(acc[k], x[k]);
+}
 
 __device__ void compute(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
                         unsigned epoch, int tid, int pipe) {
   const int me = v.rank;
-  const long long words = v.hidden / 8;
-  unsigned j = 0;
+  const RowWords rw(v.hidden, tid);
+  Ring::Pos pos;
   while (true) {
-    Job job = ring.wait(j);
+    const Job job = ring.wait(pos);
     if (job.kind == kExit) break;
     if (job.kind == kPartEnd) {
       // Every thread's partial rows and prob gradients of the part are complete and ordered before
@@ -211,8 +230,8 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
       tma::named_sync(1 + pipe, kComputeThreads);
       if (tid == 0 && count_part(&v.work[kWorkChunks + job.a * v.max_chunks + job.b], job.c))
         st_release_sys(ready_flag(v, job.a, me, job.b), epoch);
-      free_stage(ring, j);
-      ++j;
+      ring.release(pos);  // this thread is done with the stage (one arrival per thread: ring.cuh)
+      ring.advance(pos);
       continue;
     }
     // A sum over job.c stages (level 1: rows of one token here; level 2: partials of the owners),
@@ -224,27 +243,21 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
       for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
     const int rows = job.c;
     for (int i = 0; i < rows; ++i) {
-      if (i > 0) ring.wait(j);
-      const uint4* stage = reinterpret_cast<const uint4*>(ring.stage(j));
-#pragma unroll
-      for (int k = 0; k < kWordsPerThread; ++k) {
-        const long long w = tid + static_cast<long long>(k) * kComputeThreads;
-        if (w < words) add_bf16x8(acc[k], stage[w]);
-      }
-      free_stage(ring, j);
-      ++j;
+      if (i > 0) ring.wait_data(pos);  // the token's later rows: same descriptor
+      add_stage(acc, reinterpret_cast<const uint4*>(ring.stage(pos)), rw);
+      ring.release(pos);
+      ring.advance(pos);
     }
     if (rows == 0) {  // a token that went nowhere: a descriptor-only job
-      free_stage(ring, j);
-      ++j;
+      ring.release(pos);
+      ring.advance(pos);
     }
     const long long t = job.b;
+    const long long words = rw.words;
     uint4* dst = job.kind == kPartialRow ? partial_row(v, me, job.a, t) : static_cast<uint4*>(c.out) + t * words;
 #pragma unroll
-    for (int k = 0; k < kWordsPerThread; ++k) {
-      const long long w = tid + static_cast<long long>(k) * kComputeThreads;
-      if (w < words) dst[w] = to_bf16x8(acc[k]);
-    }
+    for (int k = 0; k < kWordsPerThread; ++k)
+      if (rw.mine(k, tid)) dst[rw.at[k]] = to_bf16x8(acc[k]);
     if (job.kind == kPartialRow && c.grad_probs) {
       const RecordEntry* e = record_entries(record_at(h.records, job.a, t, h.max_tokens, h.record_bytes));
       for (int q = tid; q < rows; q += kComputeThreads) *grad_at(v, me, job.a, t, q) = c.grad_probs[__ldcg(&e[q].row)];
