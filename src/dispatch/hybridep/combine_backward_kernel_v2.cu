@@ -61,6 +61,11 @@ struct Env {
 
 // ---- loader -----------------------------------------------------------------------------------------------
 
+__device__ void post_row(const Ring& ring, unsigned j, const Job& job, const void* src, std::uint32_t bytes) {
+  ring.post_expecting(j, job, bytes);
+  tma::load_async(ring.stage(j), src, bytes, ring.full_bar(j));
+}
+
 // The rows token t of source s has here (0: none, or a bad record, reported).
 __device__ unsigned rows_here(const CombineView& v, const HandleView& h, int s, long long t, const Env& env) {
   const unsigned char* rec = record_at(h.records, s, t, h.max_tokens, h.record_bytes);
@@ -92,7 +97,8 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
       const Part p = part_in_rank(i, split1, h.tokens, me);
       for (long long t = p.t0; t < p.t1; ++t) {
         ring.acquire(j, lane);
-        ring.post_load(j, Job{kStage, 0, static_cast<int>(t), 0, 0, 0, 0, 0}, grad_out + t * words, env.row_bytes, lane);
+        if (lane == 0)
+          post_row(ring, j, Job{kStage, 0, static_cast<int>(t), 0, 0, 0, 0, 0}, grad_out + t * words, env.row_bytes);
         ++j;
       }
       ring.acquire(j, lane);
@@ -115,18 +121,19 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
       bool ok = true;
       if (lane == 0) {
         ok = wait_flag_at_least(ready_flag(v, me, p.source, p.chunk), env.epoch, wait, p.source);
+        if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flag published
       }
       __syncwarp();
       if (!__shfl_sync(kFullMask, ok, 0)) break;
-      tma::fence_proxy_global();  // every issuing lane: its bulk loads below read what the flag published
       const long long t = p.t0 + lane;
       const unsigned n = t < p.t1 ? rows_here(v, h, p.source, t, env) : 0u;
       for (unsigned m = __ballot_sync(kFullMask, n > 0); m != 0; m &= m - 1) {
         const int l = __ffs(m) - 1;
         const unsigned nn = __shfl_sync(kFullMask, n, l);
         ring.acquire(j, lane);
-        ring.post_load(j, Job{kPull, p.source, static_cast<int>(p.t0 + l), static_cast<int>(nn), 0, 0, 0, 0},
-                       partial_row(v, p.source, 0, p.t0 + l), env.row_bytes, lane);
+        if (lane == 0)
+          post_row(ring, j, Job{kPull, p.source, static_cast<int>(p.t0 + l), static_cast<int>(nn), 0, 0, 0, 0},
+                   partial_row(v, p.source, 0, p.t0 + l), env.row_bytes);
         ++j;
       }
     }

@@ -4,9 +4,8 @@
 // register loads (v1 has 32 x 16 bytes in flight per warp and pulls over NVLink one row at a time).
 //
 // CTA = 2 pipelines x 5 warps; each pipeline owns one ring of row-sized stages:
-//   loader warp (lane 0 posts a job, lanes 0-3 each bulk-load a quarter of its row: Ring::post_load):
-//     first the "consumed" flags of the previous operation on this buffer (deadline:
-//     *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
+//   loader warp (lane 0 issues): first the "consumed" flags of the previous operation on this buffer
+//     (deadline: *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
 //     chunk) items (work_items.cuh); for every token with a record of the handle's dispatch it posts
 //     one job per row of the token here, in record order (= ascending local expert), each a bulk
 //     load of expert_out's row into the next stage; then "part end". Then LEVEL 2 (this rank as
@@ -58,6 +57,12 @@ enum Kind : int { kPartialRow = 0, kOutRow = 1, kPartEnd = 2, kExit = 3 };
 
 // ---- loader -----------------------------------------------------------------------------------------------
 
+// Lane 0: a job whose data is one row (2H bytes) loaded from `src` into stage j.
+__device__ void post_row(const Ring& ring, unsigned j, const Job& job, const void* src, std::uint32_t row_bytes) {
+  ring.post_expecting(j, job, row_bytes);
+  tma::load_async(ring.stage(j), src, row_bytes, ring.full_bar(j));
+}
+
 // Level 1 for the tokens of part p (source p.source): one job per row of each token here.
 __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
                                       unsigned j, const Part& p, unsigned dispatch_epoch, int lane) {
@@ -96,8 +101,9 @@ __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h,
       for (unsigned i = 0; i < batch; ++i) {
         const int r = __shfl_sync(kFullMask, row, static_cast<int>(i));
         ring.acquire(j, lane);
-        ring.post_load(j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
-                       rows + static_cast<long long>(r) * words, row_bytes, lane);
+        if (lane == 0)
+          post_row(ring, j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
+                   rows + static_cast<long long>(r) * words, row_bytes);
         ++j;
       }
     }
@@ -131,7 +137,7 @@ __device__ unsigned load_out_part(const CombineView& v, const HandleView& h, con
     for (unsigned mm = m; mm != 0; mm &= mm - 1) {
       const int d = __ffs(mm) - 1;
       ring.acquire(j, lane);
-      ring.post_load(j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, d, me, tt), row_bytes, lane);
+      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, d, me, tt), row_bytes);
       ++j;
     }
   }
@@ -170,10 +176,10 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
       if (lane == 0) {
         // Every rank publishes every chunk of ours (also with no token of ours): wait for all.
         for (int d = 0; ok && d < R; ++d) ok = wait_flag_at_least(ready_flag(v, me, d, p.chunk), epoch, wait, d);
+        if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flags published
       }
       __syncwarp();
       if (!__shfl_sync(kFullMask, ok, 0)) break;
-      tma::fence_proxy_global();  // every issuing lane: its bulk loads below read what the flags published
       j = load_out_part(v, h, ring, j, p, lane);
     }
   }

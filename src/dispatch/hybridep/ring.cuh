@@ -112,23 +112,6 @@ struct Ring {
   }
   __device__ std::uint64_t* full_bar(unsigned j) const { return &full[slot(j)]; }
 
-  // A whole warp: a job whose data is `bytes` (a multiple of 16) of global memory at `src`. Lane 0
-  // posts it, then lanes 0..kLoadLanes-1 each bulk-load a 16-byte aligned piece into stage(j). One
-  // thread's bulk loads are served one after the other (flexep bench sm-copy, 16 SMs: ~46 GB/s per
-  // SM from one thread however many it has in flight, 82 from 2 lanes of a warp, 108 from 4). A lane
-  // that reads what a flag published must have ordered the flag's acquire before its bulk loads
-  // (tma::fence_proxy_global() after the warp learned of the acquire).
-  static constexpr int kLoadLanes = 4;
-  __device__ void post_load(unsigned j, const Job& job, const void* src, std::uint32_t bytes, int lane) const {
-    if (lane == 0) post_expecting(j, job, bytes);
-    __syncwarp();
-    const std::uint32_t piece = (bytes / kLoadLanes + 15) / 16 * 16;
-    const std::uint32_t off = static_cast<std::uint32_t>(lane) * piece;
-    if (lane < kLoadLanes && off < bytes)
-      tma::load_async(stage(j) + off, static_cast<const unsigned char*>(src) + off, bytes - off < piece ? bytes - off : piece,
-                      full_bar(j));
-  }
-
   // ---- consumer side ----
 
   // Every consumer thread waits for job j (descriptor written, data landed), then may read both;
