@@ -3,7 +3,8 @@
 // the same results, with the rows brought into shared memory by bulk loads instead of 16-byte
 // register loads (v1 has 32 x 16 bytes in flight per warp and pulls over NVLink one row at a time).
 //
-// CTA = 2 pipelines x 5 warps; each pipeline owns one ring of row-sized stages:
+// CTA = 3 pipelines x 5 warps; each pipeline owns one ring of row-sized stages (3 loaders: each
+// loader's bulk loads are served one after the other, so the loads in flight per SM grow with them):
 //   loader warp (lane 0 issues): first the "consumed" flags of the previous operation on this buffer
 //     (deadline: *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
 //     chunk) items (work_items.cuh); for every token with a record of the handle's dispatch it posts
@@ -42,7 +43,7 @@ namespace flexep::hybridep {
 
 namespace {
 
-constexpr int kPipes = 2;
+constexpr int kPipes = 3;
 constexpr int kComputeWarps = 4;
 constexpr int kComputeThreads = 32 * kComputeWarps;
 constexpr int kWarpsPerPipe = 1 + kComputeWarps;
