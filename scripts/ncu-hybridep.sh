@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Profiles the hybridep v2 kernels of `flexep bench dsv3-ep2` with Nsight Compute on the GPU machine.
-#   scripts/ncu-hybridep.sh [build dir] [SMs] [kernel regex] [ranks]  -> $OUT/ncu-rank0.ncu-rep (+ .txt)
+#   scripts/ncu-hybridep.sh [build dir] [SMs] [kernel regex] [ranks]  -> $OUT/ncu-rank0.ncu-rep (+ .txt, -source.csv)
 #
 # ranks 1 (default): one process on GPU 0, a one-rank hybridep (every row local, no peer). ncu may
 #   replay a kernel as often as its sections need: nothing outside the process writes the flags it
@@ -35,5 +35,7 @@ else
   rm -f "$id_file"
 fi
 ncu --import "$out/ncu-rank0.ncu-rep" --page details > "$out/ncu-rank0.txt" 2>&1 || true
+# Per-instruction warp-stall samples (SASS): where docs/hybridep.md's "Where the time goes per ncu" comes from.
+ncu --import "$out/ncu-rank0.ncu-rep" --page source --csv --print-source sass > "$out/ncu-rank0-source.csv" 2>/dev/null || true
 tail -5 "$out/ncu-rank0.log"
 exit $rc
