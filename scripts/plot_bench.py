@@ -30,11 +30,20 @@ def load(paths):
     return records
 
 
+def code_version(run_id):
+    """The commit a run measured: the third field of its id (date-time-commit[-pid])."""
+    parts = run_id.split("-")
+    return parts[2] if len(parts) > 2 else run_id
+
+
 def bandwidth_vs_sms(records, out, case="dsv3-ep2", routing="uniform"):
     """Dispatch/combine algorithm bandwidth of one case against the SM count: whole blocking calls
     (solid) and the kernels alone (dashed) per backend with an SM setting; backends without one are
-    horizontal dotted lines in the phase's colour. The newest run wins for every point."""
-    series = defaultdict(dict)
+    horizontal dotted lines in the phase's colour. A curve joins only points of one code version:
+    the newest version's in full colour, SM counts only an older version measured as a faded curve
+    of their own (labelled with its commit), so that a sweep is never read across two kernels."""
+    points = defaultdict(dict)  # (backend, phase, timing) -> sms -> (gbps, version), newest run wins
+    newest = {}  # (backend, phase, timing) -> version of its newest run
     flat = {}
     for r in records:  # oldest first: later records overwrite earlier points
         if (r["case"] != case or r["routing"] != routing or r["timing"] not in ("call", "kernel")
@@ -46,15 +55,23 @@ def bandwidth_vs_sms(records, out, case="dsv3-ep2", routing="uniform"):
             if r["timing"] == "call":
                 flat[f"{r['backend']} {r['phase']}"] = r["algo_gbps"]
         else:
-            series[(r["backend"], r["phase"], r["timing"])][r["sms"]] = r["algo_gbps"]
+            key = (r["backend"], r["phase"], r["timing"])
+            points[key][r["sms"]] = (r["algo_gbps"], code_version(r["_run"]))
+            newest[key] = code_version(r["_run"])
+    series = {}  # (backend, phase, timing, version, is_newest) -> {sms: gbps}
+    for key, pts in points.items():
+        for sms, (gbps, version) in pts.items():
+            series.setdefault((*key, version, version == newest[key]), {})[sms] = gbps
     if not series and not flat:
         return None
     colour = {"dispatch": "C1", "combine": "C0"}
     fig, ax = plt.subplots(figsize=(9, 5))
-    for (backend, phase, timing), pts in sorted(series.items()):
+    for (backend, phase, timing, version, is_newest), pts in sorted(series.items(), key=lambda kv: (not kv[0][4], kv[0])):
         xs = sorted(pts)
-        ax.plot(xs, [pts[x] for x in xs], marker="o", color=colour[phase],
-                linestyle="-" if timing == "call" else "--", label=f"{backend} {phase} ({timing})")
+        ax.plot(xs, [pts[x] for x in xs], marker="o", color=colour[phase], alpha=1.0 if is_newest else 0.35,
+                linestyle="-" if timing == "call" else "--",
+                label=f"{backend} {phase} ({timing}, {version})" if is_newest
+                else f"{backend} {phase} ({timing}, earlier code {version})")
     for key, v in sorted(flat.items()):
         phase = key.split()[-1]
         ax.axhline(v, linestyle=":", color="gray" if "nccl" in key else colour[phase],
