@@ -218,7 +218,10 @@ __global__ void __launch_bounds__(kThreads, 1) ring_load_probe(const SmCopyParam
   int at[kRingWords];
 #pragma unroll
   for (int k = 0; k < kRingWords; ++k) at[k] = min(tid + k * kConsumers, words - 1);
-  unsigned acc = 0;
+  uint4 acc[kRingWords];
+#pragma unroll
+  for (int k = 0; k < kRingWords; ++k) acc[k] = make_uint4(0, 0, 0, 0);
+  int since_store = 0, stored = 0;
   Ring::Pos pos;
   while (ring.wait(pos).kind == 0) {
     if (p.read_stages) {
@@ -227,13 +230,24 @@ __global__ void __launch_bounds__(kThreads, 1) ring_load_probe(const SmCopyParam
 #pragma unroll
       for (int k = 0; k < kRingWords; ++k) x[k] = stage[at[k]];
 #pragma unroll
-      for (int k = 0; k < kRingWords; ++k) acc ^= x[k].x ^ x[k].y ^ x[k].z ^ x[k].w;
+      for (int k = 0; k < kRingWords; ++k)
+        acc[k] = make_uint4(acc[k].x ^ x[k].x, acc[k].y ^ x[k].y, acc[k].z ^ x[k].z, acc[k].w ^ x[k].w);
     }
     ring.release(pos);
     ring.advance(pos);
+    if (p.store_every > 0 && ++since_store == p.store_every) {  // one row out, as a partial per token
+      since_store = 0;
+      uint4* out = reinterpret_cast<uint4*>(p.dst + (row_of(stored++ * layout.rings + pipe) % p.rows) * p.row_bytes);
+#pragma unroll
+      for (int k = 0; k < kRingWords; ++k)
+        if (tid + k * kConsumers < words) out[at[k]] = acc[k];
+    }
   }
   ring.release(pos);
-  if (acc == 0x12345678u) p.sink[blockIdx.x] = static_cast<float>(acc);  // practically never
+  unsigned all = 0;
+#pragma unroll
+  for (int k = 0; k < kRingWords; ++k) all ^= acc[k].x ^ acc[k].y ^ acc[k].z ^ acc[k].w;
+  if (all == 0x12345678u) p.sink[blockIdx.x] = static_cast<float>(all);  // practically never
 }
 
 template <class Kernel>
