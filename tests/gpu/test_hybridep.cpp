@@ -204,13 +204,8 @@ TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
       [&](GpuRank& g) {
         auto d = make_dispatcher(g, c);
         const Inputs in = make_inputs(c, R, g.rank);
-        const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
-        const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
-        const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
-        DispatchInput di;
-        di.hidden = hidden;
-        di.indices = indices;
-        di.weights = weights;
+        const DeviceInputs dev = to_device(in, g);
+        const DispatchInput di = dev.view();
         d->dispatch(di, dispatch_options(c, R));  // budget mode: returns without waiting
         try {
           d->check_errors();
@@ -236,13 +231,8 @@ TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
       [&](GpuRank& g) {
         auto d = make_dispatcher(g, c);
         const Inputs in = make_inputs(c, R, g.rank);
-        const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
-        const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
-        const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
-        DispatchInput di;
-        di.hidden = hidden;
-        di.indices = indices;
-        di.weights = weights;
+        const DeviceInputs dev = to_device(in, g);
+        const DispatchInput di = dev.view();
         d->dispatch(di, dispatch_options(c, R));  // budget overflow, recorded on the device only
         Config blocking = c;
         blocking.mode = DispatchMode::blocking;
@@ -570,13 +560,8 @@ TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
 
         // A handle is valid until the next dispatch on the same dispatcher.
         const Inputs in = make_inputs(small, g.size, g.rank);
-        const Tensor h = cuda::to_device(in.hidden, g.rank, g.stream);
-        const Tensor i = cuda::to_device(in.indices, g.rank, g.stream);
-        const Tensor w = cuda::to_device(in.weights, g.rank, g.stream);
-        DispatchInput di;
-        di.hidden = h;
-        di.indices = i;
-        di.weights = w;
+        const DeviceInputs dev = to_device(in, g);
+        const DispatchInput di = dev.view();
         DispatchResult first = d->dispatch(di, {});
         DispatchResult second = d->dispatch(di, {});
         try {
