@@ -8,8 +8,7 @@
 //   per pipeline p (2 per CTA), one ring of row-sized stages:
 //     loader warp   first the "consumed" flags of the previous operation on the combine buffer
 //                   (deadline: combine_backward:buffer-reuse). STAGE: grabs parts of this rank's
-//                   chunks (work_items.cuh), one job per token (a bulk load of its grad_out row;
-//                   lanes 0 and 1 issue the jobs' loads by turns: Ring::loads),
+//                   chunks (work_items.cuh), one job per token (a bulk load of its grad_out row),
 //                   then "part end"; after its last part "flush" (a peer may be waiting for that
 //                   part). PULL: grabs parts of every rank's chunks, acquires the chunk's ready flag
 //                   (deadline: combine_backward:rows) and posts one job per token that has rows
@@ -98,7 +97,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
       const Part p = part_in_rank(i, split1, h.tokens, me);
       for (long long t = p.t0; t < p.t1; ++t) {
         ring.acquire(j, lane);
-        if (Ring::loads(j, lane))
+        if (lane == 0)
           post_row(ring, j, Job{kStage, 0, static_cast<int>(t), 0, 0, 0, 0, 0}, grad_out + t * words, env.row_bytes);
         ++j;
       }
@@ -122,17 +121,17 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
       bool ok = true;
       if (lane == 0) {
         ok = wait_flag_at_least(ready_flag(v, me, p.source, p.chunk), env.epoch, wait, p.source);
+        if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flag published
       }
       __syncwarp();
       if (!__shfl_sync(kFullMask, ok, 0)) break;
-      tma::fence_proxy_global();  // each issuing lane: its bulk loads below read what the flag published
       const long long t = p.t0 + lane;
       const unsigned n = t < p.t1 ? rows_here(v, h, p.source, t, env) : 0u;
       for (unsigned m = __ballot_sync(kFullMask, n > 0); m != 0; m &= m - 1) {
         const int l = __ffs(m) - 1;
         const unsigned nn = __shfl_sync(kFullMask, n, l);
         ring.acquire(j, lane);
-        if (Ring::loads(j, lane))
+        if (lane == 0)
           post_row(ring, j, Job{kPull, p.source, static_cast<int>(p.t0 + l), static_cast<int>(nn), 0, 0, 0, 0},
                    partial_row(v, p.source, 0, p.t0 + l), env.row_bytes);
         ++j;

@@ -5,16 +5,15 @@
 //
 // CTA = 3 pipelines x 5 warps; each pipeline owns one ring of row-sized stages (3 loaders: each
 // loader's bulk loads are served one after the other, so the loads in flight per SM grow with them):
-//   loader warp (lanes 0 and 1 post and bulk-load rows by turns: Ring::loads): first the
-//     "consumed" flags of the previous operation on this buffer (deadline: *:buffer-reuse); then
-//     LEVEL 1 (this rank as owner): grabs parts of the (source, chunk) items (work_items.cuh); for
-//     every token with a record of the handle's dispatch it posts one job per row of the token
-//     here, in record order (= ascending local expert), each a bulk load of expert_out's row into
-//     the next stage; then "part end". Then LEVEL 2 (this rank as source): grabs parts of its own
-//     chunks, acquires the chunk's ready flag of every rank (deadline: *:partials), and for every
-//     token posts one job per owner rank in ascending order, a bulk load of the owner's partial row
-//     (a peer's window over NVLink, or this rank's); a token that went nowhere gets one job without
-//     data (its output is zero). Finally "exit".
+//   loader warp (lane 0 issues): first the "consumed" flags of the previous operation on this buffer
+//     (deadline: *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
+//     chunk) items (work_items.cuh); for every token with a record of the handle's dispatch it posts
+//     one job per row of the token here, in record order (= ascending local expert), each a bulk
+//     load of expert_out's row into the next stage; then "part end". Then LEVEL 2 (this rank as
+//     source): grabs parts of its own chunks, acquires the chunk's ready flag of every rank
+//     (deadline: *:partials), and for every token posts one job per owner rank in ascending order,
+//     a bulk load of the owner's partial row (a peer's window over NVLink, or this rank's); a token
+//     that went nowhere gets one job without data (its output is zero). Finally "exit".
 //   compute warps (4 = 128 threads, each owning 16-byte words tid, tid + 128, ... of a row):
 //     accumulate a token's stages in fp32 registers from +0.0f in job order, free each stage, and
 //     write bf16 once: the partial into this rank's window (level 1) or the output row (level 2);
@@ -59,7 +58,7 @@ enum Kind : int { kPartialRow = 0, kOutRow = 1, kPartEnd = 2, kExit = 3 };
 
 // ---- loader -----------------------------------------------------------------------------------------------
 
-// The issuing lane (Ring::loads): a job whose data is one row (2H bytes) loaded from `src` into stage j.
+// Lane 0: a job whose data is one row (2H bytes) loaded from `src` into stage j.
 __device__ void post_row(const Ring& ring, unsigned j, const Job& job, const void* src, std::uint32_t row_bytes) {
   ring.post_expecting(j, job, row_bytes);
   tma::load_async(ring.stage(j), src, row_bytes, ring.full_bar(j));
@@ -103,7 +102,7 @@ __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h,
       for (unsigned i = 0; i < batch; ++i) {
         const int r = __shfl_sync(kFullMask, row, static_cast<int>(i));
         ring.acquire(j, lane);
-        if (Ring::loads(j, lane))
+        if (lane == 0)
           post_row(ring, j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
                    rows + static_cast<long long>(r) * words, row_bytes);
         ++j;
@@ -139,7 +138,7 @@ __device__ unsigned load_out_part(const CombineView& v, const HandleView& h, con
     for (unsigned mm = m; mm != 0; mm &= mm - 1) {
       const int d = __ffs(mm) - 1;
       ring.acquire(j, lane);
-      if (Ring::loads(j, lane)) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, d, me, tt), row_bytes);
+      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, d, me, tt), row_bytes);
       ++j;
     }
   }
@@ -178,10 +177,10 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
       if (lane == 0) {
         // Every rank publishes every chunk of ours (also with no token of ours): wait for all.
         for (int d = 0; ok && d < R; ++d) ok = wait_flag_at_least(ready_flag(v, me, d, p.chunk), epoch, wait, d);
+        if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flags published
       }
       __syncwarp();
       if (!__shfl_sync(kFullMask, ok, 0)) break;
-      tma::fence_proxy_global();  // each issuing lane: its bulk loads below read what the flags published
       j = load_out_part(v, h, ring, j, p, lane);
     }
   }

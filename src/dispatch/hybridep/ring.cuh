@@ -112,15 +112,6 @@ struct Ring {
   }
   __device__ std::uint64_t* full_bar(unsigned j) const { return &full[slot(j)]; }
 
-  // Whether `lane` of the producer warp posts and bulk-loads job j: lanes 0 and 1 by turns, each a
-  // whole row. One thread's bulk loads are served one after the other (flexep bench sm-copy, 16 SMs:
-  // ~46 GB/s per SM from one thread, 82 from 2 lanes of a warp, 91 from 2 warps), so a second issuing
-  // lane lets one ring have twice the bytes in flight. (Splitting each row over 4 lanes instead lost:
-  // docs/hybridep.md.) A lane whose loads read what a flag published orders the warp's acquire of
-  // the flag before them with its own tma::fence_proxy_global().
-  static constexpr int kLoadLanes = 2;
-  __device__ static bool loads(unsigned j, int lane) { return lane == static_cast<int>(j % kLoadLanes); }
-
   // ---- consumer side ----
 
   // Every consumer thread waits for job j (descriptor written, data landed), then may read both;
