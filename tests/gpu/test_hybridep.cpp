@@ -111,6 +111,8 @@ TEST_P(HybridEpMultiGpu, MatchesHostUniform) {
       config("uniform E=32R k=8 H=4096 pad 128", 32, 8, 4096, {700, 0, 333, 64}, RoutingKind::uniform, 128),
       config("uniform E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 0, 1000, 77}),
       config("uniform E=2R k=1 H=7168 pad 128", 2, 1, 7168, {0, 513, 64, 2048}, RoutingKind::uniform, 128),
+      // Above 7168 the v2 combine takes its 3-pipeline shape of 8 words per thread (clamped here).
+      config("uniform E=16R k=8 H=7680 pad 16", 16, 8, 7680, {300, 0, 129, 64}, RoutingKind::uniform, 16),
       i32,
   });
 }
