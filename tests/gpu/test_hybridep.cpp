@@ -648,6 +648,28 @@ TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
                                        })));
 }
 
+// v1's combine pulls the partial rows, v2's pushes them: ranks with different kernels would never meet.
+TEST_P(HybridEpMultiGpu, KernelsMismatchRaisesOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        HybridEpOptions o;
+        o.max_tokens_per_rank = 64;
+        o.hidden = 8;
+        o.max_topk = 4;
+        o.kernels = g.rank == 1 ? 3 - kernels_under_test : kernels_under_test;
+        o.stream = g.stream;
+        make_hybridep_dispatcher(g.comm, 2 * R, o);
+      },
+      test_comm_options());
+  EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("options", [&](const std::string& w) {
+                                         return contains(w, "kernels: word 8 is " + std::to_string(3 - kernels_under_test) +
+                                                                " vs " + std::to_string(kernels_under_test));
+                                       })));
+}
+
 TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks(), E = 2 * R;

@@ -1,7 +1,10 @@
-// The v2 hybridep combine kernel (also dispatch_backward; HybridEpOptions::kernels = 2): the
-// protocol of combine_kernel.cu (same partial rows, ready and consumed flags, epochs) and bitwise
-// the same results, with the rows brought into shared memory by bulk loads instead of 16-byte
-// register loads (v1 has 32 x 16 bytes in flight per warp and pulls over NVLink one row at a time).
+// The v2 hybridep combine kernel (also dispatch_backward; HybridEpOptions::kernels = 2): the flags
+// and epochs of combine_kernel.cu and bitwise the same results, with the rows brought into shared
+// memory by bulk loads instead of 16-byte register loads (v1 has 32 x 16 bytes in flight per warp).
+// Unlike v1, the owner PUSHES each partial row into the source's window as it computes it (the
+// NVLink traffic overlaps level 1) rather than the source pulling it at level 2 (which, after level 1,
+// measured ~150 us of NVLink-bound time for dsv3-ep2 whatever the SM count): v1 and v2 do not mix,
+// so every rank must use the same HybridEpOptions::kernels (checked at init).
 //
 // CTA = P pipelines x 5 warps; each pipeline owns one ring of row-sized stages. The shape depends on
 // H (Shape below): 4 pipelines whose compute threads hold 7 words of a row (H <= 7168, 93 registers,
@@ -15,11 +18,12 @@
 //     load of expert_out's row into the next stage; then "part end". Then LEVEL 2 (this rank as
 //     source): grabs parts of its own chunks, acquires the chunk's ready flag of every rank
 //     (deadline: *:partials), and for every token posts one job per owner rank in ascending order,
-//     a bulk load of the owner's partial row (a peer's window over NVLink, or this rank's); a token
-//     that went nowhere gets one job without data (its output is zero). Finally "exit".
+//     a bulk load of the partial row that owner pushed into this rank's window; a token that went
+//     nowhere gets one job without data (its output is zero). Finally "exit".
 //   compute warps (4 = 128 threads, each owning 16-byte words tid, tid + 128, ... of a row):
 //     accumulate a token's stages in fp32 registers from +0.0f in job order, free each stage, and
-//     write bf16 once: the partial into this rank's window (level 1) or the output row (level 2);
+//     write bf16 once: the partial into the source's window (level 1: over NVLink for a peer) or the
+//     output row (level 2);
 //     dispatch_backward also writes the prob gradients (level 1) and gathers them per slot
 //     (level 2), as v1. At a part end every thread fences at system scope, the group synchronises
 //     (named barrier), and one thread counts the part; the last part of (source, chunk) releases the
@@ -150,7 +154,7 @@ __device__ unsigned load_out_part(const CombineView& v, const HandleView& h, con
     for (unsigned mm = m; mm != 0; mm &= mm - 1) {
       const int d = __ffs(mm) - 1;
       ring.acquire(j, lane);
-      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, d, me, tt), row_bytes);
+      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, me, d, tt), row_bytes);
       ++j;
     }
   }
@@ -272,24 +276,24 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
     }
     const long long t = job.b;
     const long long words = rw.words;
-    uint4* dst = job.kind == kPartialRow ? partial_row(v, me, job.a, t) : static_cast<uint4*>(c.out) + t * words;
+    uint4* dst = job.kind == kPartialRow ? partial_row(v, job.a, me, t) : static_cast<uint4*>(c.out) + t * words;
 #pragma unroll
     for (int k = 0; k < W; ++k)
       if (rw.mine(k, tid)) dst[rw.at[k]] = to_bf16x8(acc[k]);
     if (job.kind == kPartialRow && c.grad_probs) {
       const RecordEntry* e = record_entries(record_at(h.records, job.a, t, h.max_tokens, h.record_bytes));
-      for (int q = tid; q < rows; q += kComputeThreads) *grad_at(v, me, job.a, t, q) = c.grad_probs[__ldcg(&e[q].row)];
+      for (int q = tid; q < rows; q += kComputeThreads) *grad_at(v, job.a, me, t, q) = c.grad_probs[__ldcg(&e[q].row)];
     }
     if (job.kind == kOutRow && c.grad_weights) {
-      // As v1's consume_chunk: each slot's prob gradient from the owner's window (the loader
-      // acquired the chunk's ready flags before posting this job).
+      // As v1's consume_chunk: each slot's prob gradient, which owner d pushed into this rank's
+      // window (the loader acquired the chunk's ready flags before posting this job).
       for (int jj = tid; jj < h.slots; jj += kComputeThreads) {
         const long long i = t * h.slots + jj;
         const int entry = h.slot_entry[i];
         float g = 0.0f;
         if (entry >= 0) {
           const int d = entry / v.width, q = entry % v.width;
-          if (d < v.ranks) g = __ldcg(grad_at(v, d, me, t, q));
+          if (d < v.ranks) g = __ldcg(grad_at(v, me, d, t, q));
         }
         if (!h.multihot) {
           c.grad_weights[i] = g;
