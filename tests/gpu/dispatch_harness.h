@@ -216,6 +216,12 @@ struct DeviceInputs {
   }
 };
 
+// The top-k form of `in` on rank g's GPU.
+inline DeviceInputs to_device(const Inputs& in, GpuRank& g) {
+  return DeviceInputs{cuda::to_device(in.hidden, g.rank, g.stream), cuda::to_device(in.indices, g.rank, g.stream),
+                      cuda::to_device(in.weights, g.rank, g.stream)};
+}
+
 inline DeviceInputs device_inputs(GpuRank& g, int E, std::int64_t T, std::int64_t H, int k) {
   TopK tk = synthetic_topk(T, k, E, RoutingSpec{}, 3, g.rank);
   DeviceInputs in;

@@ -162,13 +162,8 @@ TEST(AlltoallMultiGpu, BudgetOverflowRaisesOnEveryRank) {
   const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
     auto d = make_alltoall_dispatcher(g.comm, 16 * R);
     const Inputs in = make_inputs(c, R, g.rank);
-    const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
-    const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
-    const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
-    DispatchInput di;
-    di.hidden = hidden;
-    di.indices = indices;
-    di.weights = weights;
+    const DeviceInputs dev = to_device(in, g);
+    const DispatchInput di = dev.view();
     d->dispatch(di, dispatch_options(c, R));
   });
   EXPECT_TRUE(all_threw<Error>(errors, overflow));

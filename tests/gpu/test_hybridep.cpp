@@ -111,6 +111,8 @@ TEST_P(HybridEpMultiGpu, MatchesHostUniform) {
       config("uniform E=32R k=8 H=4096 pad 128", 32, 8, 4096, {700, 0, 333, 64}, RoutingKind::uniform, 128),
       config("uniform E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 0, 1000, 77}),
       config("uniform E=2R k=1 H=7168 pad 128", 2, 1, 7168, {0, 513, 64, 2048}, RoutingKind::uniform, 128),
+      // Above 7168 the v2 combine takes its 3-pipeline shape of 8 words per thread (clamped here).
+      config("uniform E=16R k=8 H=7680 pad 16", 16, 8, 7680, {300, 0, 129, 64}, RoutingKind::uniform, 16),
       i32,
   });
 }
@@ -204,13 +206,8 @@ TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
       [&](GpuRank& g) {
         auto d = make_dispatcher(g, c);
         const Inputs in = make_inputs(c, R, g.rank);
-        const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
-        const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
-        const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
-        DispatchInput di;
-        di.hidden = hidden;
-        di.indices = indices;
-        di.weights = weights;
+        const DeviceInputs dev = to_device(in, g);
+        const DispatchInput di = dev.view();
         d->dispatch(di, dispatch_options(c, R));  // budget mode: returns without waiting
         try {
           d->check_errors();
@@ -236,13 +233,8 @@ TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
       [&](GpuRank& g) {
         auto d = make_dispatcher(g, c);
         const Inputs in = make_inputs(c, R, g.rank);
-        const Tensor hidden = cuda::to_device(in.hidden, g.rank, g.stream);
-        const Tensor indices = cuda::to_device(in.indices, g.rank, g.stream);
-        const Tensor weights = cuda::to_device(in.weights, g.rank, g.stream);
-        DispatchInput di;
-        di.hidden = hidden;
-        di.indices = indices;
-        di.weights = weights;
+        const DeviceInputs dev = to_device(in, g);
+        const DispatchInput di = dev.view();
         d->dispatch(di, dispatch_options(c, R));  // budget overflow, recorded on the device only
         Config blocking = c;
         blocking.mode = DispatchMode::blocking;
@@ -570,13 +562,8 @@ TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
 
         // A handle is valid until the next dispatch on the same dispatcher.
         const Inputs in = make_inputs(small, g.size, g.rank);
-        const Tensor h = cuda::to_device(in.hidden, g.rank, g.stream);
-        const Tensor i = cuda::to_device(in.indices, g.rank, g.stream);
-        const Tensor w = cuda::to_device(in.weights, g.rank, g.stream);
-        DispatchInput di;
-        di.hidden = h;
-        di.indices = i;
-        di.weights = w;
+        const DeviceInputs dev = to_device(in, g);
+        const DispatchInput di = dev.view();
         DispatchResult first = d->dispatch(di, {});
         DispatchResult second = d->dispatch(di, {});
         try {
@@ -658,6 +645,28 @@ TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
   EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("num_experts", [&](const std::string& w) {
                                          return contains(w, "rank 1 has E=" + std::to_string(4 * R) +
                                                                 " but rank 0 has E=" + std::to_string(2 * R));
+                                       })));
+}
+
+// v1's combine pulls the partial rows, v2's pushes them: ranks with different kernels would never meet.
+TEST_P(HybridEpMultiGpu, KernelsMismatchRaisesOnEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        HybridEpOptions o;
+        o.max_tokens_per_rank = 64;
+        o.hidden = 8;
+        o.max_topk = 4;
+        o.kernels = g.rank == 1 ? 3 - kernels_under_test : kernels_under_test;
+        o.stream = g.stream;
+        make_hybridep_dispatcher(g.comm, 2 * R, o);
+      },
+      test_comm_options());
+  EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("options", [&](const std::string& w) {
+                                         return contains(w, "kernels: word 8 is " + std::to_string(3 - kernels_under_test) +
+                                                                " vs " + std::to_string(kernels_under_test));
                                        })));
 }
 

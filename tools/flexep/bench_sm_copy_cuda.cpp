@@ -49,6 +49,8 @@ void run(const BenchArgs& a, BenchRun& run) {
     if (path.rfind("bulk-load-issuers", 0) == 0 || path == "bulk-load-lanes") p.issuers = variant, p.in_flight = 8 / variant;
     if (path == "bulk-load-issuers-smsp0") p.issuer_warp_step = 4;
     if (path == "bulk-load-lanes") p.issuer_warp_step = 0;
+    if (path.rfind("ring-load", 0) == 0) p.pipes = variant, p.read_stages = path != "ring-load-free";
+    if (path == "ring-load-store") p.store_every = 4;  // a partial per token of ~4 rows (dsv3-ep2, 2 ranks)
     if (path == "mixed-load") {  // W warps' loads take two thirds of the rows, one thread's bulk loads a third
       p.warps = variant;
       p.in_flight = 8;
@@ -94,6 +96,18 @@ void run(const BenchArgs& a, BenchRun& run) {
                           8 / n));
         probe("bulk-load-lanes", n, sms, launch_bulk_load_probe,
               fmt::format("cp.async.bulk global->shared by {} lanes of one warp, {} in flight each", n, 8 / n));
+      }
+      for (int n : {2, 3}) {
+        probe("ring-load", n, sms, launch_ring_load_probe,
+              fmt::format("the combine's data path: {} rings, whole rows bulk-loaded by lane 0 of each producer warp, "
+                          "read by 4 consumer warps (16-byte shared loads) and freed",
+                          n));
+        probe("ring-load-free", n, sms, launch_ring_load_probe,
+              fmt::format("as ring-load/{}, the consumers free each stage without reading it", n));
+        probe("ring-load-store", n, sms, launch_ring_load_probe,
+              fmt::format("as ring-load/{}, the consumers also store one row per 4 loaded (16-byte stores), as the "
+                          "combine stores a partial per token",
+                          n));
       }
       for (int w : {8, 12})
         probe("mixed-load", w, sms, launch_mixed_load_probe,

@@ -1,6 +1,8 @@
 // The probes of sm_copy_kernels.h. Each CTA first fills its stages with ordinary stores (made
 // visible to the bulk-copy unit by a proxy fence), then moves `copies` rows; nothing is checked:
 // the probes measure speed (the hybridep tests check the same primitives' results).
+#include "dispatch/hybridep/kernel_launch.h"
+#include "dispatch/hybridep/ring.cuh"
 #include "dispatch/hybridep/tma.cuh"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
@@ -180,6 +182,74 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_load_probe(const SmCopyPara
   if (acc == 1.2345f) p.sink[blockIdx.x] = acc;
 }
 
+constexpr int kRingConsumerWarps = 4;
+constexpr int kRingWarps = 1 + kRingConsumerWarps;
+constexpr int kRingWords = 8;  // 16-byte words per consumer thread: rows up to 16 KB
+
+__global__ void __launch_bounds__(kThreads, 1) ring_load_probe(const SmCopyParams p, const hybridep::RingLayout layout) {
+  using hybridep::Job;
+  using hybridep::Ring;
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kConsumers = 32 * kRingConsumerWarps;
+  if (threadIdx.x == 0) {
+    for (int r = 0; r < layout.rings; ++r) Ring::make(smem, layout, r).init(kConsumers);
+    tma::fence_mbar_init();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pipe = warp / kRingWarps, role = warp % kRingWarps;
+  if (pipe >= layout.rings) return;
+  const Ring ring = Ring::make(smem, layout, pipe);
+  if (role == 0) {  // producer: rows pipe, pipe + pipes, ... of this CTA's copies
+    unsigned j = 0;
+    for (int i = pipe; i < p.copies; i += layout.rings, ++j) {
+      ring.acquire(j, lane);
+      if (lane == 0) {
+        ring.post_expecting(j, Job{0, 0, 0, 0, 0, 0, 0, 0}, static_cast<std::uint32_t>(p.row_bytes));
+        tma::load_async(ring.stage(j), p.src + (row_of(i) % p.rows) * p.row_bytes,
+                        static_cast<std::uint32_t>(p.row_bytes), ring.full_bar(j));
+      }
+    }
+    ring.acquire(j, lane);
+    if (lane == 0) ring.post(j, Job{1, 0, 0, 0, 0, 0, 0, 0});
+    return;
+  }
+  // consumers, as the combine's compute warps: all of a thread's words loaded (clamped), then used
+  const int tid = (role - 1) * 32 + lane, words = p.row_bytes / 16;
+  int at[kRingWords];
+#pragma unroll
+  for (int k = 0; k < kRingWords; ++k) at[k] = min(tid + k * kConsumers, words - 1);
+  uint4 acc[kRingWords];
+#pragma unroll
+  for (int k = 0; k < kRingWords; ++k) acc[k] = make_uint4(0, 0, 0, 0);
+  int since_store = 0, stored = 0;
+  Ring::Pos pos;
+  while (ring.wait(pos).kind == 0) {
+    if (p.read_stages) {
+      const uint4* stage = reinterpret_cast<const uint4*>(ring.stage(pos));
+      uint4 x[kRingWords];
+#pragma unroll
+      for (int k = 0; k < kRingWords; ++k) x[k] = stage[at[k]];
+#pragma unroll
+      for (int k = 0; k < kRingWords; ++k)
+        acc[k] = make_uint4(acc[k].x ^ x[k].x, acc[k].y ^ x[k].y, acc[k].z ^ x[k].z, acc[k].w ^ x[k].w);
+    }
+    ring.release(pos);
+    ring.advance(pos);
+    if (p.store_every > 0 && ++since_store == p.store_every) {  // one row out, as a partial per token
+      since_store = 0;
+      uint4* out = reinterpret_cast<uint4*>(p.dst + (row_of(stored++ * layout.rings + pipe) % p.rows) * p.row_bytes);
+#pragma unroll
+      for (int k = 0; k < kRingWords; ++k)
+        if (tid + k * kConsumers < words) out[at[k]] = acc[k];
+    }
+  }
+  ring.release(pos);
+  unsigned all = 0;
+#pragma unroll
+  for (int k = 0; k < kRingWords; ++k) all ^= acc[k].x ^ acc[k].y ^ acc[k].z ^ acc[k].w;
+  if (all == 0x12345678u) p.sink[blockIdx.x] = static_cast<float>(all);  // practically never
+}
+
 template <class Kernel>
 void launch(Kernel kernel, const SmCopyParams& p, int sms, cudaStream_t stream) {
   const std::size_t smem = sm_copy_smem_bytes(p);
@@ -212,6 +282,23 @@ void launch_warp_store_probe(const SmCopyParams& p, int sms, cudaStream_t stream
 }
 void launch_warp_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
   launch(warp_load_probe, p, sms, stream);
+}
+void launch_ring_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
+  FLEXEP_CHECK(p.pipes >= 1 && p.pipes * kRingWarps <= kThreads / 32, "ring load probe: 1 to ",
+               kThreads / 32 / kRingWarps, " pipelines, got ", p.pipes);
+  FLEXEP_CHECK(p.row_bytes <= kRingWords * 16 * 32 * kRingConsumerWarps, "ring load probe: rows up to ",
+               kRingWords * 16 * 32 * kRingConsumerWarps, " bytes, got ", p.row_bytes);
+  int device = 0, optin = 0;
+  FLEXEP_CUDA_CHECK(cudaGetDevice(&device));
+  FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const hybridep::RingLayout layout =
+      hybridep::fit_rings(p.pipes, static_cast<std::size_t>(p.row_bytes), 0, 2, 8, static_cast<std::size_t>(optin));
+  FLEXEP_CHECK(layout.stages >= 2, "ring load probe: ", p.pipes, " rings of rows of ", p.row_bytes,
+               " bytes do not fit in shared memory");
+  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(ring_load_probe, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(layout.total_bytes())));
+  ring_load_probe<<<sms, kThreads, layout.total_bytes(), stream>>>(p, layout);
+  FLEXEP_CUDA_CHECK_LAUNCH("sm-copy ring load probe");
 }
 void launch_mixed_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
   FLEXEP_CHECK(p.warps >= 1 && p.warps < kThreads / 32, "mixed load probe: 1 to ", kThreads / 32 - 1,

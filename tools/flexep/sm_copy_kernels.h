@@ -23,6 +23,9 @@ struct SmCopyParams {
   int issuers = 1;                     // bulk load: threads (of different warps) issuing, each its own stages
   int issuer_warp_step = 1;            // bulk load: issuer i is lane 0 of warp i * step (4: one sub-partition); 0: lane i of warp 0
   int bulk_copies = 0;                 // mixed load: rows one thread bulk-loads while the warps load `copies`
+  int pipes = 0;                       // ring load: pipelines per CTA (1 to 3)
+  bool read_stages = true;             // ring load: the consumers read every stage (else only free it)
+  int store_every = 0;                 // ring load: the consumers also store one row per this many (0: none)
 };
 
 // Dynamic shared memory each probe needs.
@@ -35,5 +38,12 @@ void launch_warp_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream)
 // thread of the last warp bulk-loads `bulk_copies` other rows (`in_flight` stages): whether the
 // bulk-copy unit and the warps' loads share one limit per SM or add up.
 void launch_mixed_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
+// The combine v2 kernel's data path alone: `pipes` pipelines per CTA, each a producer warp whose lane
+// 0 bulk-loads whole rows into a hybridep::Ring (as deep as shared memory allows, at most 8 stages)
+// and 4 consumer warps that read every stage with 16-byte shared loads (or, with read_stages off,
+// only free it), and with store_every k also store one row (their xor of the last k) per k rows, as
+// the combine writes one partial per token. Against bulk-load-issuers: what the consumers, the ring
+// handshake and the consumers' stores cost the loads.
+void launch_ring_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 
 }  // namespace flexep::tools

@@ -62,13 +62,14 @@ __device__ __forceinline__ unsigned* chunk_flag(const DispatchView& v, int owner
 
 // ---- combine buffer ------------------------------------------------------------------------------------
 
-// Partial row of (source s, token t) in rank `owner`'s combine window (combine_backward: the staged
-// grad_out row t of `owner` is partial_row(v, owner, 0, t)).
+// Partial row slot (s, t) in rank `owner`'s combine window. v1 (pull): owner's partial of token t of
+// source s. v2 (push): the partial that rank s computed for token t of `owner` (the source). The
+// combine_backward kernels stage grad_out row t of `owner` at partial_row(v, owner, 0, t).
 __device__ __forceinline__ uint4* partial_row(const CombineView& v, int owner, int s, long long t) {
   return reinterpret_cast<uint4*>(v.peers.window[owner] + v.off_partials +
                                   (static_cast<unsigned long long>(s) * v.max_tokens + t) * v.hidden * 2);
 }
-// Prob gradient of entry i of (source s, token t) in rank `owner`'s combine window.
+// Prob gradient of entry i of slot (s, t) in rank `owner`'s combine window (v1 / v2: as partial_row).
 __device__ __forceinline__ float* grad_at(const CombineView& v, int owner, int s, long long t, int i) {
   return reinterpret_cast<float*>(v.peers.window[owner] + v.off_grads) +
          (static_cast<long long>(s) * v.max_tokens + t) * v.width + i;

@@ -1,10 +1,16 @@
-// The v2 hybridep combine kernel (also dispatch_backward; HybridEpOptions::kernels = 2): the
-// protocol of combine_kernel.cu (same partial rows, ready and consumed flags, epochs) and bitwise
-// the same results, with the rows brought into shared memory by bulk loads instead of 16-byte
-// register loads (v1 has 32 x 16 bytes in flight per warp and pulls over NVLink one row at a time).
+// The v2 hybridep combine kernel (also dispatch_backward; HybridEpOptions::kernels = 2): the flags
+// and epochs of combine_kernel.cu and bitwise the same results, with the rows brought into shared
+// memory by bulk loads instead of 16-byte register loads (v1 has 32 x 16 bytes in flight per warp).
+// Unlike v1, the owner PUSHES each partial row into the source's window as it computes it (the
+// NVLink traffic overlaps level 1) rather than the source pulling it at level 2 (which, after level 1,
+// measured ~150 us of NVLink-bound time for dsv3-ep2 whatever the SM count): v1 and v2 do not mix,
+// so every rank must use the same HybridEpOptions::kernels (checked at init).
 //
-// CTA = 3 pipelines x 5 warps; each pipeline owns one ring of row-sized stages (3 loaders: each
-// loader's bulk loads are served one after the other, so the loads in flight per SM grow with them):
+// CTA = P pipelines x 5 warps; each pipeline owns one ring of row-sized stages. The shape depends on
+// H (Shape below): 4 pipelines whose compute threads hold 7 words of a row (H <= 7168, 93 registers,
+// 4 x 4 stages), else 3 pipelines of 8 words (H <= 8192, 116 registers, 3 x 5 stages). More pipelines
+// pay (2 -> 3: 766 -> 628 us, 3 -> 4: 628 -> 562 us for dsv3-ep2 at 16 SMs) because the rows of a
+// ring are added one after the other by its 4 compute warps: more rings, more rows added at once.
 //   loader warp (lane 0 issues): first the "consumed" flags of the previous operation on this buffer
 //     (deadline: *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
 //     chunk) items (work_items.cuh); for every token with a record of the handle's dispatch it posts
@@ -12,11 +18,12 @@
 //     load of expert_out's row into the next stage; then "part end". Then LEVEL 2 (this rank as
 //     source): grabs parts of its own chunks, acquires the chunk's ready flag of every rank
 //     (deadline: *:partials), and for every token posts one job per owner rank in ascending order,
-//     a bulk load of the owner's partial row (a peer's window over NVLink, or this rank's); a token
-//     that went nowhere gets one job without data (its output is zero). Finally "exit".
+//     a bulk load of the partial row that owner pushed into this rank's window; a token that went
+//     nowhere gets one job without data (its output is zero). Finally "exit".
 //   compute warps (4 = 128 threads, each owning 16-byte words tid, tid + 128, ... of a row):
 //     accumulate a token's stages in fp32 registers from +0.0f in job order, free each stage, and
-//     write bf16 once: the partial into this rank's window (level 1) or the output row (level 2);
+//     write bf16 once: the partial into the source's window (level 1: over NVLink for a peer) or the
+//     output row (level 2);
 //     dispatch_backward also writes the prob gradients (level 1) and gathers them per slot
 //     (level 2), as v1. At a part end every thread fences at system scope, the group synchronises
 //     (named barrier), and one thread counts the part; the last part of (source, chunk) releases the
@@ -43,14 +50,23 @@ namespace flexep::hybridep {
 
 namespace {
 
-constexpr int kPipes = 3;
 constexpr int kComputeWarps = 4;
 constexpr int kComputeThreads = 32 * kComputeWarps;
 constexpr int kWarpsPerPipe = 1 + kComputeWarps;
-constexpr int kThreadsV2 = 32 * kPipes * kWarpsPerPipe;
-constexpr int kWordsPerThread = 8;  // 16-byte words of a row per compute thread: H <= 8 * 128 * 8
-constexpr long long kMaxHidden = 8LL * kComputeThreads * kWordsPerThread;
 constexpr int kMinStages = 2, kMaxStages = 8;
+
+// Pipelines per CTA and 16-byte words of a row per compute thread (H <= 8 * 128 * words). The
+// registers bound the pipelines: a compute thread's fp32 sums are 8 x words registers, and one CTA of
+// 5 x 32 x pipes threads shares the SM's 65536 (4 pipelines: <= 96 each, which 7 words fit).
+template <int Pipes, int Words>
+struct Shape {
+  static constexpr int pipes = Pipes;
+  static constexpr int words = Words;
+  static constexpr int threads = 32 * kWarpsPerPipe * Pipes;
+  static constexpr long long max_hidden = 8LL * kComputeThreads * Words;
+};
+using Wide = Shape<4, 7>;    // H <= 7168 (dsv3: 7168)
+using Narrow = Shape<3, 8>;  // H <= 8192
 
 enum Kind : int { kPartialRow = 0, kOutRow = 1, kPartEnd = 2, kExit = 3 };
 // kPartialRow: a = source, b = token, c = rows in the sum.   kOutRow: b = token, c = rows (0: zeros).
@@ -138,17 +154,18 @@ __device__ unsigned load_out_part(const CombineView& v, const HandleView& h, con
     for (unsigned mm = m; mm != 0; mm &= mm - 1) {
       const int d = __ffs(mm) - 1;
       ring.acquire(j, lane);
-      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, d, me, tt), row_bytes);
+      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, me, d, tt), row_bytes);
       ++j;
     }
   }
   return j;
 }
 
+template <class S>
 __device__ void load(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring, unsigned epoch,
                      unsigned dispatch_epoch, int lane) {
   const int R = v.ranks, me = v.rank;
-  const int pipelines = static_cast<int>(gridDim.x) * kPipes;
+  const int pipelines = static_cast<int>(gridDim.x) * S::pipes;
   unsigned j = 0;
   const WaitContext reuse{v.status, v.timeout_ns, c.reuse_phase};
   // Nobody still reads the partials we are about to overwrite (every rank's previous operation on
@@ -190,33 +207,37 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
 
 // ---- compute ----------------------------------------------------------------------------------------------
 
-// Thread tid's 16-byte words of a row: tid, tid + kComputeThreads, ... Words past the row's end are
-// clamped to its last word, so that every thread loads all kWordsPerThread words of a stage without
-// a branch (ncu: a branch per word kept the loads from being issued together and stalled each one);
-// the sums of the clamped words are never stored.
+// Thread tid's W 16-byte words of a row: tid, tid + kComputeThreads, ... Words past the row's end are
+// clamped to its last word, so that every thread loads all W words of a stage without a branch (ncu:
+// a branch per word kept the loads from being issued together and stalled each one); the sums of the
+// clamped words are never stored.
+template <int W>
 struct RowWords {
   int words;  // 16-byte words in a row
-  int at[kWordsPerThread];
+  int at[W];
   __device__ RowWords(long long hidden, int tid) : words(static_cast<int>(hidden / 8)) {
 #pragma unroll
-    for (int k = 0; k < kWordsPerThread; ++k) at[k] = min(tid + k * kComputeThreads, words - 1);
+    for (int k = 0; k < W; ++k) at[k] = min(tid + k * kComputeThreads, words - 1);
   }
   __device__ bool mine(int k, int tid) const { return tid + k * kComputeThreads < words; }
 };
 
 // acc += the stage's row, in fp32: all loads first, then the additions (v1's add_bf16x8, same order).
-__device__ __forceinline__ void add_stage(float (&acc)[kWordsPerThread][8], const uint4* stage, const RowWords& rw) {
-  uint4 x[kWordsPerThread];
+template <int W>
+__device__ __forceinline__ void add_stage(float (&acc)[W][8], const uint4* stage, const RowWords<W>& rw) {
+  uint4 x[W];
 #pragma unroll
-  for (int k = 0; k < kWordsPerThread; ++k) x[k] = stage[rw.at[k]];
+  for (int k = 0; k < W; ++k) x[k] = stage[rw.at[k]];
 #pragma unroll
-  for (int k = 0; k < kWordsPerThread; ++k) add_bf16x8(acc[k], x[k]);
+  for (int k = 0; k < W; ++k) add_bf16x8(acc[k], x[k]);
 }
 
+template <class S>
 __device__ void compute(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
                         unsigned epoch, int tid, int pipe) {
   const int me = v.rank;
-  const RowWords rw(v.hidden, tid);
+  constexpr int W = S::words;
+  const RowWords<W> rw(v.hidden, tid);
   Ring::Pos pos;
   while (true) {
     const Job job = ring.wait(pos);
@@ -237,9 +258,9 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
     }
     // A sum over job.c stages (level 1: rows of one token here; level 2: partials of the owners),
     // from +0.0f in job order, as v1.
-    float acc[kWordsPerThread][8];
+    float acc[W][8];
 #pragma unroll
-    for (int k = 0; k < kWordsPerThread; ++k)
+    for (int k = 0; k < W; ++k)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
     const int rows = job.c;
@@ -255,24 +276,24 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
     }
     const long long t = job.b;
     const long long words = rw.words;
-    uint4* dst = job.kind == kPartialRow ? partial_row(v, me, job.a, t) : static_cast<uint4*>(c.out) + t * words;
+    uint4* dst = job.kind == kPartialRow ? partial_row(v, job.a, me, t) : static_cast<uint4*>(c.out) + t * words;
 #pragma unroll
-    for (int k = 0; k < kWordsPerThread; ++k)
+    for (int k = 0; k < W; ++k)
       if (rw.mine(k, tid)) dst[rw.at[k]] = to_bf16x8(acc[k]);
     if (job.kind == kPartialRow && c.grad_probs) {
       const RecordEntry* e = record_entries(record_at(h.records, job.a, t, h.max_tokens, h.record_bytes));
-      for (int q = tid; q < rows; q += kComputeThreads) *grad_at(v, me, job.a, t, q) = c.grad_probs[__ldcg(&e[q].row)];
+      for (int q = tid; q < rows; q += kComputeThreads) *grad_at(v, job.a, me, t, q) = c.grad_probs[__ldcg(&e[q].row)];
     }
     if (job.kind == kOutRow && c.grad_weights) {
-      // As v1's consume_chunk: each slot's prob gradient from the owner's window (the loader
-      // acquired the chunk's ready flags before posting this job).
+      // As v1's consume_chunk: each slot's prob gradient, which owner d pushed into this rank's
+      // window (the loader acquired the chunk's ready flags before posting this job).
       for (int jj = tid; jj < h.slots; jj += kComputeThreads) {
         const long long i = t * h.slots + jj;
         const int entry = h.slot_entry[i];
         float g = 0.0f;
         if (entry >= 0) {
           const int d = entry / v.width, q = entry % v.width;
-          if (d < v.ranks) g = __ldcg(grad_at(v, d, me, t, q));
+          if (d < v.ranks) g = __ldcg(grad_at(v, me, d, t, q));
         }
         if (!h.multihot) {
           c.grad_weights[i] = g;
@@ -285,7 +306,8 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
   }
 }
 
-__global__ void __launch_bounds__(kThreadsV2, 1)
+template <class S>
+__global__ void __launch_bounds__(S::threads, 1)
     combine_kernel_v2(const __grid_constant__ CombineView v, const __grid_constant__ HandleView h,
                       const __grid_constant__ CombineCall c, const RingLayout layout) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -295,7 +317,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   if (threadIdx.x == 0) {
     s_broken = timed_out(v.status);
     s_dispatch_epoch = ld_volatile(&h.control->op.epoch);  // the handle's dispatch was the last one
-    for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(kComputeThreads);
+    for (int p = 0; p < S::pipes; ++p) Ring::make(smem, layout, p).init(kComputeThreads);
     tma::fence_mbar_init();
   }
   __syncthreads();
@@ -303,33 +325,47 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   if (!s_broken) {
     const Ring ring = Ring::make(smem, layout, pipe);
     if (role == 0)
-      load(v, h, c, ring, epoch, s_dispatch_epoch, threadIdx.x % 32);
+      load<S>(v, h, c, ring, epoch, s_dispatch_epoch, threadIdx.x % 32);
     else
-      compute(v, h, c, ring, epoch, threadIdx.x - (pipe * kWarpsPerPipe + 1) * 32, pipe);
+      compute<S>(v, h, c, ring, epoch, threadIdx.x - (pipe * kWarpsPerPipe + 1) * 32, pipe);
   }
   finish_combine_side(v, epoch);
 }
 
-// The kernel's shared-memory budget on each device.
+// Each shape's shared-memory budget on each device.
+template <class S>
 SmemBudget smem_budget;
 
+template <class S>
 RingLayout layout_for(long long hidden) {
-  if (hidden > kMaxHidden) return RingLayout{1, 0, 128, 0};
-  return fit_rings(kPipes, static_cast<std::size_t>(hidden * 2), 0, kMinStages, kMaxStages,
-                   smem_budget.get(combine_kernel_v2));
+  return fit_rings(S::pipes, static_cast<std::size_t>(hidden * 2), 0, kMinStages, kMaxStages,
+                   smem_budget<S>.get(combine_kernel_v2<S>));
+}
+
+template <class S>
+void launch_shape(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream) {
+  const RingLayout layout = layout_for<S>(v.hidden);
+  FLEXEP_CHECK(layout.stages >= kMinStages, "hybridep combine v2: H = ", v.hidden,
+               " does not fit its rings (internal error: combine_v2_supported decides)");
+  launch_kernel(combine_kernel_v2<S>, grid, S::threads, layout.total_bytes(), stream, false, v, h, c, layout);
 }
 
 }  // namespace
 
-bool combine_v2_supported(long long hidden) { return layout_for(hidden).stages >= kMinStages; }
+bool combine_v2_supported(long long hidden) {
+  return hidden <= Narrow::max_hidden && layout_for<Narrow>(hidden).stages >= kMinStages;
+}
 
-void prepare_combine_v2() { raise_smem_limit(combine_kernel_v2); }
+void prepare_combine_v2() {
+  raise_smem_limit(combine_kernel_v2<Wide>);
+  raise_smem_limit(combine_kernel_v2<Narrow>);
+}
 
 void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream) {
-  const RingLayout layout = layout_for(v.hidden);
-  FLEXEP_CHECK(layout.stages >= kMinStages, "hybridep combine v2: H = ", v.hidden,
-               " does not fit its rings (internal error: combine_v2_supported decides)");
-  launch_kernel(combine_kernel_v2, grid, kThreadsV2, layout.total_bytes(), stream, false, v, h, c, layout);
+  if (v.hidden <= Wide::max_hidden && layout_for<Wide>(v.hidden).stages >= kMinStages)
+    launch_shape<Wide>(v, h, c, grid, stream);
+  else
+    launch_shape<Narrow>(v, h, c, grid, stream);
 }
 
 }  // namespace flexep::hybridep

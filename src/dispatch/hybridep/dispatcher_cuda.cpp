@@ -118,7 +118,9 @@ void Dispatcher::init() {
   cuda::init();
   cuda::DeviceGuard guard(comm_->device());
   // Every rank verifies that every rank sizes its buffers alike, before any window is registered.
-  const std::vector<long long> mine = config_words(config_);
+  // The kernel version too: v1's combine pulls partial rows, v2's pushes them.
+  std::vector<long long> mine = config_words(config_);
+  mine.push_back(options_.kernels);
   const std::vector<long long> all = comm_->all_gather_i64(mine, "hybridep:init");
   const std::size_t n = mine.size();
   for (int r = 1; r < comm_->size(); ++r) {
@@ -130,7 +132,7 @@ void Dispatcher::init() {
     for (std::size_t i = 0; i < n; ++i)
       FLEXEP_CHECK_ARG(all[static_cast<std::size_t>(r) * n + i] == all[i], "options", "rank ", r,
                        " configures its hybridep buffers differently from rank 0 (ranks, experts, max_tokens_per_rank, "
-                       "hidden, max_topk, max_recv_rows, max_pad_multiple, fp8: word ",
+                       "hidden, max_topk, max_recv_rows, max_pad_multiple, fp8, kernels: word ",
                        i, " is ", all[static_cast<std::size_t>(r) * n + i], " vs ", all[i],
                        "); create every rank's dispatcher with the same options and num_experts");
   dispatch_ = std::make_shared<DispatchStorage>(comm_, config_);
