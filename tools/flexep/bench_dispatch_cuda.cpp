@@ -122,7 +122,9 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
     const TimeStats td = timed_collective(comm, [&] { res = d->dispatch(in, opt); }, a.warmup, a.reps, stream);
     record("hybridep", "dispatch", td, "blocking: plan + count exchange + NVLink dispatch kernel + one host sync");
     const TimeStats tc = timed_collective(comm, [&] { d->combine(res.handle, res.tokens); }, a.warmup, a.reps, stream);
-    record("hybridep", "combine", tc, "two-level pull combine of the dispatched rows (identity experts) + host check");
+    record("hybridep", "combine", tc,
+           "two-level combine of the dispatched rows (identity experts; v2 pushes the partial rows, v1 pulls) + "
+           "host check");
     DispatchOptions budget;
     budget.mode = DispatchMode::budget;
     budget.budget_rows = exact_rows;
