@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace flexep::cuda {
@@ -24,25 +25,43 @@ int device_count() {
 namespace {
 thread_local cudaStream_t t_stream = nullptr;
 
+// Each allocation is freed on the stream it was allocated on, whichever stream is current when it is
+// freed: a tensor that Python drops outside any flexep call would otherwise be freed on the legacy
+// stream, which is not ordered after a non-blocking stream's kernels (torch's side streams), and the
+// pool could hand the memory to another stream while those kernels still use it.
 class PoolAllocator final : public Allocator {
  public:
   void* allocate(std::size_t bytes, Device device) override {
     DeviceGuard guard(device.index);
     void* p = nullptr;
     FLEXEP_CUDA_CHECK(cudaMallocAsync(&p, bytes, t_stream));
+    if (p != nullptr) {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      streams_[p] = t_stream;
+    }
     return p;
   }
   void deallocate(void* p, Device device) noexcept override {
+    cudaStream_t stream = t_stream;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = streams_.find(p);
+      if (it != streams_.end()) stream = it->second, streams_.erase(it);
+    }
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device.index);
-    cudaFreeAsync(p, t_stream);
+    cudaFreeAsync(p, stream);
     cudaSetDevice(previous);
   }
   void memset_zero(void* p, std::size_t bytes, Device device) override {
     DeviceGuard guard(device.index);
     FLEXEP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, t_stream));
   }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<void*, cudaStream_t> streams_;  // live allocations -> the stream they were made on
 };
 
 // Keep freed memory in the pool instead of returning it to the driver at each sync: training and

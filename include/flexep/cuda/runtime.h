@@ -27,9 +27,10 @@ int device_count();
 void init();
 
 // The stream device allocations of this thread are ordered on (default: the legacy stream 0).
-// Memory is allocated with cudaMallocAsync on it and freed with cudaFreeAsync on the same stream,
-// so a tensor may be released as soon as the last kernel using it has been *enqueued* there. Work on
-// other streams that uses the tensor must be joined back to it first.
+// Memory is allocated with cudaMallocAsync on it and freed with cudaFreeAsync on that same stream
+// (the allocation's, whichever stream is current when the tensor is released), so a tensor may be
+// released as soon as the last kernel using it has been *enqueued* there. Work on other streams that
+// uses the tensor must be joined back to it first.
 cudaStream_t current_stream();
 class StreamGuard {
  public:
