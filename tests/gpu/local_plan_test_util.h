@@ -32,8 +32,7 @@ class TestStream {
   }
   ~TestStream() {
     guard_.reset();
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    cuda::destroy_stream(stream_);
   }
   TestStream(const TestStream&) = delete;
   TestStream& operator=(const TestStream&) = delete;

@@ -37,10 +37,7 @@ inline std::vector<std::exception_ptr> run_gpu_ranks(int R, const std::function<
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
     struct StreamOwner {
       cudaStream_t s;
-      ~StreamOwner() {
-        cudaStreamSynchronize(s);
-        cudaStreamDestroy(s);
-      }
+      ~StreamOwner() { cuda::destroy_stream(s); }
     } owner{g.stream};
     cuda::StreamGuard current(g.stream);  // device tensors of fn are allocated and freed on it
     g.comm = Communicator::create(id, r, R, r, options);

@@ -14,9 +14,7 @@ namespace {
 
 TEST(CudaAllocator, ReleasedOutsideItsStreamStaysOrderedAfterItsKernels) {
   cuda::init();
-  cudaStream_t a = nullptr, b = nullptr;  // non-blocking: not ordered with the legacy stream
-  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+  const cuda::OwnedStream a(cudaStreamNonBlocking), b(cudaStreamNonBlocking);  // not ordered with stream 0
   constexpr long long n = 1 << 20;
   std::optional<Tensor> first;
   {
@@ -39,8 +37,33 @@ TEST(CudaAllocator, ReleasedOutsideItsStreamStaysOrderedAfterItsKernels) {
   for (float v : got) ones += v != 0.0f;
   EXPECT_EQ(ones, 0) << "the memory of a tensor released outside its stream was reused before its kernel ran";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaStreamDestroy(a);
-  cudaStreamDestroy(b);
+}
+
+// A stream destroyed before a tensor made on it (retired by its owner): the tensor is freed later
+// without touching the dead stream, after the stream's kernel, and the pool stays usable.
+TEST(CudaAllocator, TensorOutlivingItsStreamIsFreedAfterItsWork) {
+  cuda::init();
+  constexpr long long n = 1 << 20;
+  std::optional<Tensor> orphan;
+  {
+    const cuda::OwnedStream s(cudaStreamNonBlocking);
+    const cuda::StreamGuard on_s(s);
+    orphan.emplace(Tensor::empty({n}, DType::f32, Device::cuda(0)));
+    launch_late_fill(orphan->data<float>(), n, 2.0f, 20, s);
+  }  // s retired (its kernel done) and destroyed here
+  std::vector<float> got(n, 0.0f);
+  ASSERT_EQ(cudaMemcpy(got.data(), orphan->raw(), n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  long long twos = 0;
+  for (float v : got) twos += v == 2.0f;
+  EXPECT_EQ(twos, n) << "retiring the stream did not wait for its kernel";
+  orphan.reset();  // freed on the legacy stream, not on the destroyed one
+  Tensor next = Tensor::zeros({n}, DType::f32, Device::cuda(0));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), next.raw(), n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  long long nonzero = 0;
+  for (float v : got) nonzero += v != 0.0f;
+  EXPECT_EQ(nonzero, 0);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 }  // namespace

@@ -73,10 +73,7 @@ Tensor uniform_probs(std::int64_t n, std::uint64_t seed) {
 class TestStream {
  public:
   TestStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s_)); }
-  ~TestStream() {
-    cudaStreamSynchronize(s_);
-    cudaStreamDestroy(s_);
-  }
+  ~TestStream() { cuda::destroy_stream(s_); }
   operator cudaStream_t() const { return s_; }  // NOLINT
 
  private:

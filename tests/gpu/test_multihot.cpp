@@ -21,7 +21,7 @@ namespace {
 struct TestStream {
   cudaStream_t s = nullptr;
   TestStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s)); }
-  ~TestStream() { cudaStreamDestroy(s); }
+  ~TestStream() { cuda::destroy_stream(s); }
 };
 
 // 0xFF bytes in a pool block freed just before a call: outputs that reuse it and are never written
