@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace flexep::cuda {
@@ -24,29 +25,62 @@ int device_count() {
 namespace {
 thread_local cudaStream_t t_stream = nullptr;
 
+// Each allocation is freed on the stream it was allocated on, whichever stream is current when it is
+// freed: a tensor that Python drops outside any flexep call would otherwise be freed on the legacy
+// stream, which is not ordered after a non-blocking stream's kernels (torch's side streams), and the
+// pool could hand the memory to another stream while those kernels still use it. A stream destroyed
+// before its allocations are freed is retired first (retire_stream): its work is waited for and its
+// allocations are freed on the legacy stream from then on, since freeing on a destroyed stream is
+// undefined (the first run of the map without retirement crashed in the MoE layer's test, whose
+// layer destroys its side stream before its members' tensors).
 class PoolAllocator final : public Allocator {
  public:
   void* allocate(std::size_t bytes, Device device) override {
     DeviceGuard guard(device.index);
     void* p = nullptr;
     FLEXEP_CUDA_CHECK(cudaMallocAsync(&p, bytes, t_stream));
+    if (p != nullptr) {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      streams_[p] = t_stream;
+    }
     return p;
   }
   void deallocate(void* p, Device device) noexcept override {
+    cudaStream_t stream = t_stream;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = streams_.find(p);
+      if (it != streams_.end()) stream = it->second, streams_.erase(it);
+    }
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device.index);
-    cudaFreeAsync(p, t_stream);
+    cudaFreeAsync(p, stream);
     cudaSetDevice(previous);
   }
   void memset_zero(void* p, std::size_t bytes, Device device) override {
     DeviceGuard guard(device.index);
     FLEXEP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, t_stream));
   }
+  // After `s` has completed its work: its live allocations are freed on the legacy stream.
+  void retire(cudaStream_t s) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [p, stream] : streams_)
+      if (stream == s) stream = nullptr;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<void*, cudaStream_t> streams_;  // live allocations -> the stream they were made on
 };
 
 // Keep freed memory in the pool instead of returning it to the driver at each sync: training and
 // benchmark loops allocate the same sizes every step.
+PoolAllocator& pool_allocator() {
+  static PoolAllocator allocator;
+  return allocator;
+}
+
 void keep_pool_memory(int device) {
   cudaMemPool_t pool;
   FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
@@ -58,13 +92,23 @@ void keep_pool_memory(int device) {
 void init() {
   static std::once_flag once;
   std::call_once(once, [] {
-    static PoolAllocator allocator;
     for (int d = 0; d < device_count(); ++d) keep_pool_memory(d);
-    register_allocator(DeviceKind::cuda, &allocator);
+    register_allocator(DeviceKind::cuda, &pool_allocator());
   });
 }
 
 cudaStream_t current_stream() { return t_stream; }
+
+void retire_stream(cudaStream_t s) {
+  if (s == nullptr) return;  // the legacy stream is never destroyed
+  cudaStreamSynchronize(s);
+  pool_allocator().retire(s);
+}
+
+void destroy_stream(cudaStream_t s) {
+  retire_stream(s);
+  cudaStreamDestroy(s);
+}
 
 StreamGuard::StreamGuard(cudaStream_t s) : previous_(t_stream) { t_stream = s; }
 StreamGuard::~StreamGuard() { t_stream = previous_; }

@@ -180,10 +180,8 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
 }
 
 CudaMoELayer::~CudaMoELayer() {
-  if (side_stream_) {
-    cudaStreamSynchronize(side_stream_);
-    cudaStreamDestroy(side_stream_);
-  }
+  // Before the members: tensors made on the side stream are freed after it is gone (retired first).
+  if (side_stream_) cuda::destroy_stream(side_stream_);
 }
 
 CudaMoEOutput CudaMoELayer::forward(const TensorView& x, const TensorView& padding_mask, bool training,

@@ -26,22 +26,14 @@ namespace flexep::testing {
 // stream while it lives. Declare it before the tensors of a test so that they are freed first.
 class TestStream {
  public:
-  TestStream() {
-    FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    guard_.emplace(stream_);
-  }
-  ~TestStream() {
-    guard_.reset();
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
+  TestStream() : stream_(cudaStreamNonBlocking) { guard_.emplace(stream_.get()); }
   TestStream(const TestStream&) = delete;
   TestStream& operator=(const TestStream&) = delete;
   cudaStream_t get() const { return stream_; }
   operator cudaStream_t() const { return stream_; }  // NOLINT
 
  private:
-  cudaStream_t stream_ = nullptr;
+  cuda::OwnedStream stream_;                // retired and destroyed after the guard below
   std::optional<cuda::StreamGuard> guard_;
 };
 

@@ -34,14 +34,8 @@ inline std::vector<std::exception_ptr> run_gpu_ranks(int R, const std::function<
     GpuRank g;
     g.rank = r;
     g.size = R;
-    FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
-    struct StreamOwner {
-      cudaStream_t s;
-      ~StreamOwner() {
-        cudaStreamSynchronize(s);
-        cudaStreamDestroy(s);
-      }
-    } owner{g.stream};
+    const cuda::OwnedStream owner(cudaStreamNonBlocking);
+    g.stream = owner;
     cuda::StreamGuard current(g.stream);  // device tensors of fn are allocated and freed on it
     g.comm = Communicator::create(id, r, R, r, options);
     fn(g);

@@ -69,19 +69,6 @@ Tensor uniform_probs(std::int64_t n, std::uint64_t seed) {
   return p;
 }
 
-// A stream that outlives everything allocated on it inside a test body.
-class TestStream {
- public:
-  TestStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s_)); }
-  ~TestStream() {
-    cudaStreamSynchronize(s_);
-    cudaStreamDestroy(s_);
-  }
-  operator cudaStream_t() const { return s_; }  // NOLINT
-
- private:
-  cudaStream_t s_ = nullptr;
-};
 
 // Expert e's slice of a per-expert gradient is exactly zero.
 bool expert_slice_zero(const Tensor& grad, std::int64_t e) {
@@ -107,7 +94,7 @@ void check_case(Activation act, bool bias, int dim, int inter, const std::vector
   const MoEConfig cfg = make_config(act, bias, dim, inter);
   const std::int64_t active = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
   ASSERT_LE(active, N);
-  TestStream stream;
+  const cuda::OwnedStream stream;
   GroupedExperts cpu(cfg, local, first, DType::f32);
   prepare_cpu(cpu, 7);
   CudaGroupedExperts gpu(cfg, local, first, 0, mode);
@@ -227,7 +214,7 @@ TEST(CudaGroupedExperts, FreshBf16WeightGradsMatchCpu) {
 // fp32 summation-order difference of two cuBLAS paths (1e-5 of the largest entry).
 TEST(CudaGroupedExperts, FreshBf16GradsAreF32GradsRounded) {
   if (!testing::require_gpus(1)) return;
-  TestStream stream;
+  const cuda::OwnedStream stream;
   const MoEConfig cfg = make_config(Activation::swiglu, true, 64, 32);
   const std::vector<std::int64_t> counts = {40, 0, 97, 6};
   const std::int64_t N = 150;
@@ -264,7 +251,7 @@ TEST(CudaGroupedExperts, FreshBf16GradsAreF32GradsRounded) {
 // references.
 TEST(CudaGroupedExperts, FreshBf16GradsAreNewTensorsPerBackward) {
   if (!testing::require_gpus(1)) return;
-  TestStream stream;
+  const cuda::OwnedStream stream;
   const std::vector<std::int64_t> counts = {9, 0, 14};
   const std::int64_t N = 24;
   const auto module = small_gpu_experts(17, GradMode::fresh_bf16_weights, stream);
@@ -302,7 +289,7 @@ TEST(CudaGroupedExperts, FreshBf16GradsAreNewTensorsPerBackward) {
 // same thing bit for bit; gradients accumulate over calls and zero_grad clears them.
 TEST(CudaGroupedExperts, OverloadsAgreeAndGradsAccumulate) {
   if (!testing::require_gpus(1)) return;
-  TestStream stream;
+  const cuda::OwnedStream stream;
   const std::vector<std::int64_t> counts = {9, 0, 14};
   const std::int64_t N = 24;
   const auto module = small_gpu_experts(11, GradMode::accumulate_f32, stream);
@@ -348,7 +335,7 @@ TEST(CudaGroupedExperts, OverloadsAgreeAndGradsAccumulate) {
 // init draws GroupedExperts::init's numbers (rounded to bf16); copy_values_to brings them back.
 TEST(CudaGroupedExperts, InitMatchesCpuInit) {
   if (!testing::require_gpus(1)) return;
-  TestStream stream;
+  const cuda::OwnedStream stream;
   for (Activation act : {Activation::swiglu, Activation::relu2}) {
     const MoEConfig cfg = make_config(act, true, 24, 16);
     GroupedExperts cpu(cfg, 3, 2, DType::f32), back(cfg, 3, 2, DType::f32);

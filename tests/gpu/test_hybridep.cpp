@@ -593,13 +593,14 @@ TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
 
 // ---- errors raised on every rank ---------------------------------------------------------------------------
 
-std::unique_ptr<HybridEpDispatcher> small_dispatcher(GpuRank& g, int E, std::int64_t H, double timeout = 60) {
+std::unique_ptr<HybridEpDispatcher> small_dispatcher(GpuRank& g, int E, std::int64_t H, double timeout = 60,
+                                                     int kernels = 0) {
   HybridEpOptions o;
   o.max_tokens_per_rank = 64;
   o.hidden = H;
   o.max_topk = 4;
   o.timeout_seconds = timeout;
-  o.kernels = kernels_under_test;
+  o.kernels = kernels != 0 ? kernels : kernels_under_test;
   o.stream = g.stream;
   return make_hybridep_dispatcher(g.comm, E, o);
 }
@@ -653,16 +654,7 @@ TEST_P(HybridEpMultiGpu, KernelsMismatchRaisesOnEveryRank) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks();
   const auto errors = run_gpu_ranks(
-      R,
-      [&](GpuRank& g) {
-        HybridEpOptions o;
-        o.max_tokens_per_rank = 64;
-        o.hidden = 8;
-        o.max_topk = 4;
-        o.kernels = g.rank == 1 ? 3 - kernels_under_test : kernels_under_test;
-        o.stream = g.stream;
-        make_hybridep_dispatcher(g.comm, 2 * R, o);
-      },
+      R, [&](GpuRank& g) { small_dispatcher(g, 2 * R, 8, 60, g.rank == 1 ? 3 - kernels_under_test : 0); },
       test_comm_options());
   EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("options", [&](const std::string& w) {
                                          return contains(w, "kernels: word 8 is " + std::to_string(3 - kernels_under_test) +

@@ -18,12 +18,6 @@ using namespace flexep;
 
 namespace {
 
-struct TestStream {
-  cudaStream_t s = nullptr;
-  TestStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s)); }
-  ~TestStream() { cudaStreamDestroy(s); }
-};
-
 // 0xFF bytes in a pool block freed just before a call: outputs that reuse it and are never written
 // (or zeroed) stay true / NaN, so the exact comparisons catch them.
 void poison_pool(std::size_t bytes, cudaStream_t s) {
@@ -91,8 +85,8 @@ void expect_arg_error(const std::function<void()>& f, const std::string& arg, co
 
 TEST(MultihotGpu, MatchesCpuBothWays) {
   if (!flexep::testing::require_gpus(1)) return;
-  TestStream stream;
-  const cudaStream_t s = stream.s;
+  const cuda::OwnedStream stream;
+  const cudaStream_t s = stream.get();
   cuda::StreamGuard ordered(s);
   cuda::DeviceErrors errors(0);
   std::uint64_t seed = 1;
@@ -129,8 +123,8 @@ TEST(MultihotGpu, MatchesCpuBothWays) {
 
 TEST(MultihotGpu, EmptyBatch) {
   if (!flexep::testing::require_gpus(1)) return;
-  TestStream stream;
-  const cudaStream_t s = stream.s;
+  const cuda::OwnedStream stream;
+  const cudaStream_t s = stream.get();
   cuda::StreamGuard ordered(s);
   cuda::DeviceErrors errors(0);
   const Tensor ids = cuda::to_device(Tensor::empty({0, 4}, DType::i64), 0, s);
@@ -147,8 +141,8 @@ TEST(MultihotGpu, EmptyBatch) {
 // position; the other slots are still converted, and nothing is written out of bounds.
 TEST(MultihotGpu, ReportsBadIdsWithPosition) {
   if (!flexep::testing::require_gpus(1)) return;
-  TestStream stream;
-  const cudaStream_t s = stream.s;
+  const cuda::OwnedStream stream;
+  const cudaStream_t s = stream.get();
   cuda::StreamGuard ordered(s);
   cuda::DeviceErrors errors(0);
   const int E = 8;
@@ -186,8 +180,8 @@ TEST(MultihotGpu, ReportsBadIdsWithPosition) {
 
 TEST(MultihotGpu, RejectsBadArguments) {
   if (!flexep::testing::require_gpus(1)) return;
-  TestStream stream;
-  const cudaStream_t s = stream.s;
+  const cuda::OwnedStream stream;
+  const cudaStream_t s = stream.get();
   cuda::StreamGuard ordered(s);
   cuda::DeviceErrors errors(0);
   const Tensor ids_host = random_ids(4, 2, 8, DType::i64, 3);

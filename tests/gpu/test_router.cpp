@@ -44,13 +44,6 @@ using namespace flexep;
 
 namespace {
 
-// A blocking stream that the test's allocations and frees are ordered on (declare it first).
-struct TestStream {
-  cudaStream_t s = nullptr;
-  TestStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s)); }
-  ~TestStream() { cudaStreamDestroy(s); }
-};
-
 // 0xFF bytes in a pool block freed just before a call: outputs that reuse it and are never written
 // stay NaN / -1 / true, so the comparisons below catch them.
 void poison_pool(std::size_t bytes, cudaStream_t s) {
@@ -174,8 +167,8 @@ void run_case(const Case& cs) {
   const MoEConfig& c = cs.config;
   const std::int64_t T = cs.tokens, E = c.n_routed_experts, k = c.n_activated_experts, D = c.dim;
   const bool f64 = cs.precision == DType::f64;
-  TestStream stream;
-  const cudaStream_t s = stream.s;
+  const cuda::OwnedStream stream;
+  const cudaStream_t s = stream.get();
   cuda::StreamGuard ordered(s);
 
   // Inputs (host f32 holding bf16-exact values).
@@ -444,8 +437,8 @@ TEST(RouterGpu, EmptyBatch) {
 // agree to float rounding (the two exp implementations differ by ulps).
 TEST(RouterGpu, UnsetPrecisionContinuousData) {
   if (!flexep::testing::require_gpus(1)) return;
-  TestStream stream;
-  const cudaStream_t s = stream.s;
+  const cuda::OwnedStream stream;
+  const cudaStream_t s = stream.get();
   cuda::StreamGuard ordered(s);
   for (ScoreFunc f : {ScoreFunc::softmax, ScoreFunc::softmax_with_bias, ScoreFunc::sigmoid}) {
     const int E = 128, k = 8, D = 256;
@@ -509,8 +502,8 @@ TEST(RouterGpu, UnsetPrecisionContinuousData) {
 
 TEST(RouterGpu, RejectsBadArguments) {
   if (!flexep::testing::require_gpus(1)) return;
-  TestStream stream;
-  const cudaStream_t s = stream.s;
+  const cuda::OwnedStream stream;
+  const cudaStream_t s = stream.get();
   cuda::StreamGuard ordered(s);
   MoEConfig c = make_config(ScoreFunc::softmax, 16, 4, 8);
   const Tensor x = cuda::to_device(grid({5, 8}, 1, "router.x", 4, 0.25).to(DType::bf16), 0, s);

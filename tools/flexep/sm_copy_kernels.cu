@@ -184,7 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_load_probe(const SmCopyPara
 
 constexpr int kRingConsumerWarps = 4;
 constexpr int kRingWarps = 1 + kRingConsumerWarps;
-constexpr int kRingWords = 8;  // 16-byte words per consumer thread: rows up to 16 KB
+constexpr int kRingWords = 7;  // 16-byte words per consumer thread: rows up to 14 KB, as the combine's
+constexpr int kRingSpan = kRingWords * 16 * 32 * kRingConsumerWarps;  // stage bytes: every word read
 
 __global__ void __launch_bounds__(kThreads, 1) ring_load_probe(const SmCopyParams p, const hybridep::RingLayout layout) {
   using hybridep::Job;
@@ -213,22 +214,18 @@ __global__ void __launch_bounds__(kThreads, 1) ring_load_probe(const SmCopyParam
     if (lane == 0) ring.post(j, Job{1, 0, 0, 0, 0, 0, 0, 0});
     return;
   }
-  // consumers, as the combine's compute warps: all of a thread's words loaded (clamped), then used
+  // consumers, as the combine's compute warps: all of a thread's words loaded (all inside the stage), then used
   const int tid = (role - 1) * 32 + lane, words = p.row_bytes / 16;
-  int at[kRingWords];
-#pragma unroll
-  for (int k = 0; k < kRingWords; ++k) at[k] = min(tid + k * kConsumers, words - 1);
   uint4 acc[kRingWords];
 #pragma unroll
   for (int k = 0; k < kRingWords; ++k) acc[k] = make_uint4(0, 0, 0, 0);
   int since_store = 0, stored = 0;
-  Ring::Pos pos;
+  Ring::Pos pos = ring.first_pos(static_cast<std::uint32_t>(tid) * 16);
   while (ring.wait(pos).kind == 0) {
     if (p.read_stages) {
-      const uint4* stage = reinterpret_cast<const uint4*>(ring.stage(pos));
       uint4 x[kRingWords];
 #pragma unroll
-      for (int k = 0; k < kRingWords; ++k) x[k] = stage[at[k]];
+      for (int k = 0; k < kRingWords; ++k) x[k] = hybridep::ld_shared_16(pos.data + k * kConsumers * 16);
 #pragma unroll
       for (int k = 0; k < kRingWords; ++k)
         acc[k] = make_uint4(acc[k].x ^ x[k].x, acc[k].y ^ x[k].y, acc[k].z ^ x[k].z, acc[k].w ^ x[k].w);
@@ -240,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring_load_probe(const SmCopyParam
       uint4* out = reinterpret_cast<uint4*>(p.dst + (row_of(stored++ * layout.rings + pipe) % p.rows) * p.row_bytes);
 #pragma unroll
       for (int k = 0; k < kRingWords; ++k)
-        if (tid + k * kConsumers < words) out[at[k]] = acc[k];
+        if (tid + k * kConsumers < words) out[tid + k * kConsumers] = acc[k];
     }
   }
   ring.release(pos);
@@ -286,13 +283,12 @@ void launch_warp_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream)
 void launch_ring_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
   FLEXEP_CHECK(p.pipes >= 1 && p.pipes * kRingWarps <= kThreads / 32, "ring load probe: 1 to ",
                kThreads / 32 / kRingWarps, " pipelines, got ", p.pipes);
-  FLEXEP_CHECK(p.row_bytes <= kRingWords * 16 * 32 * kRingConsumerWarps, "ring load probe: rows up to ",
-               kRingWords * 16 * 32 * kRingConsumerWarps, " bytes, got ", p.row_bytes);
+  FLEXEP_CHECK(p.row_bytes <= kRingSpan, "ring load probe: rows up to ", kRingSpan, " bytes, got ", p.row_bytes);
   int device = 0, optin = 0;
   FLEXEP_CUDA_CHECK(cudaGetDevice(&device));
   FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   const hybridep::RingLayout layout =
-      hybridep::fit_rings(p.pipes, static_cast<std::size_t>(p.row_bytes), 0, 2, 8, static_cast<std::size_t>(optin));
+      hybridep::fit_rings(p.pipes, static_cast<std::size_t>(kRingSpan), 0, 2, 8, static_cast<std::size_t>(optin));
   FLEXEP_CHECK(layout.stages >= 2, "ring load probe: ", p.pipes, " rings of rows of ", p.row_bytes,
                " bytes do not fit in shared memory");
   FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(ring_load_probe, cudaFuncAttributeMaxDynamicSharedMemorySize,

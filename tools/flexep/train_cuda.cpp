@@ -53,7 +53,7 @@ struct CudaRank {
   }
   ~CudaRank() {
     student.reset();
-    if (stream) cudaStreamDestroy(stream);
+    if (stream) cuda::destroy_stream(stream);
   }
 
   // Forward and backward of one step; replicated gradients all-reduced. Returns the squared error.

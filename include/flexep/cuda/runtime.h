@@ -27,9 +27,10 @@ int device_count();
 void init();
 
 // The stream device allocations of this thread are ordered on (default: the legacy stream 0).
-// Memory is allocated with cudaMallocAsync on it and freed with cudaFreeAsync on the same stream,
-// so a tensor may be released as soon as the last kernel using it has been *enqueued* there. Work on
-// other streams that uses the tensor must be joined back to it first.
+// Memory is allocated with cudaMallocAsync on it and freed with cudaFreeAsync on that same stream
+// (the allocation's, whichever stream is current when the tensor is released), so a tensor may be
+// released as soon as the last kernel using it has been *enqueued* there. Work on other streams that
+// uses the tensor must be joined back to it first.
 cudaStream_t current_stream();
 class StreamGuard {
  public:
@@ -42,15 +43,20 @@ class StreamGuard {
   cudaStream_t previous_;
 };
 
-// An owned stream, synchronised and destroyed last: declare it before the tensors whose memory is
-// ordered on it, so they are freed (cudaFreeAsync on it) while it still exists.
+// A stream that device allocations were made on must be retired before it is destroyed, unless
+// every such allocation was freed first: retire_stream waits for its work and has the allocator free
+// its remaining allocations on the legacy stream (freeing on a destroyed stream is undefined).
+// destroy_stream retires, then destroys; every stream flexep creates goes that way (OwnedStream).
+void retire_stream(cudaStream_t s);
+void destroy_stream(cudaStream_t s);
+
+// An owned stream, retired and destroyed with its owner.
 class OwnedStream {
  public:
-  OwnedStream() { FLEXEP_CUDA_CHECK(cudaStreamCreate(&s_)); }
-  ~OwnedStream() {
-    cudaStreamSynchronize(s_);
-    cudaStreamDestroy(s_);
+  explicit OwnedStream(unsigned flags = cudaStreamDefault) {
+    FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, flags));
   }
+  ~OwnedStream() { destroy_stream(s_); }
   OwnedStream(const OwnedStream&) = delete;
   OwnedStream& operator=(const OwnedStream&) = delete;
   cudaStream_t get() const { return s_; }

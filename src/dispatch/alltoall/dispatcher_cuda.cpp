@@ -23,7 +23,7 @@ AlltoallDispatcher::~AlltoallDispatcher() {
   cuda::DeviceGuard device(comm_->device());
   for (cudaEvent_t e : {fork_event_, meta_event_, join_event_})
     if (e) cudaEventDestroy(e);
-  cudaStreamDestroy(comm_stream_);  // pending work (none: every call joins) finishes first
+  cuda::destroy_stream(comm_stream_);
 }
 
 cudaStream_t AlltoallDispatcher::stream() const {

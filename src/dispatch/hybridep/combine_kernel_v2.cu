@@ -6,11 +6,11 @@
 // measured ~150 us of NVLink-bound time for dsv3-ep2 whatever the SM count): v1 and v2 do not mix,
 // so every rank must use the same HybridEpOptions::kernels (checked at init).
 //
-// CTA = P pipelines x 5 warps; each pipeline owns one ring of row-sized stages. The shape depends on
-// H (Shape below): 4 pipelines whose compute threads hold 7 words of a row (H <= 7168, 93 registers,
-// 4 x 4 stages), else 3 pipelines of 8 words (H <= 8192, 116 registers, 3 x 5 stages). More pipelines
-// pay (2 -> 3: 766 -> 628 us, 3 -> 4: 628 -> 562 us for dsv3-ep2 at 16 SMs) because the rows of a
-// ring are added one after the other by its 4 compute warps: more rings, more rows added at once.
+// CTA = P pipelines x 5 warps; each pipeline owns one ring of stages of W words per compute thread.
+// The shape depends on H (Shape below): 4 pipelines of 7 words (H <= 7168; 89 registers, 4 x 4
+// stages of 14 KB), else 3 pipelines of 8 words (H <= 8192; 106 registers, 3 x 4 of 16 KB). More
+// pipelines pay (2 -> 3: 766 -> 628 us, 3 -> 4: 628 -> 562 us for dsv3-ep2 at 16 SMs) because the
+// rows of a ring are added one after the other by its 4 compute warps: more rings, more rows at once.
 //   loader warp (lane 0 issues): first the "consumed" flags of the previous operation on this buffer
 //     (deadline: *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
 //     chunk) items (work_items.cuh); for every token with a record of the handle's dispatch it posts
@@ -207,29 +207,24 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
 
 // ---- compute ----------------------------------------------------------------------------------------------
 
-// Thread tid's W 16-byte words of a row: tid, tid + kComputeThreads, ... Words past the row's end are
-// clamped to its last word, so that every thread loads all W words of a stage without a branch (ncu:
-// a branch per word kept the loads from being issued together and stalled each one); the sums of the
-// clamped words are never stored.
-template <int W>
-struct RowWords {
-  int words;  // 16-byte words in a row
-  int at[W];
-  __device__ RowWords(long long hidden, int tid) : words(static_cast<int>(hidden / 8)) {
-#pragma unroll
-    for (int k = 0; k < W; ++k) at[k] = min(tid + k * kComputeThreads, words - 1);
-  }
-  __device__ bool mine(int k, int tid) const { return tid + k * kComputeThreads < words; }
-};
-
-// acc += the stage's row, in fp32: all loads first, then the additions (v1's add_bf16x8, same order).
-template <int W>
-__device__ __forceinline__ void add_stage(float (&acc)[W][8], const uint4* stage, const RowWords<W>& rw) {
+// acc = (First: +0.0f; else acc) + the stage's row, in fp32: all of the thread's W words loaded
+// first, then the additions (v1's add_bf16x8, same order). Thread tid owns 16-byte words tid,
+// tid + kComputeThreads, ...; stages span all W * kComputeThreads words (layout_for), so a word past
+// the row's end is still inside the stage: it is loaded without a branch or a clamp (ncu: a branch
+// per word kept the loads from being issued together; clamped indices were recomputed per row) and
+// its sum is never stored. The offsets are constants: one shared load with an immediate each.
+template <bool First, int W>
+__device__ __forceinline__ void add_stage(float (&acc)[W][8], const Ring::Pos& pos) {
   uint4 x[W];
 #pragma unroll
-  for (int k = 0; k < W; ++k) x[k] = stage[rw.at[k]];
+  for (int k = 0; k < W; ++k) x[k] = ld_shared_16(pos.data + static_cast<std::uint32_t>(k * kComputeThreads * 16));
 #pragma unroll
-  for (int k = 0; k < W; ++k) add_bf16x8(acc[k], x[k]);
+  for (int k = 0; k < W; ++k) {
+    if constexpr (First)
+      first_bf16x8(acc[k], x[k]);
+    else
+      add_bf16x8(acc[k], x[k]);
+  }
 }
 
 template <class S>
@@ -237,8 +232,8 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
                         unsigned epoch, int tid, int pipe) {
   const int me = v.rank;
   constexpr int W = S::words;
-  const RowWords<W> rw(v.hidden, tid);
-  Ring::Pos pos;
+  const int words = static_cast<int>(v.hidden / 8);  // 16-byte words in a row
+  Ring::Pos pos = ring.first_pos(static_cast<std::uint32_t>(tid) * 16);
   while (true) {
     const Job job = ring.wait(pos);
     if (job.kind == kExit) break;
@@ -257,29 +252,31 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
       continue;
     }
     // A sum over job.c stages (level 1: rows of one token here; level 2: partials of the owners),
-    // from +0.0f in job order, as v1.
+    // from +0.0f in job order, as v1: the first stage is added to +0.0f, the later ones (same
+    // descriptor) to the sums.
     float acc[W][8];
-#pragma unroll
-    for (int k = 0; k < W; ++k)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
     const int rows = job.c;
-    for (int i = 0; i < rows; ++i) {
-      if (i > 0) ring.wait_data(pos);  // the token's later rows: same descriptor
-      add_stage(acc, reinterpret_cast<const uint4*>(ring.stage(pos)), rw);
-      ring.release(pos);
-      ring.advance(pos);
+    if (rows == 0) {  // a token that went nowhere: a descriptor-only job, a zero row
+#pragma unroll
+      for (int k = 0; k < W; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
+    } else {
+      add_stage<true>(acc, pos);
     }
-    if (rows == 0) {  // a token that went nowhere: a descriptor-only job
+    ring.release(pos);
+    ring.advance(pos);
+    for (int i = 1; i < rows; ++i) {
+      ring.wait_data(pos);
+      add_stage<false>(acc, pos);
       ring.release(pos);
       ring.advance(pos);
     }
     const long long t = job.b;
-    const long long words = rw.words;
     uint4* dst = job.kind == kPartialRow ? partial_row(v, job.a, me, t) : static_cast<uint4*>(c.out) + t * words;
 #pragma unroll
     for (int k = 0; k < W; ++k)
-      if (rw.mine(k, tid)) dst[rw.at[k]] = to_bf16x8(acc[k]);
+      if (tid + k * kComputeThreads < words) dst[tid + k * kComputeThreads] = to_bf16x8(acc[k]);
     if (job.kind == kPartialRow && c.grad_probs) {
       const RecordEntry* e = record_entries(record_at(h.records, job.a, t, h.max_tokens, h.record_bytes));
       for (int q = tid; q < rows; q += kComputeThreads) *grad_at(v, job.a, me, t, q) = c.grad_probs[__ldcg(&e[q].row)];
@@ -336,9 +333,12 @@ __global__ void __launch_bounds__(S::threads, 1)
 template <class S>
 SmemBudget smem_budget;
 
+// Stages span the W words of every compute thread (add_stage reads them all), which is the row
+// itself for H = 128 * 8 * W (dsv3: 7168 = 7 words) and more for smaller rows.
 template <class S>
 RingLayout layout_for(long long hidden) {
-  return fit_rings(S::pipes, static_cast<std::size_t>(hidden * 2), 0, kMinStages, kMaxStages,
+  if (hidden > S::max_hidden) return RingLayout{1, 0, 128, 0};
+  return fit_rings(S::pipes, static_cast<std::size_t>(S::max_hidden * 2), 0, kMinStages, kMaxStages,
                    smem_budget<S>.get(combine_kernel_v2<S>));
 }
 
@@ -353,7 +353,7 @@ void launch_shape(const CombineView& v, const HandleView& h, const CombineCall& 
 }  // namespace
 
 bool combine_v2_supported(long long hidden) {
-  return hidden <= Narrow::max_hidden && layout_for<Narrow>(hidden).stages >= kMinStages;
+  return layout_for<Narrow>(hidden).stages >= kMinStages;
 }
 
 void prepare_combine_v2() {
@@ -362,7 +362,7 @@ void prepare_combine_v2() {
 }
 
 void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream) {
-  if (v.hidden <= Wide::max_hidden && layout_for<Wide>(v.hidden).stages >= kMinStages)
+  if (layout_for<Wide>(v.hidden).stages >= kMinStages)
     launch_shape<Wide>(v, h, c, grid, stream);
   else
     launch_shape<Narrow>(v, h, c, grid, stream);

@@ -165,6 +165,17 @@ __device__ __forceinline__ void add_bf16x8(float* acc, uint4 v) {
   }
 }
 
+// acc[0..8) = +0.0f + the 8 bf16 values of `v`: the first add_bf16x8 of a sum from +0.0f, without
+// zeroing the sums first. Bitwise the same (+0.0f + -0.0f is +0.0f, so it is an addition, not a copy).
+__device__ __forceinline__ void first_bf16x8(float* acc, uint4 v) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = 0.0f + __uint_as_float(w[i] << 16);
+    acc[2 * i + 1] = 0.0f + __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
 // Rounds acc[0..8) to bf16 (round to nearest even, as flexep::bf16::from_float for every non-NaN).
 __device__ __forceinline__ uint4 to_bf16x8(const float* acc) {
   unsigned w[4];

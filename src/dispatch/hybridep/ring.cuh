@@ -133,27 +133,49 @@ struct Ring {
   __device__ void release(unsigned j) const { tma::mbar_arrive(&empty[slot(j)]); }
 
   // ---- consumer side, by position ----
-  // A consumer that takes one job after the other can carry the stage and the phase parity of its
-  // next job (Pos) instead of deriving them from j: j % stages and j / stages by a runtime stage count
-  // are an integer division per job, ~20 dependent instructions in the hot loop of the combine's
-  // compute warps (ncu: the largest single stall there).
+  // A consumer that takes one job after the other carries its position: the slot and phase parity
+  // of its next job, and the 32-bit shared addresses of that stage's data (at the thread's own byte
+  // offset) and of its full barrier. Deriving them per job costs an integer division by the runtime
+  // stage count (j % stages, j / stages: ~20 dependent instructions) and, from generic pointers, a
+  // 64-bit multiply and an address conversion per access: ncu counted both in the combine's compute
+  // loop, which runs once per row.
   struct Pos {
-    int slot = 0;
-    std::uint32_t parity = 0;  // of the full barrier's phase this job completes
+    int slot;
+    std::uint32_t parity;  // of the full barrier's phase this job completes
+    std::uint32_t data;    // shared address of the stage + the thread's offset
+    std::uint32_t full;    // shared address of full[slot]; empty[slot] is `stages` barriers on
   };
-  __device__ void advance(Pos& p) const {
-    if (++p.slot == stages) p.slot = 0, p.parity ^= 1u;
+  __device__ Pos first_pos(std::uint32_t offset) const {
+    return Pos{0, 0, tma::smem_addr(data) + offset, tma::smem_addr(full)};
   }
-  __device__ Job wait(Pos p) const {
-    tma::mbar_wait(&full[p.slot], p.parity);
+  __device__ void advance(Pos& p) const {
+    if (++p.slot == stages) {
+      p.slot = 0;
+      p.parity ^= 1u;
+      p.data -= static_cast<std::uint32_t>((stages - 1) * stage_bytes);
+      p.full -= static_cast<std::uint32_t>((stages - 1) * sizeof(std::uint64_t));
+    } else {
+      p.data += static_cast<std::uint32_t>(stage_bytes);
+      p.full += static_cast<std::uint32_t>(sizeof(std::uint64_t));
+    }
+  }
+  __device__ Job wait(const Pos& p) const {
+    tma::mbar_wait(p.full, p.parity);
     return jobs[p.slot];
   }
   // Waits for the job's data only (a consumer that already holds the descriptor).
-  __device__ void wait_data(Pos p) const { tma::mbar_wait(&full[p.slot], p.parity); }
-  __device__ const unsigned char* stage(Pos p) const {
-    return data + static_cast<std::size_t>(p.slot) * static_cast<std::size_t>(stage_bytes);
+  __device__ void wait_data(const Pos& p) const { tma::mbar_wait(p.full, p.parity); }
+  __device__ void release(const Pos& p) const {
+    tma::mbar_arrive(p.full + static_cast<std::uint32_t>(stages * sizeof(std::uint64_t)));
   }
-  __device__ void release(Pos p) const { tma::mbar_arrive(&empty[p.slot]); }
 };
+
+// 16 bytes of shared memory at a 32-bit shared address. Volatile: it must stay between the wait for
+// the stage and the arrival that frees it, both of which are volatile asm too.
+__device__ __forceinline__ uint4 ld_shared_16(std::uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
 
 }  // namespace flexep::hybridep

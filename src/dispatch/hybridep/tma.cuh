@@ -46,9 +46,12 @@ __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier
 
 // One arrival (release at CTA scope: this thread's earlier writes, e.g. a job descriptor, are visible
 // to whoever waits for the phase).
-__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+// (Each barrier operation also takes the barrier's 32-bit shared address, for hot loops that carry
+// it rather than convert a generic pointer per call.)
+__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) { mbar_arrive(smem_addr(bar)); }
 
 // One arrival that also expects `bytes` more to land through bulk loads before the phase completes.
 __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, std::uint32_t bytes) {
@@ -57,7 +60,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, std::u
 
 // True once the phase with parity `parity` has completed (acquire at CTA scope). A fresh barrier is
 // in phase 0, so parity 1 counts as completed: the "stage is free" convention of the producers.
-__device__ __forceinline__ bool mbar_try_wait(std::uint64_t* bar, std::uint32_t parity) {
+__device__ __forceinline__ bool mbar_try_wait(std::uint32_t bar, std::uint32_t parity) {
   std::uint32_t done;
   asm volatile(
       "{\n"
@@ -66,17 +69,23 @@ __device__ __forceinline__ bool mbar_try_wait(std::uint64_t* bar, std::uint32_t 
       "selp.u32 %0, 1, 0, p;\n"
       "}\n"
       : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
+      : "r"(bar), "r"(parity)
       : "memory");
   return done != 0;
+}
+__device__ __forceinline__ bool mbar_try_wait(std::uint64_t* bar, std::uint32_t parity) {
+  return mbar_try_wait(smem_addr(bar), parity);
 }
 
 // Waits without a deadline. Used only where the protocol guarantees progress (a local stage
 // handshake between two warps of one CTA, each of which only waits on the other or on a remote flag
 // that has its own deadline): see the progress argument in docs/hybridep.md.
-__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t parity) {
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
   while (!mbar_try_wait(bar, parity)) {
   }
+}
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t parity) {
+  mbar_wait(smem_addr(bar), parity);
 }
 
 // ---- bulk copies --------------------------------------------------------------------------------------
