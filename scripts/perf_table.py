@@ -22,13 +22,17 @@ def fmt(v, nd=1):
 
 def pass_of(r):
     """The record's pass (experts: forward/backward), or for a hybridep dispatch call its mode, which
-    the bench states in the note: blocking and budget calls are separate rows."""
+    the bench states in the note: blocking and budget calls are separate rows; a call started on a
+    busy stream with the ranks lined up (`"start": "aligned"`) is a row of its own too."""
     if r.get("pass"):
         return r["pass"]
     note = r.get("note", "")
+    mode = ""
     if r["phase"] == "dispatch" and r["timing"] == "call" and r["backend"] == "hybridep":
-        return "budget" if "budget mode" in note else "blocking"
-    return ""
+        mode = "budget" if "budget mode" in note else "blocking"
+    if r.get("start"):
+        mode = f"{mode}, {r['start']} start" if mode else f"{r['start']} start"
+    return mode
 
 
 def main():
@@ -52,7 +56,8 @@ def main():
         if r["phase"] in ("dispatch", "combine", "dispatch+combine") and r["backend"] != "alltoall":
             for x in same_run:
                 if (x["backend"] == "alltoall" and x["phase"] == r["phase"] and x["routing"] == r["routing"]
-                        and x["timing"] == r["timing"] and x["tokens_per_rank"] == r["tokens_per_rank"]):
+                        and x["timing"] == r["timing"] and x["tokens_per_rank"] == r["tokens_per_rank"]
+                        and x.get("start") == r.get("start")):
                     return f"{x['time_us']['median'] / r['time_us']['median']:.2f}x faster than alltoall"
         if r.get("tflops") and r["phase"] == "experts":
             for x in same_run:

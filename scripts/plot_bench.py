@@ -49,8 +49,8 @@ def bandwidth_vs_sms(records, out, case="dsv3-ep2", routing="uniform"):
         if (r["case"] != case or r["routing"] != routing or r["timing"] not in ("call", "kernel")
                 or r["phase"] not in ("dispatch", "combine") or r.get("algo_gbps") is None):
             continue
-        if "budget mode" in r.get("note", ""):
-            continue  # the blocking call is the one comparable with the other backends
+        if "budget mode" in r.get("note", "") or r.get("start"):
+            continue  # the blocking call from an idle stream is the one every run measured
         if r["sms"] is None:
             if r["timing"] == "call":
                 flat[f"{r['backend']} {r['phase']}"] = r["algo_gbps"]
@@ -91,7 +91,7 @@ def bandwidth_vs_sms(records, out, case="dsv3-ep2", routing="uniform"):
 def phase_times(records, out):
     rows = defaultdict(dict)
     for r in records:
-        if r["timing"] != "call" or r["phase"] not in ("dispatch", "combine", "dispatch+combine"):
+        if r["timing"] != "call" or r["phase"] not in ("dispatch", "combine", "dispatch+combine") or r.get("start"):
             continue
         rows[(r["case"], r["routing"], r["phase"])][r["backend"]] = r["time_us"]["median"]
     if not rows:

@@ -16,6 +16,7 @@
 
 #include "bench_cases.h"
 #include "bench_processes.h"
+#include "bench_spin.h"
 #include "bench_timing_cuda.h"
 #include "flexep/comm/communicator.h"
 #include "flexep/core/plan.h"
@@ -68,6 +69,39 @@ TimeStats timed_collective(Communicator& comm, const std::function<void()>& fn, 
     float ms = 0;
     FLEXEP_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     us.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return stats_of(us);
+}
+
+// The same call started as a training step starts it: on a busy stream, with the ranks together on
+// the GPU. A spin kernel keeps the stream busy while the host enqueues the call (its launch work is
+// not idle GPU time), and a one-element all-reduce right before the start event lines the ranks up
+// (the host barrier above lets them go up to its 50 us polling interval apart, which the call's
+// first exchange would otherwise absorb and charge to the call).
+constexpr double kSpinUs = 300;
+constexpr const char* kAlignedNote = " (aligned start: busy stream, ranks lined up on the GPU)";
+
+TimeStats timed_collective_aligned(Communicator& comm, const std::function<void()>& fn, int warmup, int reps,
+                                   cudaStream_t stream) {
+  Tensor flag = Tensor::empty({1}, DType::i32, Device::cuda(comm.device()));
+  FLEXEP_CUDA_CHECK(cudaMemsetAsync(flag.raw(), 0, sizeof(std::int32_t), stream));
+  std::vector<double> us;
+  cudaEvent_t a, b;
+  FLEXEP_CUDA_CHECK(cudaEventCreate(&a));
+  FLEXEP_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < warmup + reps; ++i) {
+    comm.barrier("bench barrier");
+    launch_spin(kSpinUs, stream);
+    FLEXEP_NCCL_CHECK(ncclAllReduce(flag.raw(), flag.raw(), 1, ncclInt32, ncclSum, comm.get(), stream));
+    FLEXEP_CUDA_CHECK(cudaEventRecord(a, stream));
+    fn();
+    FLEXEP_CUDA_CHECK(cudaEventRecord(b, stream));
+    FLEXEP_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    FLEXEP_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (i >= warmup) us.push_back(1000.0 * ms);
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -130,6 +164,14 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
     budget.budget_rows = exact_rows;
     const TimeStats tb = timed_collective(comm, [&] { res = d->dispatch(in, budget); }, a.warmup, a.reps, stream);
     record("hybridep", "dispatch", tb, "budget mode (budget = this run's exact rows): no host synchronisation");
+    d->check_errors();
+    // The same three calls started on a busy stream with the ranks lined up (timed_collective_aligned).
+    auto aligned = [&](const char* phase, const std::function<void()>& fn, const std::string& note) {
+      record("hybridep", phase, timed_collective_aligned(comm, fn, a.warmup, a.reps, stream), note, "call", "aligned");
+    };
+    aligned("dispatch", [&] { res = d->dispatch(in, opt); }, "blocking: plan + count exchange + NVLink dispatch kernel + one host sync");
+    aligned("combine", [&] { d->combine(res.handle, res.tokens); }, "two-level combine + host check");
+    aligned("dispatch", [&] { res = d->dispatch(in, budget); }, "budget mode (budget = this run's exact rows): no host synchronisation");
     d->check_errors();
     const TimeStats tdc = timed_collective(comm, [&] {
       DispatchResult r2 = d->dispatch(in, opt);
@@ -212,7 +254,7 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
     const Tensor w = cuda::to_device(routing[static_cast<std::size_t>(rank)].weights, comm->device(), stream);
     std::vector<BenchRecord> mine;
     auto record = [&](const std::string& backend, const std::string& phase, const TimeStats& t, const std::string& note,
-                    const std::string& timing = "call") {
+                    const std::string& timing = "call", const std::string& start = "") {
       BenchRecord r;
       r.case_name = shape.name;
       r.routing = a.routing;
@@ -227,7 +269,8 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
       const double mult = phase == "dispatch+combine" ? 2.0 : 1.0;
       r.algo_gbps = mult * rows_all * row_bytes / (t.median * 1e-6) / 1e9;
       r.nvlink_gbps = mult * rows_remote * row_bytes / (t.median * 1e-6) / 1e9;
-      r.note = note;
+      r.note = start == "aligned" ? note + kAlignedNote : note;
+      r.start = start;
       mine.push_back(r);
     };
 
@@ -282,6 +325,12 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
       Tensor y_rows = res.tokens;  // identity experts: combine the dispatched rows themselves
       const TimeStats tc = timed_collective(*comm, [&] { d->combine(res.handle, y_rows); }, a.warmup, a.reps, stream);
       record("alltoall", "combine", tc, "per-owner fp32 partial sums + NCCL send/recv + fp32 sum over ranks");
+      const TimeStats tda = timed_collective_aligned(*comm, [&] { res = d->dispatch(in, opt); }, a.warmup, a.reps, stream);
+      record("alltoall", "dispatch", tda, "counts all-gather + host plan + pack + NCCL send/recv + expert-major placement",
+             "call", "aligned");
+      const TimeStats tca = timed_collective_aligned(*comm, [&] { d->combine(res.handle, res.tokens); }, a.warmup, a.reps, stream);
+      record("alltoall", "combine", tca, "per-owner fp32 partial sums + NCCL send/recv + fp32 sum over ranks", "call",
+             "aligned");
       const TimeStats tb = timed_collective(*comm, [&] {
         DispatchResult r2 = d->dispatch(in, opt);
         d->combine(r2.handle, r2.tokens);

@@ -61,6 +61,7 @@ std::string to_json(const BenchRun& run) {
       for (const auto& [k, v] : r.parts_us) parts[k] = v;
       rec["parts_us"] = parts;
     }
+    if (!r.start.empty()) rec["start"] = r.start;
     if (!r.note.empty()) rec["note"] = r.note;
     j["records"].push_back(rec);
   }
@@ -83,7 +84,8 @@ std::string format_table(const std::vector<BenchRecord>& records) {
   auto num = [](const std::optional<double>& v) { return v ? fmt::format("{:.1f}", *v) : std::string("-"); };
   for (const BenchRecord& r : records)
     s += fmt::format("{:<14} {:<8} {:<16} {:<16} {:<7} {:>4} {:>10.1f} {:>10.1f} {:>10.1f} {:>9} {:>9} {:>8}\n",
-                     r.case_name, r.routing, r.backend, r.pass.empty() ? r.phase : r.phase + ":" + r.pass.substr(0, 3), r.timing, r.sms ? std::to_string(*r.sms) : "-",
+                     r.case_name, r.routing, r.backend, r.pass.empty() ? r.phase : r.phase + ":" + r.pass.substr(0, 3),
+                     r.start.empty() ? r.timing : r.timing + "-" + r.start.substr(0, 2), r.sms ? std::to_string(*r.sms) : "-",
                      r.time_us.min, r.time_us.median, r.time_us.max, num(r.algo_gbps ? r.algo_gbps : r.hbm_gbps),
                      num(r.nvlink_gbps), num(r.tflops));
   return s;

@@ -23,6 +23,9 @@ struct BenchRecord {
   std::string pass;                           // "forward", "backward" or empty
   std::vector<std::pair<std::string, double>> parts_us;  // per-part median split of a layer time
   std::string note;  // free text: what exactly was timed
+  // Calls only: "" (the call starts on an idle stream right after a host barrier) or "aligned" (on a
+  // busy stream, the ranks lined up on the GPU first: bench_dispatch_cuda.cpp).
+  std::string start;
 };
 
 struct BenchRun {
