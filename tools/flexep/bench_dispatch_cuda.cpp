@@ -95,6 +95,7 @@ TimeStats timed_collective_aligned(Communicator& comm, const std::function<void(
     comm.barrier("bench barrier");
     launch_spin(kSpinUs, stream);
     FLEXEP_NCCL_CHECK(ncclAllReduce(flag.raw(), flag.raw(), 1, ncclInt32, ncclSum, comm.get(), stream));
+    comm.wait_enqueued("bench:aligned start");  // a non-blocking communicator takes no call before that
     FLEXEP_CUDA_CHECK(cudaEventRecord(a, stream));
     fn();
     FLEXEP_CUDA_CHECK(cudaEventRecord(b, stream));
