@@ -652,6 +652,14 @@ TEST(HybridEpLayout, BufferConfigAndGeometry) {
   EXPECT_THROW(make_buffer_config(2, 64, 16, 60, 0, 0, 1), ArgumentError);   // H % 8
   EXPECT_THROW(make_buffer_config(40, 80, 16, 64, 0, 0, 1), ArgumentError);  // too many ranks
   EXPECT_THROW(make_buffer_config(2, 64, 0, 64, 0, 0, 1), ArgumentError);    // no tokens
+  EXPECT_EQ(make_buffer_config(8, kMaxExperts, 16, 64, 8, 0, 1).experts, kMaxExperts);
+  try {  // more experts than the preprocess kernel's shared memory holds (8 ranks of 1024)
+    make_buffer_config(8, 8192, 16, 64, 8, 0, 1);
+    ADD_FAILURE() << "8192 experts were accepted";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(e.argument(), "num_experts");
+    EXPECT_NE(std::string(e.what()).find("at most 4096 experts in all"), std::string::npos) << e.what();
+  }
 
   const DispatchGeometry g = dispatch_geometry(c, 12345);
   EXPECT_EQ(g.window_bytes % 4096, 0u);

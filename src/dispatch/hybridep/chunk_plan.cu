@@ -55,15 +55,23 @@ __device__ void write_slot_ranks(const std::uint32_t* bits, const ChunkPlanCall&
 }
 
 // The last CTA: chunk counts -> their exclusive scan over chunks, and the totals. The chunk counts
-// were written by other CTAs (ordered by their fence before the `done` increment): read via L2.
+// were written by other CTAs (ordered by their fence before the `done` increment): read via L2,
+// kScanBatch at a time, all in flight before the batch's stores (a store between two loads would
+// make each load wait for the one before: a chain of L2 round trips, one per chunk).
+constexpr int kScanBatch = 8;
+
 __device__ void scan_chunks(const ChunkPlanCall& c, long long chunks) {
   for (int e = threadIdx.x; e < c.experts; e += blockDim.x) {
     long long running = 0;
-    for (long long g = 0; g < chunks; ++g) {
-      int* at = c.chunk_base + g * c.experts + e;
-      const int n = __ldcg(at);
-      *at = static_cast<int>(running);
-      running += n;
+    for (long long g0 = 0; g0 < chunks; g0 += kScanBatch) {
+      int n[kScanBatch];
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) n[i] = g0 + i < chunks ? __ldcg(c.chunk_base + (g0 + i) * c.experts + e) : 0;
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) {
+        if (g0 + i < chunks) c.chunk_base[(g0 + i) * c.experts + e] = static_cast<int>(running);
+        running += n[i];
+      }
     }
     c.counts[e] = running;
   }

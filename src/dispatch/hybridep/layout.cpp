@@ -34,6 +34,8 @@ BufferConfig make_buffer_config(int ranks, int experts, std::int64_t max_tokens,
                    ranks, " ranks");
   FLEXEP_CHECK_ARG(experts / ranks <= 1024, "num_experts", "hybridep handles at most 1024 experts per rank, got ",
                    experts / ranks);
+  FLEXEP_CHECK_ARG(experts <= kMaxExperts, "num_experts", "hybridep handles at most ", kMaxExperts,
+                   " experts in all (its preprocess kernel keeps 40 bytes per expert in shared memory), got ", experts);
   FLEXEP_CHECK_ARG(max_tokens >= 1 && max_tokens <= INT_MAX, "max_tokens_per_rank", "must be in [1, 2^31), got ",
                    max_tokens);
   FLEXEP_CHECK_ARG(hidden >= 8 && hidden % 8 == 0, "hidden",

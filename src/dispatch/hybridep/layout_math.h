@@ -3,7 +3,8 @@
 //
 //   - receiver_layout(): core/plan.cpp's DispatchPlan::build for ONE receiver, from the count
 //     matrix counts(s, e) (pairs of source rank s for global expert e): expert groups, padding,
-//     the budget cut (drop) or overflow (error), tokens_per_expert;
+//     the budget cut (drop) or overflow (error), tokens_per_expert; receiver_layout_of_groups() is
+//     the same from each group's summed pairs (the GPU sums them for all experts at once first);
 //   - source rows: the pairs of source s for expert e occupy rows [begin(e) + sum_{s'<s} counts(s', e), ...)
 //     on e's owner, in source-token order; a slot's row is that start plus its rank among the
 //     source's own pairs of e (computed on the source by the single-GPU plan), kept iff it lies
@@ -30,10 +31,13 @@ namespace flexep::hybridep {
 // Ranks of one NVLink (LSA) domain the kernels handle: rank d is lane d of a warp in every
 // per-rank loop, which keeps those loops branch-free.
 constexpr int kMaxRanks = 32;
+// Experts in all: the preprocess kernel keeps five int64 words per expert in shared memory.
+constexpr int kMaxExperts = 4096;
 // Tokens per chunk: the unit of work of the persistent kernels and of their ready flags.
 constexpr int kChunkTokens = 32;
 
-FLEXEP_HD long long round_up(long long x, long long m) { return (x + m - 1) / m * m; }
+// m == 1 (no padding, the common case) skips the 64-bit division, a ~70-instruction routine on the GPU.
+FLEXEP_HD long long round_up(long long x, long long m) { return m == 1 ? x : (x + m - 1) / m * m; }
 FLEXEP_HD long long clamp_ll(long long x, long long lo, long long hi) { return x < lo ? lo : (x > hi ? hi : x); }
 // Chunks of a rank with `tokens` tokens: at least one, so that every (source, receiver) pair
 // exchanges at least one flag per call even when the source has no token (see docs/hybridep.md,
@@ -60,20 +64,26 @@ struct ReceiverTotals {
   bool overflow = false;   // budget exceeded under the error policy: the call must fail
 };
 
-// Writes, for the L = experts / ranks local experts of `receiver`: begin[le] (first row of the
-// group), kept[le] (real rows kept) and tpe[le] (tokens_per_expert: padded size, cut by the budget).
-// `counts(s, e)` returns the pairs of source s for global expert e. Same operations, same order as
-// DispatchPlan::build.
+// Pairs of global expert e from all sources: its group's rows before padding and the budget.
 template <class Counts>
-FLEXEP_HD ReceiverTotals receiver_layout(const Counts& counts, int receiver, const LayoutParams& p, long long* begin,
-                                         long long* kept, long long* tpe) {
-  const int R = p.ranks, L = p.experts / p.ranks;
+FLEXEP_HD long long group_pairs(const Counts& counts, int e, int ranks) {
+  long long real = 0;
+  for (int s = 0; s < ranks; ++s) real += counts(s, e);
+  return real;
+}
+
+// Writes, for the L = experts / ranks local experts of one receiver: begin[le] (first row of the
+// group), kept[le] (real rows kept) and tpe[le] (tokens_per_expert: padded size, cut by the budget).
+// `pairs(le)` returns group_pairs() of the receiver's local expert le. Same operations, same order
+// as DispatchPlan::build.
+template <class Pairs>
+FLEXEP_HD ReceiverTotals receiver_layout_of_groups(const Pairs& pairs, const LayoutParams& p, long long* begin,
+                                                   long long* kept, long long* tpe) {
+  const int L = p.experts / p.ranks;
   ReceiverTotals tot;
   long long row = 0;
   for (int le = 0; le < L; ++le) {
-    const int e = receiver * L + le;
-    long long real = 0;
-    for (int s = 0; s < R; ++s) real += counts(s, e);
+    const long long real = pairs(le);
     begin[le] = row;
     kept[le] = real;
     row += round_up(real, p.pad_multiple);
@@ -98,6 +108,22 @@ FLEXEP_HD ReceiverTotals receiver_layout(const Counts& counts, int receiver, con
     tot.used += tpe[le];
   }
   return tot;
+}
+
+template <class Counts>
+struct ReceiverPairs {
+  const Counts& counts;
+  int first_expert, ranks;
+  FLEXEP_HD long long operator()(int le) const { return group_pairs(counts, first_expert + le, ranks); }
+};
+
+// receiver_layout_of_groups() of `receiver`, from the count matrix: `counts(s, e)` returns the
+// pairs of source s for global expert e.
+template <class Counts>
+FLEXEP_HD ReceiverTotals receiver_layout(const Counts& counts, int receiver, const LayoutParams& p, long long* begin,
+                                         long long* kept, long long* tpe) {
+  const ReceiverPairs<Counts> pairs{counts, receiver * (p.experts / p.ranks), p.ranks};
+  return receiver_layout_of_groups(pairs, p, begin, kept, tpe);
 }
 
 // First row of source s's pairs of global expert e on e's owner, given the group's first row.
