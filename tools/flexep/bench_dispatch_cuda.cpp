@@ -13,6 +13,7 @@
 // starting with the kernel variant (--hybridep-kernels).
 #include <cstdio>
 #include <mutex>
+#include <tuple>
 
 #include "bench_cases.h"
 #include "bench_processes.h"
@@ -153,26 +154,24 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
     };
     const std::size_t first = mine.size();
     DispatchOptions opt;  // blocking: tokens_per_expert on the host, one sync per call
-    DispatchResult res;
-    const TimeStats td = timed_collective(comm, [&] { res = d->dispatch(in, opt); }, a.warmup, a.reps, stream);
-    record("hybridep", "dispatch", td, "blocking: plan + count exchange + NVLink dispatch kernel + one host sync");
-    const TimeStats tc = timed_collective(comm, [&] { d->combine(res.handle, res.tokens); }, a.warmup, a.reps, stream);
-    record("hybridep", "combine", tc,
-           "two-level combine of the dispatched rows (identity experts; v2 pushes the partial rows, v1 pulls) + "
-           "host check");
     DispatchOptions budget;
     budget.mode = DispatchMode::budget;
     budget.budget_rows = exact_rows;
-    const TimeStats tb = timed_collective(comm, [&] { res = d->dispatch(in, budget); }, a.warmup, a.reps, stream);
-    record("hybridep", "dispatch", tb, "budget mode (budget = this run's exact rows): no host synchronisation");
-    d->check_errors();
-    // The same three calls started on a busy stream with the ranks lined up (timed_collective_aligned).
-    auto aligned = [&](const char* phase, const std::function<void()>& fn, const std::string& note) {
+    DispatchResult res;
+    // The three calls, each timed from an idle stream (timed_collective) and from an aligned start
+    // (timed_collective_aligned); the combine combines the latest dispatch's rows.
+    const std::vector<std::tuple<const char*, std::function<void()>, const char*>> calls = {
+        {"dispatch", [&] { res = d->dispatch(in, opt); },
+         "blocking: plan + count exchange + NVLink dispatch kernel + one host sync"},
+        {"combine", [&] { d->combine(res.handle, res.tokens); },
+         "two-level combine of the dispatched rows (identity experts; v2 pushes the partial rows, v1 pulls) + "
+         "host check"},
+        {"dispatch", [&] { res = d->dispatch(in, budget); },
+         "budget mode (budget = this run's exact rows): no host synchronisation"}};
+    for (const auto& [phase, fn, note] : calls)
+      record("hybridep", phase, timed_collective(comm, fn, a.warmup, a.reps, stream), note);
+    for (const auto& [phase, fn, note] : calls)
       record("hybridep", phase, timed_collective_aligned(comm, fn, a.warmup, a.reps, stream), note, "call", "aligned");
-    };
-    aligned("dispatch", [&] { res = d->dispatch(in, opt); }, "blocking: plan + count exchange + NVLink dispatch kernel + one host sync");
-    aligned("combine", [&] { d->combine(res.handle, res.tokens); }, "two-level combine + host check");
-    aligned("dispatch", [&] { res = d->dispatch(in, budget); }, "budget mode (budget = this run's exact rows): no host synchronisation");
     d->check_errors();
     const TimeStats tdc = timed_collective(comm, [&] {
       DispatchResult r2 = d->dispatch(in, opt);
@@ -321,17 +320,17 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
       in.weights = w;
       DispatchOptions opt;
       DispatchResult res;
-      const TimeStats td = timed_collective(*comm, [&] { res = d->dispatch(in, opt); }, a.warmup, a.reps, stream);
-      record("alltoall", "dispatch", td, "counts all-gather + host plan + pack + NCCL send/recv + expert-major placement");
-      Tensor y_rows = res.tokens;  // identity experts: combine the dispatched rows themselves
-      const TimeStats tc = timed_collective(*comm, [&] { d->combine(res.handle, y_rows); }, a.warmup, a.reps, stream);
-      record("alltoall", "combine", tc, "per-owner fp32 partial sums + NCCL send/recv + fp32 sum over ranks");
-      const TimeStats tda = timed_collective_aligned(*comm, [&] { res = d->dispatch(in, opt); }, a.warmup, a.reps, stream);
-      record("alltoall", "dispatch", tda, "counts all-gather + host plan + pack + NCCL send/recv + expert-major placement",
-             "call", "aligned");
-      const TimeStats tca = timed_collective_aligned(*comm, [&] { d->combine(res.handle, res.tokens); }, a.warmup, a.reps, stream);
-      record("alltoall", "combine", tca, "per-owner fp32 partial sums + NCCL send/recv + fp32 sum over ranks", "call",
-             "aligned");
+      // Identity experts: the combine combines the latest dispatch's rows themselves.
+      const std::vector<std::tuple<const char*, std::function<void()>, const char*>> calls = {
+          {"dispatch", [&] { res = d->dispatch(in, opt); },
+           "counts all-gather + host plan + pack + NCCL send/recv + expert-major placement"},
+          {"combine", [&] { d->combine(res.handle, res.tokens); },
+           "per-owner fp32 partial sums + NCCL send/recv + fp32 sum over ranks"}};
+      for (const auto& [phase, fn, note] : calls)
+        record("alltoall", phase, timed_collective(*comm, fn, a.warmup, a.reps, stream), note);
+      for (const auto& [phase, fn, note] : calls)
+        record("alltoall", phase, timed_collective_aligned(*comm, fn, a.warmup, a.reps, stream), note, "call",
+               "aligned");
       const TimeStats tb = timed_collective(*comm, [&] {
         DispatchResult r2 = d->dispatch(in, opt);
         d->combine(r2.handle, r2.tokens);
