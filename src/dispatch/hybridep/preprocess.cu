@@ -1,8 +1,8 @@
 // Preprocessing of a hybridep dispatch, on the GPU with no host synchronisation:
 //
 //   multihot_slots_kernel  (multihot form only) [T, E] map -> `slots` ascending expert ids per token.
-//   (the single-GPU plan, chunk_plan.cu or src/cuda/local_plan*.cu: per-expert counts and each
-//   slot's rank among the pairs of its expert)
+//   (the single-GPU plan, chunk_plan.cu: per-expert counts and each slot's rank among its chunk's
+//   pairs of its expert)
 //   preprocess_kernel      one grid of `preprocess_sms` CTAs; every CTA does steps 1-4 redundantly
 //                          (tiny, and it means no CTA ever waits for another CTA of this grid):
 //     1. write [header | E pair counts] into slot `me` of every rank's count region, then release
@@ -86,9 +86,7 @@ struct TokenRows {
     const int local = abort ? -1 : c.plan_slot_rows[i];
     if (local < 0) return -1;
     const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-    const long long rank =
-        c.plan_chunk_base ? c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e] + local
-                          : local - c.plan_begin[e];
+    const long long rank = c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e] + local;
     dest = e / local_experts;
     return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
   }
