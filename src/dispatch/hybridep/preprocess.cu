@@ -263,7 +263,8 @@ __global__ void __launch_bounds__(kThreads)
   const LayoutParams lp{R, E, c.pad_multiple, c.budget, c.drop != 0};
   const int lane = tid % 32;
   for (int d = tid / 32; d < R; d += blockDim.x / 32) {
-    const ReceiverTotals t = warp_receiver_layout(s_pairs + d * L, lp, s_begin + d * L, s_kept + d * L, s_tpe + d * L, lane);
+    const ReceiverTotals t =
+        warp_receiver_layout(s_pairs + d * L, lp, s_begin + d * L, s_kept + d * L, s_tpe + d * L, lane);
     if (lane == 0) {
       s_out_rows[d] = t.out_rows;
       s_used[d] = t.used;
