@@ -661,7 +661,7 @@ TEST(HybridEpLayout, BufferConfigAndGeometry) {
     EXPECT_NE(std::string(e.what()).find("at most 4096 experts in all"), std::string::npos) << e.what();
   }
 
-  const DispatchGeometry g = dispatch_geometry(c, 12345);
+  const DispatchGeometry g = dispatch_geometry(c);
   EXPECT_EQ(g.window_bytes % 4096, 0u);
   EXPECT_LE(g.off_counts + 2 * g.slot_bytes, g.off_records);
   EXPECT_LE(g.off_records + 2 * 4096 * static_cast<std::size_t>(g.record_bytes), g.off_probs);
@@ -669,12 +669,13 @@ TEST(HybridEpLayout, BufferConfigAndGeometry) {
   EXPECT_LE(g.off_tokens + static_cast<std::size_t>(c.capacity_rows) * 7168 * 2, g.window_bytes);
   EXPECT_EQ(g.off_tokens % 256, 0u);
   EXPECT_EQ(g.off_tpe, g.off_control + sizeof(DispatchControl));  // one copy reads both
-  EXPECT_GE(g.local_bytes, g.off_sort_temp + 12345);
+  EXPECT_GE(g.local_bytes, g.off_plan_done + 4);
+  EXPECT_GE(g.off_plan_chunk_base, g.off_plan_slot_rows + 4096 * 8 * 4);  // T * slots int32 ranks
   EXPECT_EQ(g.flag_chunks, 2u);
   EXPECT_GE(g.flag_bytes, (2 + 2 * static_cast<std::size_t>(g.max_chunks)) * 4);
   EXPECT_EQ(g.off_scales, g.off_tokens + static_cast<std::size_t>(c.capacity_rows) * 7168 * 2);  // none: bf16 only
   const BufferConfig c8 = make_buffer_config(2, 64, 4096, 7168, 8, 0, 128, true);
-  const DispatchGeometry g8 = dispatch_geometry(c8, 0);
+  const DispatchGeometry g8 = dispatch_geometry(c8);
   EXPECT_LE(g8.off_scales + static_cast<std::size_t>(c8.capacity_rows) * (7168 / 128) * 4, g8.window_bytes);
   EXPECT_EQ(g8.off_scales % 256, 0u);
   EXPECT_GT(g8.window_bytes, g.window_bytes);

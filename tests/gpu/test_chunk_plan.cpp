@@ -104,7 +104,10 @@ TEST(HybridEpChunkPlan, MatchesTheGeneralPlan) {
           }
 }
 
-TEST(HybridEpChunkPlan, TakesDsv3AndLeavesHugeExpertCountsToTheGeneralPlan) {
+// hybridep has no other plan: the kernel takes every expert count a buffer allows (4096 in all,
+// layout.cpp; a static_assert in chunk_plan.cu), and refuses what its shared memory cannot hold.
+TEST(HybridEpChunkPlan, TakesEveryExpertCountOfAHybridEpBuffer) {
+  EXPECT_TRUE(chunk_plan_takes(1));
   EXPECT_TRUE(chunk_plan_takes(64));
   EXPECT_TRUE(chunk_plan_takes(4096));
   EXPECT_FALSE(chunk_plan_takes(32768));

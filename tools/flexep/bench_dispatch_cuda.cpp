@@ -57,22 +57,12 @@ std::pair<std::int64_t, std::int64_t> received_rows(const std::vector<TopK>& rou
 TimeStats timed_collective(Communicator& comm, const std::function<void()>& fn, int warmup, int reps,
                            cudaStream_t stream) {
   for (int i = 0; i < warmup; ++i) fn();
+  EventTimer timer;
   std::vector<double> us;
-  cudaEvent_t a, b;
-  FLEXEP_CUDA_CHECK(cudaEventCreate(&a));
-  FLEXEP_CUDA_CHECK(cudaEventCreate(&b));
   for (int i = 0; i < reps; ++i) {
     comm.barrier("bench barrier");
-    FLEXEP_CUDA_CHECK(cudaEventRecord(a, stream));
-    fn();
-    FLEXEP_CUDA_CHECK(cudaEventRecord(b, stream));
-    FLEXEP_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    FLEXEP_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    us.push_back(1000.0 * ms);
+    us.push_back(timer.time_us(fn, stream));
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   return stats_of(us);
 }
 
@@ -88,25 +78,16 @@ TimeStats timed_collective_aligned(Communicator& comm, const std::function<void(
                                    cudaStream_t stream) {
   Tensor flag = Tensor::empty({1}, DType::i32, Device::cuda(comm.device()));
   FLEXEP_CUDA_CHECK(cudaMemsetAsync(flag.raw(), 0, sizeof(std::int32_t), stream));
+  EventTimer timer;
   std::vector<double> us;
-  cudaEvent_t a, b;
-  FLEXEP_CUDA_CHECK(cudaEventCreate(&a));
-  FLEXEP_CUDA_CHECK(cudaEventCreate(&b));
   for (int i = 0; i < warmup + reps; ++i) {
     comm.barrier("bench barrier");
     launch_spin(kSpinUs, stream);
     FLEXEP_NCCL_CHECK(ncclAllReduce(flag.raw(), flag.raw(), 1, ncclInt32, ncclSum, comm.get(), stream));
     comm.wait_enqueued("bench:aligned start");  // a non-blocking communicator takes no call before that
-    FLEXEP_CUDA_CHECK(cudaEventRecord(a, stream));
-    fn();
-    FLEXEP_CUDA_CHECK(cudaEventRecord(b, stream));
-    FLEXEP_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    FLEXEP_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (i >= warmup) us.push_back(1000.0 * ms);
+    const double t = timer.time_us(fn, stream);
+    if (i >= warmup) us.push_back(t);
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   return stats_of(us);
 }
 

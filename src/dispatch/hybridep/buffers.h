@@ -12,7 +12,6 @@
 
 #include <memory>
 
-#include "cuda/local_plan_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/layout.h"
 #include "flexep/comm/symmetric_buffer.h"
@@ -26,9 +25,6 @@ class DispatchStorage {
   DispatchStorage(const DispatchStorage&) = delete;
   DispatchStorage& operator=(const DispatchStorage&) = delete;
 
-  // The CUB sort storage the plan needs for `pairs` pairs of `experts` experts.
-  static std::size_t sort_temp_bytes(std::int64_t pairs, int experts);
-
   const BufferConfig& config() const { return geo_.cfg; }
   const DispatchGeometry& geometry() const { return geo_; }
   SymmetricBuffer& symmetric() { return sym_; }
@@ -41,8 +37,6 @@ class DispatchStorage {
   DispatchControl* control() const { return at<DispatchControl>(geo_.off_control); }
 
   DispatchView view(Status* status, double timeout_seconds) const;
-  cuda::local_plan_detail::Workspace plan_workspace() const;
-  cuda::local_plan_detail::Outputs plan_outputs() const;
 
   std::size_t window_bytes() const { return geo_.window_bytes; }
   std::size_t flag_bytes() const { return geo_.flag_bytes; }

@@ -50,14 +50,8 @@ unsigned long long timeout_ns(double seconds) {
   return ns >= 1.8e19 ? 18000000000000000000ull : static_cast<unsigned long long>(std::llround(ns));
 }
 
-std::size_t DispatchStorage::sort_temp_bytes(std::int64_t pairs, int experts) {
-  if (pairs <= 0) return 0;
-  return cuda::local_plan_detail::sort_temp_bytes(static_cast<int>(pairs),
-                                                  cuda::local_plan_detail::sort_key_bits(experts));
-}
-
 DispatchStorage::DispatchStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)
-    : geo_(dispatch_geometry(config, sort_temp_bytes(config.max_tokens * config.slots, config.experts))),
+    : geo_(dispatch_geometry(config)),
       sym_(comm, "hybridep dispatch buffer") {
   local_ = init_symmetric_and_local(sym_, geo_.window_bytes, geo_.flag_bytes, geo_.local_bytes);
   prepare_preprocess(config.experts);
@@ -100,29 +94,6 @@ DispatchView DispatchStorage::view(Status* status, double timeout_seconds) const
   v.status = status;
   v.timeout_ns = timeout_ns(timeout_seconds);
   return v;
-}
-
-cuda::local_plan_detail::Workspace DispatchStorage::plan_workspace() const {
-  cuda::local_plan_detail::Workspace ws;
-  ws.keys_in = at<std::uint32_t>(geo_.off_keys_in);
-  ws.keys_out = at<std::uint32_t>(geo_.off_keys_out);
-  ws.pairs_in = at<std::int32_t>(geo_.off_pairs_in);
-  ws.pairs_out = at<std::int32_t>(geo_.off_pairs_out);
-  ws.sorted_begin = at<std::int64_t>(geo_.off_sorted_begin);
-  ws.sort_temp = geo_.sort_temp_bytes ? at<void>(geo_.off_sort_temp) : nullptr;
-  ws.sort_temp_bytes = geo_.sort_temp_bytes;
-  return ws;
-}
-
-cuda::local_plan_detail::Outputs DispatchStorage::plan_outputs() const {
-  cuda::local_plan_detail::Outputs o;
-  o.tokens_per_expert = at<std::int64_t>(geo_.off_plan_tpe);
-  o.used_rows = at<std::int64_t>(geo_.off_plan_used);
-  o.dropped = at<std::int64_t>(geo_.off_plan_dropped);
-  o.expert_begin = at<std::int64_t>(geo_.off_plan_begin);
-  o.kept_rows = at<std::int64_t>(geo_.off_plan_kept);
-  o.slot_rows = at<std::int32_t>(geo_.off_plan_slot_rows);
-  return o;
 }
 
 CombineStorage::CombineStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)

@@ -17,6 +17,9 @@
 namespace flexep::hybridep {
 
 static_assert(kThreads == kPlanChunkTokens, "a token of the chunk per thread");
+static_assert(static_cast<std::size_t>(kMaxExperts) * kPlanChunkWords * sizeof(std::uint32_t) <= kChunkPlanMaxSmem,
+              "the chunk plan takes every expert count a hybridep buffer allows (layout.cpp): the dispatch has no "
+              "other plan");
 
 namespace {
 

@@ -2,7 +2,7 @@
 //   1. local argument checks (a failure is not raised yet: the rank still takes part in the count
 //      exchange, with a header that says it failed, so that every rank stops together);
 //   2. (multihot) the routing map -> ascending slots; the single-GPU plan of this rank's pairs
-//      (CUB stable sort by expert: counts and each slot's rank among the pairs of its expert);
+//      (the chunk plan: counts and each slot's rank among its chunk's pairs of its expert);
 //   3. the preprocess kernel (count exchange through the windows, every rank's layout, the abort
 //      decision, staging records) and the dispatch kernel (rows over NVLink, expert-major output);
 //   4. blocking mode: one wait, tokens_per_expert and the row count copied back, device errors
@@ -156,43 +156,25 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
       c.indices_i64 = input.indices.dtype == DType::i64 ? 1 : 0;
       c.weights = input.weights.ptr<float>();
     }
-    // The single-GPU plan with pad 1 and no budget: pair counts per expert, and every slot's rank
-    // among the pairs of its expert in (token, slot) order; bad ids are reported and get -1.
-    namespace lp = cuda::local_plan_detail;
-    const lp::Outputs out = st.plan_outputs();
-    c.plan_counts = reinterpret_cast<const long long*>(out.kept_rows);  // int64_t is long on Linux
-    c.plan_slot_rows = out.slot_rows;
-    if (chunk_plan_fits(E)) {  // one kernel on the preprocess SMs (chunk_plan.cu)
-      ChunkPlanCall pc;
-      pc.indices = c.indices;
-      pc.indices_i64 = c.indices_i64;
-      pc.tokens = T;
-      pc.slots = rt.slots;
-      pc.experts = E;
-      pc.counts = reinterpret_cast<long long*>(out.kept_rows);
-      pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
-      pc.slot_rank = out.slot_rows;
-      pc.done = st.at<unsigned>(g.off_plan_done);
-      pc.errors = errors_.record();
-      launch_chunk_plan(pc, sms.preprocess, s);
-      after_plan = overlap;
-      c.plan_chunk_base = pc.chunk_base;
-    } else {  // the general plan: keys, a CUB radix sort, the layout, the slot rows
-      const std::int64_t n = T * rt.slots;
-      const lp::Workspace ws = st.plan_workspace();
-      lp::Layout layout;
-      layout.experts = E;
-      lp::launch_make_sort_keys(c.indices, c.indices_i64 ? DType::i64 : DType::i32, T, rt.slots, E, ws,
-                                errors_.record(), s);
-      if (n > 0) {
-        FLEXEP_CHECK(DispatchStorage::sort_temp_bytes(n, E) <= ws.sort_temp_bytes, "hybridep: the sort of ", n,
-                     " pairs needs more scratch than reserved for ", g.max_pairs, " (internal error)");
-        lp::sort_pairs(ws, static_cast<int>(n), lp::sort_key_bits(E), s);
-      }
-      lp::launch_build_layout(ws, n, layout, out, errors_.record(), s);
-      lp::launch_write_slot_rows(ws, n, E, out, s);
-      c.plan_begin = reinterpret_cast<const long long*>(out.expert_begin);
-    }
+    // The single-GPU plan with pad 1 and no budget, one kernel on the preprocess SMs (chunk_plan.cu):
+    // pair counts per expert, and every slot's rank among its chunk's pairs of its expert; bad ids
+    // are reported and get -1.
+    ChunkPlanCall pc;
+    pc.indices = c.indices;
+    pc.indices_i64 = c.indices_i64;
+    pc.tokens = T;
+    pc.slots = rt.slots;
+    pc.experts = E;
+    pc.counts = st.at<long long>(g.off_plan_counts);
+    pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
+    pc.slot_rank = st.at<int>(g.off_plan_slot_rows);
+    pc.done = st.at<unsigned>(g.off_plan_done);
+    pc.errors = errors_.record();
+    launch_chunk_plan(pc, sms.preprocess, s);
+    after_plan = overlap;
+    c.plan_counts = pc.counts;
+    c.plan_chunk_base = pc.chunk_base;
+    c.plan_slot_rows = pc.slot_rank;
   }
 
   // 3. The two kernels of the exchange. The dispatch kernel is launched as a programmatic dependent

@@ -68,8 +68,7 @@ HybridEpOptions HybridEpOptions::from_backend(const BackendConfig& backend, std:
 
 HybridEpMemory HybridEpDispatcher::size_hint(const HybridEpOptions& options, int ranks, int num_experts) {
   const hybridep::BufferConfig c = config_of(options, ranks, num_experts);
-  const std::size_t sort = hybridep::DispatchStorage::sort_temp_bytes(c.max_tokens * c.slots, c.experts);
-  return memory_of(hybridep::dispatch_geometry(c, sort), hybridep::combine_geometry(c));
+  return memory_of(hybridep::dispatch_geometry(c), hybridep::combine_geometry(c));
 }
 
 namespace hybridep {

@@ -56,12 +56,10 @@ struct DispatchCall {
   const void* indices = nullptr;  // [T, slots] expert ids (user indices, or the multihot slots)
   int indices_i64 = 0;
   const float* weights = nullptr;  // [T, slots]
-  // The single-GPU plan of this rank's pairs (pad 1, no budget): counts per global expert, and per
-  // slot (-1 for no or invalid expert) either
-  //   - the chunk plan's rank in its chunk, plus plan_chunk_base[chunk][e] (pairs of earlier chunks), or
-  //   - (plan_chunk_base null: the general plan) its row in expert-major order, minus plan_begin[e].
+  // The chunk plan of this rank's pairs (pad 1, no budget): counts per global expert, and per slot
+  // its rank among its chunk's pairs of its expert (-1 for no or invalid expert), to which
+  // plan_chunk_base[chunk][e] (pairs of earlier chunks) adds.
   const long long* plan_counts = nullptr;
-  const long long* plan_begin = nullptr;
   const int* plan_chunk_base = nullptr;
   const int* plan_slot_rows = nullptr;
   const cuda::DeviceErrorRecord* errors = nullptr;  // bad ids found by the plan (header device_* words)
@@ -125,7 +123,7 @@ struct CombineCall {
 // The single-GPU plan (pad 1, no budget) in one kernel of chunks (chunk_plan_math.h): per global
 // expert the pair count, per (chunk, expert) the pairs of earlier chunks, and each slot's rank in
 // its chunk (-1: no or invalid expert); bad ids reported as the general plan (src/cuda/local_plan*)
-// reports them. For up to kChunkPlanMaxSmem / 32 experts; more take the general plan.
+// reports them. For up to kChunkPlanMaxSmem / 32 experts: every count a hybridep buffer takes.
 struct ChunkPlanCall {
   const void* indices = nullptr;  // [tokens, slots] expert ids
   int indices_i64 = 0;

@@ -73,7 +73,7 @@ std::vector<long long> config_words(const BufferConfig& c) {
   return {c.ranks, c.experts, c.max_tokens, c.hidden, c.slots, c.capacity_rows, c.max_pad_multiple, c.fp8 ? 1 : 0};
 }
 
-DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_bytes) {
+DispatchGeometry dispatch_geometry(const BufferConfig& c) {
   DispatchGeometry g;
   g.cfg = c;
   const auto R = static_cast<std::size_t>(c.ranks), E = static_cast<std::size_t>(c.experts);
@@ -116,21 +116,10 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_
   g.off_slot_expert = take(pairs * 4);
   g.off_slot_weight = take(pairs * 4);
   g.off_work = take((2 + static_cast<std::size_t>(g.max_chunks)) * 4);
-  g.off_plan_tpe = take(E * 8);
-  g.off_plan_used = take(8);
-  g.off_plan_dropped = take(8);
-  g.off_plan_begin = take(E * 8);
-  g.off_plan_kept = take(E * 8);
+  g.off_plan_counts = take(E * 8);
   g.off_plan_slot_rows = take(pairs * 4);
   g.off_plan_chunk_base = take(static_cast<std::size_t>(plan_chunks(c.max_tokens)) * E * 4);
   g.off_plan_done = take(4);
-  g.off_keys_in = take(pairs * 4);
-  g.off_keys_out = take(pairs * 4);
-  g.off_pairs_in = take(pairs * 4);
-  g.off_pairs_out = take(pairs * 4);
-  g.off_sorted_begin = take(E * 8);
-  g.sort_temp_bytes = sort_temp_bytes;
-  g.off_sort_temp = take(sort_temp_bytes);
   g.local_bytes = at;
   return g;
 }

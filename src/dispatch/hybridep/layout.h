@@ -61,9 +61,8 @@ inline std::size_t align_up(std::size_t x, std::size_t a = kRegionAlign) { retur
 //   local (plain device memory): the DispatchControl + tokens_per_expert [L], begin [L], kept [L],
 //     the abort snapshot (a copy of the count slots), the sender's staging records [R][T], the
 //     slot entries [T * slots], the multihot slots [T * slots] (expert, prob), the v2 kernel's work
-//     counters [2 + max_chunks] uint32 (work_items.cuh), the single-GPU plan's outputs, the chunk
-//     plan's chunk bases [plan_chunks(T)][E] int32 and CTA counter, and the general plan's
-//     workspace (sized for T * slots pairs; the CUB sort storage last).
+//     counters [2 + max_chunks] uint32 (work_items.cuh), and the chunk plan's counts, slot ranks,
+//     chunk bases [plan_chunks(T)][E] int32 and CTA counter.
 struct DispatchGeometry {
   BufferConfig cfg;
   int width = 1, record_bytes = 16, max_chunks = 1;
@@ -73,12 +72,12 @@ struct DispatchGeometry {
   std::size_t flag_counts = 0, flag_chunks = 0, flag_bytes = 0;  // uint32 indices, then bytes
   std::size_t off_control = 0, off_tpe = 0, off_begin = 0, off_kept = 0, off_snapshot = 0, off_staging = 0,
               off_slot_entry = 0, off_slot_expert = 0, off_slot_weight = 0, off_work = 0;
-  std::size_t off_plan_tpe = 0, off_plan_used = 0, off_plan_dropped = 0, off_plan_begin = 0, off_plan_kept = 0,
-              off_plan_slot_rows = 0, off_keys_in = 0, off_keys_out = 0, off_pairs_in = 0, off_pairs_out = 0,
-              off_sorted_begin = 0, off_sort_temp = 0, sort_temp_bytes = 0, local_bytes = 0;
-  std::size_t off_plan_chunk_base = 0, off_plan_done = 0;  // the chunk plan (chunk_plan.cu)
+  // The chunk plan (chunk_plan.cu): counts [E] int64, slot ranks [T * slots] int32, chunk bases
+  // [plan_chunks(T)][E] int32, its CTA counter.
+  std::size_t off_plan_counts = 0, off_plan_slot_rows = 0, off_plan_chunk_base = 0, off_plan_done = 0;
+  std::size_t local_bytes = 0;
 };
-DispatchGeometry dispatch_geometry(const BufferConfig& c, std::size_t sort_temp_bytes);
+DispatchGeometry dispatch_geometry(const BufferConfig& c);
 
 // Combine buffer (combine, dispatch_backward and combine_backward).
 //   window: partials [R][T][H] bf16 (owner rank's level-1 sums, row (s, t) for source s's token

@@ -3,8 +3,7 @@
 //
 //   - receiver_layout(): core/plan.cpp's DispatchPlan::build for ONE receiver, from the count
 //     matrix counts(s, e) (pairs of source rank s for global expert e): expert groups, padding,
-//     the budget cut (drop) or overflow (error), tokens_per_expert; receiver_layout_of_groups() is
-//     the same from each group's summed pairs (the GPU sums them for all experts at once first);
+//     the budget cut (drop) or overflow (error), tokens_per_expert;
 //   - source rows: the pairs of source s for expert e occupy rows [begin(e) + sum_{s'<s} counts(s', e), ...)
 //     on e's owner, in source-token order; a slot's row is that start plus its rank among the
 //     source's own pairs of e (computed on the source by the single-GPU plan), kept iff it lies
@@ -72,18 +71,19 @@ FLEXEP_HD long long group_pairs(const Counts& counts, int e, int ranks) {
   return real;
 }
 
-// Writes, for the L = experts / ranks local experts of one receiver: begin[le] (first row of the
+// Writes, for the L = experts / ranks local experts of `receiver`: begin[le] (first row of the
 // group), kept[le] (real rows kept) and tpe[le] (tokens_per_expert: padded size, cut by the budget).
-// `pairs(le)` returns group_pairs() of the receiver's local expert le. Same operations, same order
-// as DispatchPlan::build.
-template <class Pairs>
-FLEXEP_HD ReceiverTotals receiver_layout_of_groups(const Pairs& pairs, const LayoutParams& p, long long* begin,
-                                                   long long* kept, long long* tpe) {
+// `counts(s, e)` returns the pairs of source s for global expert e. Same operations, same order as
+// DispatchPlan::build. (The preprocess kernel computes the same integers with a warp per receiver:
+// warp_receiver_layout in preprocess.cu.)
+template <class Counts>
+FLEXEP_HD ReceiverTotals receiver_layout(const Counts& counts, int receiver, const LayoutParams& p, long long* begin,
+                                         long long* kept, long long* tpe) {
   const int L = p.experts / p.ranks;
   ReceiverTotals tot;
   long long row = 0;
   for (int le = 0; le < L; ++le) {
-    const long long real = pairs(le);
+    const long long real = group_pairs(counts, receiver * L + le, p.ranks);
     begin[le] = row;
     kept[le] = real;
     row += round_up(real, p.pad_multiple);
@@ -108,22 +108,6 @@ FLEXEP_HD ReceiverTotals receiver_layout_of_groups(const Pairs& pairs, const Lay
     tot.used += tpe[le];
   }
   return tot;
-}
-
-template <class Counts>
-struct ReceiverPairs {
-  const Counts& counts;
-  int first_expert, ranks;
-  FLEXEP_HD long long operator()(int le) const { return group_pairs(counts, first_expert + le, ranks); }
-};
-
-// receiver_layout_of_groups() of `receiver`, from the count matrix: `counts(s, e)` returns the
-// pairs of source s for global expert e.
-template <class Counts>
-FLEXEP_HD ReceiverTotals receiver_layout(const Counts& counts, int receiver, const LayoutParams& p, long long* begin,
-                                         long long* kept, long long* tpe) {
-  const ReceiverPairs<Counts> pairs{counts, receiver * (p.experts / p.ranks), p.ranks};
-  return receiver_layout_of_groups(pairs, p, begin, kept, tpe);
 }
 
 // First row of source s's pairs of global expert e on e's owner, given the group's first row.

@@ -1,8 +1,8 @@
 // Preprocessing of a hybridep dispatch, on the GPU with no host synchronisation:
 //
 //   multihot_slots_kernel  (multihot form only) [T, E] map -> `slots` ascending expert ids per token.
-//   (the single-GPU plan, chunk_plan.cu or src/cuda/local_plan*.cu: per-expert counts and each
-//   slot's rank among the pairs of its expert)
+//   (the single-GPU plan, chunk_plan.cu: per-expert counts and each slot's rank among its chunk's
+//   pairs of its expert)
 //   preprocess_kernel      one grid of `preprocess_sms` CTAs; every CTA does steps 1-4 redundantly
 //                          (tiny, and it means no CTA ever waits for another CTA of this grid):
 //     1. write [header | E pair counts] into slot `me` of every rank's count region, then release
@@ -25,6 +25,7 @@
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/tma.cuh"
+#include "dispatch/hybridep/warp_layout.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::hybridep {
@@ -70,12 +71,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Pairs of a receiver's local experts, from shared memory.
-struct SharedPairs {
-  const long long* pairs;
-  __device__ long long operator()(int le) const { return pairs[le]; }
-};
-
 // Where the slots of this rank's tokens go, once every receiver's layout is known (steps 3 + 4).
 struct TokenRows {
   const DispatchCall& c;
@@ -91,9 +86,7 @@ struct TokenRows {
     const int local = abort ? -1 : c.plan_slot_rows[i];
     if (local < 0) return -1;
     const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-    const long long rank =
-        c.plan_chunk_base ? c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e] + local
-                          : local - c.plan_begin[e];
+    const long long rank = c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e] + local;
     dest = e / local_experts;
     return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
   }
@@ -266,18 +259,20 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = tid; e < E; e += blockDim.x) s_pairs[e] = group_pairs(counts, e, R);
   __syncthreads();
 
-  // 3 + 4. Every receiver's layout (thread d: receiver d), this rank's rows as a source.
+  // 3 + 4. Every receiver's layout (warp w: receivers w, w + warps, ...), this rank's rows as a source.
   const LayoutParams lp{R, E, c.pad_multiple, c.budget, c.drop != 0};
-  if (tid < R) {
-    const SharedPairs pairs{s_pairs + tid * L};
+  const int lane = tid % 32;
+  for (int d = tid / 32; d < R; d += blockDim.x / 32) {
     const ReceiverTotals t =
-        receiver_layout_of_groups(pairs, lp, s_begin + tid * L, s_kept + tid * L, s_tpe + tid * L);
-    s_out_rows[tid] = t.out_rows;
-    s_used[tid] = t.used;
-    s_required[tid] = t.required;
-    s_dropped[tid] = t.dropped;
-    s_bad[tid] = header_failed(s_head[tid]) || !header_agrees(s_head[0], s_head[tid]) || t.overflow ||
+        warp_receiver_layout(s_pairs + d * L, lp, s_begin + d * L, s_kept + d * L, s_tpe + d * L, lane);
+    if (lane == 0) {
+      s_out_rows[d] = t.out_rows;
+      s_used[d] = t.used;
+      s_required[d] = t.required;
+      s_dropped[d] = t.dropped;
+      s_bad[d] = header_failed(s_head[d]) || !header_agrees(s_head[0], s_head[d]) || t.overflow ||
                  t.out_rows > v.capacity_rows;
+    }
   }
   __syncthreads();
   if (tid == 0) {
