@@ -9,6 +9,7 @@
 //   then the last CTA to finish turns chunk_base into its exclusive scan over the chunks, and writes
 //   count(e). A repeated expert gets the same rank twice (the general plan gives it two): the call is
 //   aborted anyway, since the reported error fails it on every rank.
+#include "dispatch/hybridep/chunk_plan.cuh"
 #include "dispatch/hybridep/chunk_plan_math.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/tma.cuh"
@@ -22,40 +23,6 @@ static_assert(static_cast<std::size_t>(kMaxExperts) * kPlanChunkWords * sizeof(s
               "other plan");
 
 namespace {
-
-__device__ __forceinline__ long long id_at(const void* ids, int is64, long long i) {
-  return is64 ? static_cast<const long long*>(ids)[i] : static_cast<const int*>(ids)[i];
-}
-
-// Step 1 for token `t` (chunk token i): bits set, bad ids reported.
-__device__ void set_token_bits(std::uint32_t* bits, const ChunkPlanCall& c, long long t, int i) {
-  for (int j = 0; j < c.slots; ++j) {
-    const long long id = id_at(c.indices, c.indices_i64, t * c.slots + j);
-    if (id == -1) continue;
-    if (id < 0 || id >= c.experts) {
-      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, id, c.experts);
-      continue;
-    }
-    // Only this thread sets token t's bits, in slot order: a bit already set is an earlier slot.
-    const std::uint32_t bit = plan_bit(i);
-    if (atomicOr(&bits[id * kPlanChunkWords + plan_word(i)], bit) & bit)
-      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, id, c.experts);
-  }
-}
-
-// Step 3 for token `t`: each slot's rank in the chunk, -1 for no or an invalid expert.
-__device__ void write_slot_ranks(const std::uint32_t* bits, const ChunkPlanCall& c, long long t, int i) {
-  const int w = plan_word(i);
-  for (int j = 0; j < c.slots; ++j) {
-    const long long id = id_at(c.indices, c.indices_i64, t * c.slots + j);
-    int rank = -1;
-    if (id >= 0 && id < c.experts) {
-      const int e = static_cast<int>(id);
-      rank = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, i);
-    }
-    c.slot_rank[t * c.slots + j] = rank;
-  }
-}
 
 // The last CTA: chunk counts -> their exclusive scan over chunks, and the totals. The chunk counts
 // were written by other CTAs (ordered by their fence before the `done` increment): read via L2,
@@ -88,15 +55,20 @@ __global__ void __launch_bounds__(kThreads) chunk_plan_kernel(const __grid_const
   tma::allow_dependent_launch();
   const int tid = threadIdx.x, words = c.experts * kPlanChunkWords;
   const long long chunks = plan_chunks(c.tokens);
+  const PlanIds ids{c.indices, c.indices_i64, c.slots, c.experts};
+  // Reported as the general plan (src/cuda/local_plan*) reports them.
+  const auto report = [&](long long t, int j, long long id) {
+    cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, id, c.experts);
+  };
   for (long long g = blockIdx.x; g < chunks; g += gridDim.x) {
     for (int w = tid; w < words; w += blockDim.x) bits[w] = 0;
     __syncthreads();
     const long long t = g * kPlanChunkTokens + tid;
-    if (t < c.tokens) set_token_bits(bits, c, t, tid);
+    if (t < c.tokens) set_token_bits(bits, ids, t, tid, report);
     __syncthreads();
     for (int e = tid; e < c.experts; e += blockDim.x)
       c.chunk_base[g * c.experts + e] = plan_word_prefix(bits, e, kPlanChunkWords);
-    if (t < c.tokens) write_slot_ranks(bits, c, t, tid);
+    if (t < c.tokens) write_slot_ranks(bits, ids, t, tid, c.slot_rank);
     __syncthreads();  // the bits are cleared for the next chunk
   }
   __threadfence();  // this CTA's chunk counts before its arrival

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "dispatch/common/routing_checks.h"
+#include "dispatch/hybridep/chunk_plan_math.h"
 #include "dispatch/hybridep/hybridep_dispatcher.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/runtime.h"
@@ -158,7 +159,13 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     }
     // The single-GPU plan with pad 1 and no budget, one kernel on the preprocess SMs (chunk_plan.cu):
     // pair counts per expert, and every slot's rank among its chunk's pairs of its expert; bad ids
-    // are reported and get -1.
+    // are reported and get -1. Tokens that fit one chunk (decode) are planned by the preprocess
+    // kernel itself: a kernel and a dependent launch fewer on the call's critical path.
+    c.plan_slot_rows = st.at<int>(g.off_plan_slot_rows);
+    c.inline_plan = T <= kPlanChunkTokens ? 1 : 0;
+  }
+  if (!local && !c.inline_plan) {
+    const std::int64_t T = rt.tokens;
     ChunkPlanCall pc;
     pc.indices = c.indices;
     pc.indices_i64 = c.indices_i64;
@@ -167,14 +174,13 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     pc.experts = E;
     pc.counts = st.at<long long>(g.off_plan_counts);
     pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
-    pc.slot_rank = st.at<int>(g.off_plan_slot_rows);
+    pc.slot_rank = c.plan_slot_rows;
     pc.done = st.at<unsigned>(g.off_plan_done);
     pc.errors = errors_.record();
     launch_chunk_plan(pc, sms.preprocess, s);
     after_plan = overlap;
     c.plan_counts = pc.counts;
     c.plan_chunk_base = pc.chunk_base;
-    c.plan_slot_rows = pc.slot_rank;
   }
 
   // 3. The two kernels of the exchange. The dispatch kernel is launched as a programmatic dependent

@@ -59,10 +59,13 @@ struct DispatchCall {
   // The chunk plan of this rank's pairs (pad 1, no budget): counts per global expert, and per slot
   // its rank among its chunk's pairs of its expert (-1 for no or invalid expert), to which
   // plan_chunk_base[chunk][e] (pairs of earlier chunks) adds.
+  // inline_plan: no plan kernel ran; T <= kPlanChunkTokens and the preprocess kernel plans the one
+  // chunk itself (counts in shared memory, slot ranks into plan_slot_rows, chunk base 0).
   const long long* plan_counts = nullptr;
   const int* plan_chunk_base = nullptr;
-  const int* plan_slot_rows = nullptr;
-  const cuda::DeviceErrorRecord* errors = nullptr;  // bad ids found by the plan (header device_* words)
+  int* plan_slot_rows = nullptr;
+  int inline_plan = 0;
+  cuda::DeviceErrorRecord* errors = nullptr;  // bad ids found by the plan (header device_* words)
   long long header[word::count] = {};               // this rank's header (device_* words filled on device)
   long long pad_multiple = 1;
   long long budget = -1;  // < 0: blocking mode

@@ -2,9 +2,10 @@
 //
 //   multihot_slots_kernel  (multihot form only) [T, E] map -> `slots` ascending expert ids per token.
 //   (the single-GPU plan, chunk_plan.cu: per-expert counts and each slot's rank among its chunk's
-//   pairs of its expert)
+//   pairs of its expert; a call whose tokens fit one chunk skips it and plans inline, step 0)
 //   preprocess_kernel      one grid of `preprocess_sms` CTAs; every CTA does steps 1-4 redundantly
 //                          (tiny, and it means no CTA ever waits for another CTA of this grid):
+//     0. (one chunk of tokens only) the plan of that chunk, in shared memory;
 //     1. write [header | E pair counts] into slot `me` of every rank's count region, then release
 //        this rank's count flag on every rank (epoch of the call);
 //     2. acquire every rank's count flag (deadline: phase dispatch:count-exchange);
@@ -20,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include "dispatch/hybridep/access.cuh"
+#include "dispatch/hybridep/chunk_plan.cuh"
 #include "dispatch/hybridep/chunk_plan_math.h"
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernel_launch.h"
@@ -86,7 +88,8 @@ struct TokenRows {
     const int local = abort ? -1 : c.plan_slot_rows[i];
     if (local < 0) return -1;
     const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-    const long long rank = c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e] + local;
+    const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
+    const long long rank = base + local;
     dest = e / local_experts;
     return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
   }
@@ -168,6 +171,62 @@ __device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& ro
   }
 }
 
+// Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
+// chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
+// bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA);
+// CTA 0, the one CTA that stages this rank's tokens (T <= blockDim), writes the slot ranks. The
+// lowest bad slot (t * k + j) of the chunk is the same in every CTA; ~0 if none.
+__device__ unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits, long long* counts) {
+  __shared__ unsigned long long s_bad;
+  const int tid = threadIdx.x;
+  if (tid == 0) s_bad = ~0ull;
+  for (int w = tid; w < experts * kPlanChunkWords; w += blockDim.x) bits[w] = 0;
+  __syncthreads();
+  const PlanIds ids{c.indices, c.indices_i64, c.slots, experts};
+  const auto lowest = [&](long long t, int j, long long) {
+    atomicMin(&s_bad, static_cast<unsigned long long>(t * c.slots + j));
+  };
+  if (tid < c.tokens) set_token_bits(bits, ids, tid, tid, lowest);
+  __syncthreads();
+  for (int e = tid; e < experts; e += blockDim.x) counts[e] = plan_word_prefix(bits, e, kPlanChunkWords);
+  if (blockIdx.x == 0 && tid < c.tokens) write_slot_ranks(bits, ids, tid, tid, c.plan_slot_rows);
+  __syncthreads();  // the counts are complete, and the bits free for the layout arrays
+  return s_bad;
+}
+
+// The header's device_* words: the call's first device error on this rank, identical in every CTA.
+struct DeviceError {
+  long long arg = 0, row = 0, column = -1, value = 0, limit = 0;
+};
+
+// With the plan kernel before (final by now) it is the error record. With the inline plan, CTA 0
+// also reports the chunk's lowest bad slot there, while other CTAs may read the record: a record
+// read with an acquire either holds an earlier kernel's error (multihot routing, final), or CTA 0's
+// report (the same bad slot as this CTA's `bad`), or nothing yet - so every CTA uses the same one.
+__device__ DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts) {
+  DeviceError e;
+  if (c.errors == nullptr) return e;
+  const int arg = static_cast<int>(ld_acquire_sys(reinterpret_cast<const unsigned*>(&c.errors->arg)));
+  if (arg > 0) {
+    e.arg = arg;
+    e.row = __ldcg(&c.errors->row);
+    e.column = __ldcg(&c.errors->column);
+    e.value = __ldcg(&c.errors->value);
+    e.limit = __ldcg(&c.errors->limit);
+  } else if (c.inline_plan && bad != ~0ull) {
+    e.arg = static_cast<long long>(cuda::DeviceArg::indices);
+    e.row = static_cast<long long>(bad / c.slots);
+    e.column = static_cast<long long>(bad % c.slots);
+    e.value = plan_id_at(c.indices, c.indices_i64, static_cast<long long>(bad));
+    e.limit = experts;
+  }
+  if (c.inline_plan && bad != ~0ull && blockIdx.x == 0 && threadIdx.x == 0)  // first error wins, as in the plan
+    cuda::report_device_error(c.errors, cuda::DeviceArg::indices, static_cast<long long>(bad / c.slots),
+                              static_cast<int>(bad % c.slots), plan_id_at(c.indices, c.indices_i64,
+                              static_cast<long long>(bad)), experts);
+  return e;
+}
+
 // Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) and the status to the
 // host, then the call's number after them.
 __device__ void publish_to_host(const DispatchView& v, const DispatchCall& c) {
@@ -213,26 +272,32 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned epoch = op_epoch(&v.control->op);
   const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
 
-  // 1. This rank's slot into every rank's count region. device_* words: the plan's error record
-  //    (final: the plan kernels ran before on this stream). Identical in every CTA, so a peer may
-  //    read it after any CTA's flag.
+  // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
+  //    after the barriers of step 1), its bits where the layout arrays will.
+  long long* s_counts = s_pairs;
+  const unsigned long long bad =
+      c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts) : ~0ull;
+  const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
+
+  // 1. This rank's slot into every rank's count region. Identical in every CTA (device_error says
+  //    why for the device_* words), so a peer may read it after any CTA's flag.
   const int W = word::count + E;
-  const bool has_error = c.errors != nullptr && c.errors->arg > 0;
+  const DeviceError err = device_error(c, bad, E);
   for (int i = tid; i < R * W; i += blockDim.x) {
     const int d = i / W, w = i - d * W;
     long long value = 0;
     if (w >= word::count)
-      value = c.plan_counts ? c.plan_counts[w - word::count] : 0;
+      value = counts_of_mine ? counts_of_mine[w - word::count] : 0;
     else if (w == word::device_arg)
-      value = has_error ? c.errors->arg : 0;
+      value = err.arg;
     else if (w == word::device_row)
-      value = has_error ? c.errors->row : 0;
+      value = err.row;
     else if (w == word::device_column)
-      value = has_error ? c.errors->column : -1;
+      value = err.column;
     else if (w == word::device_value)
-      value = has_error ? c.errors->value : 0;
+      value = err.value;
     else if (w == word::device_limit)
-      value = has_error ? c.errors->limit : 0;
+      value = err.limit;
     else
       value = c.header[w];
     count_slot(v, d, me)[w] = value;
