@@ -65,7 +65,7 @@ struct DispatchCall {
   const int* plan_chunk_base = nullptr;
   int* plan_slot_rows = nullptr;
   int inline_plan = 0;
-  cuda::DeviceErrorRecord* errors = nullptr;  // bad ids found by the plan (header device_* words)
+  cuda::DeviceErrorRecord* errors = nullptr;  // never null: bad ids found by the plan (header device_* words)
   long long header[word::count] = {};               // this rank's header (device_* words filled on device)
   long long pad_multiple = 1;
   long long budget = -1;  // < 0: blocking mode

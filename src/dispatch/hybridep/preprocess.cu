@@ -34,10 +34,6 @@ namespace flexep::hybridep {
 
 namespace {
 
-__device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
-  return is64 ? static_cast<const long long*>(p)[i] : static_cast<const int*>(p)[i];
-}
-
 // counts(s, e), read from this rank's count region (written by rank s, acquired in step 2; read
 // through L2 because a peer wrote it).
 struct WindowCounts {
@@ -87,7 +83,7 @@ struct TokenRows {
   __device__ long long row(long long t, long long i, int& dest) const {
     const int local = abort ? -1 : c.plan_slot_rows[i];
     if (local < 0) return -1;
-    const int e = static_cast<int>(load_index(c.indices, c.indices_i64, i));  // valid: the plan ranked it
+    const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
     const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
     const long long rank = base + local;
     dest = e / local_experts;
@@ -204,27 +200,19 @@ struct DeviceError {
 // read with an acquire either holds an earlier kernel's error (multihot routing, final), or CTA 0's
 // report (the same bad slot as this CTA's `bad`), or nothing yet - so every CTA uses the same one.
 __device__ DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts) {
-  DeviceError e;
-  if (c.errors == nullptr) return e;
-  const int arg = static_cast<int>(ld_acquire_sys(reinterpret_cast<const unsigned*>(&c.errors->arg)));
-  if (arg > 0) {
-    e.arg = arg;
-    e.row = __ldcg(&c.errors->row);
-    e.column = __ldcg(&c.errors->column);
-    e.value = __ldcg(&c.errors->value);
-    e.limit = __ldcg(&c.errors->limit);
-  } else if (c.inline_plan && bad != ~0ull) {
-    e.arg = static_cast<long long>(cuda::DeviceArg::indices);
-    e.row = static_cast<long long>(bad / c.slots);
-    e.column = static_cast<long long>(bad % c.slots);
-    e.value = plan_id_at(c.indices, c.indices_i64, static_cast<long long>(bad));
-    e.limit = experts;
+  DeviceError found;  // by the inline plan
+  if (c.inline_plan && bad != ~0ull) {
+    const long long i = static_cast<long long>(bad);
+    found = DeviceError{static_cast<long long>(cuda::DeviceArg::indices), i / c.slots, i % c.slots,
+                        plan_id_at(c.indices, c.indices_i64, i), experts};
+    if (blockIdx.x == 0 && threadIdx.x == 0)  // first error wins, as in the plan kernel
+      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, found.row, static_cast<int>(found.column),
+                                found.value, found.limit);
   }
-  if (c.inline_plan && bad != ~0ull && blockIdx.x == 0 && threadIdx.x == 0)  // first error wins, as in the plan
-    cuda::report_device_error(c.errors, cuda::DeviceArg::indices, static_cast<long long>(bad / c.slots),
-                              static_cast<int>(bad % c.slots), plan_id_at(c.indices, c.indices_i64,
-                              static_cast<long long>(bad)), experts);
-  return e;
+  const int arg = static_cast<int>(ld_acquire_sys(reinterpret_cast<const unsigned*>(&c.errors->arg)));
+  if (arg <= 0) return found;
+  return DeviceError{arg, __ldcg(&c.errors->row), __ldcg(&c.errors->column), __ldcg(&c.errors->value),
+                     __ldcg(&c.errors->limit)};
 }
 
 // Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) and the status to the
