@@ -75,7 +75,7 @@ FLEXEP_HD long long group_pairs(const Counts& counts, int e, int ranks) {
 // group), kept[le] (real rows kept) and tpe[le] (tokens_per_expert: padded size, cut by the budget).
 // `counts(s, e)` returns the pairs of source s for global expert e. Same operations, same order as
 // DispatchPlan::build. (The preprocess kernel computes the same integers with a warp per receiver:
-// warp_receiver_layout in preprocess.cu.)
+// warp_receiver_layout in warp_layout.cuh.)
 template <class Counts>
 FLEXEP_HD ReceiverTotals receiver_layout(const Counts& counts, int receiver, const LayoutParams& p, long long* begin,
                                          long long* kept, long long* tpe) {
