@@ -1,18 +1,15 @@
 #include "bench_spin.h"
+#include "dispatch/hybridep/flags.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::tools {
 namespace {
 
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using hybridep::global_timer_ns;
 
 __global__ void spin_kernel(unsigned long long ns) {
-  const unsigned long long start = global_ns();
-  while (global_ns() - start < ns) __nanosleep(500);
+  const unsigned long long start = global_timer_ns();
+  while (global_timer_ns() - start < ns) __nanosleep(500);
 }
 
 }  // namespace

@@ -343,10 +343,8 @@ RingLayout layout_for(long long hidden) {
 }
 
 template <class S>
-void launch_shape(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream) {
-  const RingLayout layout = layout_for<S>(v.hidden);
-  FLEXEP_CHECK(layout.stages >= kMinStages, "hybridep combine v2: H = ", v.hidden,
-               " does not fit its rings (internal error: combine_v2_supported decides)");
+void launch_shape(const CombineView& v, const HandleView& h, const CombineCall& c, const RingLayout& layout, int grid,
+                  cudaStream_t stream) {
   launch_kernel(combine_kernel_v2<S>, grid, S::threads, layout.total_bytes(), stream, false, v, h, c, layout);
 }
 
@@ -362,10 +360,15 @@ void prepare_combine_v2() {
 }
 
 void launch_combine_v2(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream) {
-  if (layout_for<Wide>(v.hidden).stages >= kMinStages)
-    launch_shape<Wide>(v, h, c, grid, stream);
-  else
-    launch_shape<Narrow>(v, h, c, grid, stream);
+  // The wide shape when H fits its rings, else the narrow one (combine_v2_supported checked that).
+  if (const RingLayout wide = layout_for<Wide>(v.hidden); wide.stages >= kMinStages) {
+    launch_shape<Wide>(v, h, c, wide, grid, stream);
+    return;
+  }
+  const RingLayout narrow = layout_for<Narrow>(v.hidden);
+  FLEXEP_CHECK(narrow.stages >= kMinStages, "hybridep combine v2: H = ", v.hidden,
+               " does not fit its rings (internal error: combine_v2_supported decides)");
+  launch_shape<Narrow>(v, h, c, narrow, grid, stream);
 }
 
 }  // namespace flexep::hybridep

@@ -163,24 +163,23 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
     // kernel itself: a kernel and a dependent launch fewer on the call's critical path.
     c.plan_slot_rows = st.at<int>(g.off_plan_slot_rows);
     c.inline_plan = T <= kPlanChunkTokens ? 1 : 0;
-  }
-  if (!local && !c.inline_plan) {
-    const std::int64_t T = rt.tokens;
-    ChunkPlanCall pc;
-    pc.indices = c.indices;
-    pc.indices_i64 = c.indices_i64;
-    pc.tokens = T;
-    pc.slots = rt.slots;
-    pc.experts = E;
-    pc.counts = st.at<long long>(g.off_plan_counts);
-    pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
-    pc.slot_rank = c.plan_slot_rows;
-    pc.done = st.at<unsigned>(g.off_plan_done);
-    pc.errors = errors_.record();
-    launch_chunk_plan(pc, sms.preprocess, s);
-    after_plan = overlap;
-    c.plan_counts = pc.counts;
-    c.plan_chunk_base = pc.chunk_base;
+    if (!c.inline_plan) {
+      ChunkPlanCall pc;
+      pc.indices = c.indices;
+      pc.indices_i64 = c.indices_i64;
+      pc.tokens = T;
+      pc.slots = rt.slots;
+      pc.experts = E;
+      pc.counts = st.at<long long>(g.off_plan_counts);
+      pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
+      pc.slot_rank = c.plan_slot_rows;
+      pc.done = st.at<unsigned>(g.off_plan_done);
+      pc.errors = errors_.record();
+      launch_chunk_plan(pc, sms.preprocess, s);
+      after_plan = overlap;
+      c.plan_counts = pc.counts;
+      c.plan_chunk_base = pc.chunk_base;
+    }
   }
 
   // 3. The two kernels of the exchange. The dispatch kernel is launched as a programmatic dependent
