@@ -20,9 +20,9 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
       const PartSplit s = part_split(chunks, pipelines);
       EXPECT_EQ(s.tokens * s.per_chunk, kChunkTokens);
       EXPECT_EQ(s.tokens & (s.tokens - 1), 0) << s.tokens;
-      EXPECT_GE(s.tokens, kMinPartTokens);
+      EXPECT_GE(s.tokens, kMinAutoPartTokens);
       // Either 8 parts per pipeline, or parts already at the smallest size.
-      EXPECT_TRUE(chunks * s.per_chunk >= 8LL * pipelines || s.tokens == kMinPartTokens) << s.tokens;
+      EXPECT_TRUE(chunks * s.per_chunk >= 8LL * pipelines || s.tokens == kMinAutoPartTokens) << s.tokens;
       // And the largest such size: twice as large would give fewer than 8 parts per pipeline.
       if (s.tokens < kChunkTokens) {
         EXPECT_LT(chunks * (s.per_chunk / 2), 8LL * pipelines);
@@ -37,7 +37,7 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
 // HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid
 // sizes leave the choice to the split (the dispatcher rejects invalid ones before a kernel runs).
 TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {
-  for (int forced : {4, 8, 16, 32}) {
+  for (int forced : {1, 2, 4, 8, 16, 32}) {
     EXPECT_TRUE(valid_part_tokens(forced));
     for (long long chunks : {1LL, 128LL})
       for (int pipelines : {1, 32, 256}) {
@@ -46,7 +46,7 @@ TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {
         EXPECT_EQ(s.tokens * s.per_chunk, kChunkTokens);
       }
   }
-  for (int bad : {0, -4, 1, 2, 3, 6, 12, 64}) {
+  for (int bad : {0, -4, 3, 6, 12, 64}) {
     EXPECT_FALSE(valid_part_tokens(bad)) << bad;
     EXPECT_EQ(part_split(128, 32, bad).tokens, part_split(128, 32).tokens) << bad;
   }

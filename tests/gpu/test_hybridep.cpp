@@ -511,7 +511,7 @@ TEST_P(HybridEpMultiGpu, PartSizesChangeNoResult) {
   const int R = gpu_ranks();
   const Config c = config("parts zipf E=16R k=8 H=2048", 16, 8, 2048, {700, 300, 0, 65}, RoutingKind::zipf, 16);
   const std::vector<Outputs> want = run_host(c, R);
-  const std::vector<int> sizes = {4, 8, 16, 32};
+  const std::vector<int> sizes = {1, 2, 4, 8, 16, 32};
   std::vector<std::vector<Outputs>> got(sizes.size(), std::vector<Outputs>(static_cast<std::size_t>(R)));
   std::vector<std::exception_ptr> bad(static_cast<std::size_t>(R));
   const auto errors = run_gpu_ranks(

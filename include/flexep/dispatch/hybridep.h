@@ -78,7 +78,7 @@ struct HybridEpOptions {
   // than 32 KB, or H > 8192 for combine) use 1.
   int kernels = 2;
   // Tokens per work item of the v2 kernels: 0 = chosen per call (the largest power of two in
-  // [4, 32] that gives every pipeline 8+ items; docs/hybridep.md), or 4, 8, 16, 32 (sweeps).
+  // [4, 32] that gives every pipeline 8+ items; docs/hybridep.md), or 1, 2, 4, 8, 16, 32 (sweeps).
   int part_tokens = 0;
 
   // SM counts from Automodel-style configuration: dispatch_sms(), combine_sms(), preprocess_sms().

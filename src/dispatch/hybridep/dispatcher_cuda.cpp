@@ -25,7 +25,7 @@ hybridep::BufferConfig config_of(const HybridEpOptions& o, int ranks, int expert
                    "SM counts must be >= 0 (0 = the process-wide setting)");
   FLEXEP_CHECK_ARG(o.kernels == 1 || o.kernels == 2, "kernels", "must be 1 or 2, got ", o.kernels);
   FLEXEP_CHECK_ARG(o.part_tokens == 0 || hybridep::valid_part_tokens(o.part_tokens), "part_tokens",
-                   "must be 0 (chosen per call) or 4, 8, 16 or 32, got ", o.part_tokens);
+                   "must be 0 (chosen per call) or 1, 2, 4, 8, 16 or 32, got ", o.part_tokens);
   return hybridep::make_buffer_config(ranks, experts, o.max_tokens_per_rank, o.hidden, o.max_topk, o.max_recv_rows,
                                       o.max_pad_multiple, o.fp8);
 }

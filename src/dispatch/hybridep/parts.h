@@ -12,8 +12,10 @@
 
 namespace flexep::hybridep {
 
-// The smallest part: below this a part costs more in hand-out and publishing than it saves.
-constexpr int kMinPartTokens = 4;
+// The smallest part a caller may force (HybridEpOptions::part_tokens), and the smallest the split
+// chooses by itself: below that a part costs more in hand-out and publishing than it saves.
+constexpr int kMinPartTokens = 1;
+constexpr int kMinAutoPartTokens = 4;
 
 struct PartSplit {
   int tokens = kChunkTokens;  // tokens per part: a power of two dividing kChunkTokens
@@ -26,14 +28,14 @@ FLEXEP_HD bool valid_part_tokens(int tokens) {
 }
 
 // The largest part size that still gives at least 8 parts per pipeline (so that the hand-out
-// balances the load to within ~1/8 of a pipeline's share), but not below kMinPartTokens; or
+// balances the load to within ~1/8 of a pipeline's share), but not below kMinAutoPartTokens; or
 // `forced` when it is a valid part size (HybridEpOptions::part_tokens, for sweeps).
 FLEXEP_HD PartSplit part_split(long long chunks, int pipelines, int forced = 0) {
   int p = kChunkTokens;
   if (valid_part_tokens(forced))
     p = forced;
   else
-    while (p > kMinPartTokens && chunks * (kChunkTokens / p) < 8LL * pipelines) p /= 2;
+    while (p > kMinAutoPartTokens && chunks * (kChunkTokens / p) < 8LL * pipelines) p /= 2;
   PartSplit s;
   s.tokens = p;
   s.per_chunk = kChunkTokens / p;
