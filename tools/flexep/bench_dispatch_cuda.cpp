@@ -163,6 +163,12 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
     // Kernels alone: events around the dispatch kernel (preprocess kernel in parts_us) and the
     // combine kernel, budget mode so that no host sync sits between the repetitions' kernels.
     std::vector<double> disp, pre, plan, comb;
+    std::vector<std::pair<std::string, std::vector<double>>> phases;  // "<step>.first" / ".last", us
+    const auto phase = [&phases](const std::string& name) -> std::vector<double>& {
+      for (auto& [n, us] : phases)
+        if (n == name) return us;
+      return phases.emplace_back(name, std::vector<double>{}).second;
+    };
     for (int i = 0; i < a.warmup + a.reps; ++i) {
       comm.barrier("bench barrier");
       DispatchResult r3 = d->dispatch(in, budget);
@@ -173,12 +179,18 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
       pre.push_back(kt.preprocess);
       plan.push_back(kt.plan);
       comb.push_back(kt.combine);
+      for (const HybridEpPhase& p : kt.dispatch_phases) {
+        phase(p.name + ".first").push_back(p.first);
+        phase(p.name + ".last").push_back(p.last);
+      }
     }
     d->check_errors();
     record("hybridep", "dispatch", stats_of(disp), "dispatch kernel alone (events around it)", "kernel");
     mine.back().parts_us = {{"plan", stats_of(plan).median},
                             {"preprocess_kernel", stats_of(pre).median},
                             {"dispatch_kernel", stats_of(disp).median}};
+    // When each step was reached on this GPU (device clock, from the first preprocess CTA).
+    for (const auto& [name, us] : phases) mine.back().parts_us.emplace_back("step." + name, stats_of(us).median);
     record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
     record("hybridep", "dispatch+combine", graph_replay_time(a, comm, *graphed, in, budget, sms, stream),
            "CUDA graph replay of a budget-mode dispatch + combine (no host sync inside; the host launches the "

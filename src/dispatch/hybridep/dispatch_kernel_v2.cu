@@ -40,6 +40,7 @@
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/phase_trace.cuh"
 #include "dispatch/hybridep/ring.cuh"
 #include "dispatch/hybridep/store_lag.cuh"
 #include "dispatch/hybridep/tma.cuh"
@@ -230,6 +231,7 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
     if (lane == 0) ring.post(j, Job{kPartEnd, p.chunk, send.per_chunk, 0, 0, 0, 0, 0});
     ++j;
   }
+  if (lane == 0) trace_stamp(c.trace, kTraceSendsPosted);
 
   // Every part sent so far must be published before this warp waits for a peer's flag: the peer
   // may be waiting for exactly that part (a publish held back by kReleaseLag would never come).
@@ -248,11 +250,13 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
     if (lane == 0) {
       ok = wait_flag_at_least(chunk_flag(v, me, p.source, p.chunk), env.epoch, wait, p.source);
       if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flag published
+      if (ok) trace_stamp(c.trace, kTraceFlagArrived);
     }
     __syncwarp();  // lane 0's acquire is ordered before every lane's reads below
     if (!__shfl_sync(kFullMask, ok, 0)) break;
     if (env.move) j = produce_fan_out_part(v, c, ring, j, p, env, lane);
   }
+  if (lane == 0) trace_stamp(c.trace, kTraceFanOutPosted);
 
   ring.acquire(j, lane);
   if (lane == 0) ring.post(j, Job{kExit, 0, 0, 0, 0, 0, 0, 0});
@@ -330,16 +334,19 @@ __device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, cons
 
 // Lane 0: the stores of every job up to the part end `since` jobs ago are complete; count the part,
 // and the chunk's last part releases the chunk flag on every rank.
-__device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, int since, const Env& env) {
+__device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, int since, const Env& env,
+                             PhaseTrace* trace) {
   tma::wait_groups_dyn(since);  // the newest `since` groups were committed after the part's end
   tma::fence_proxy_global();    // the completed bulk (async-proxy) writes before the generic fence and flags
-  if (count_part(&v.work[kWorkChunks + chunk], per_chunk))
+  if (count_part(&v.work[kWorkChunks + chunk], per_chunk)) {
     for (int d = 0; d < v.ranks; ++d) st_release_sys(chunk_flag(v, d, v.rank, chunk), env.epoch);
+    trace_stamp(trace, kTraceChunkReleased);
+  }
 }
 
 __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
   StoreLag lag;
-  auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env); };
+  auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env, c.trace); };
   for (unsigned j = 0;; ++j) {
     const Job job = ring.wait_lane0(j, lane);
     if (job.kind == kExit) break;
@@ -348,7 +355,10 @@ __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring
     if (lane == 0) lag.after_job(ring, j, job.kind == kPartEnd, job.kind == kFlush, job.a, job.b, publish);
     __syncwarp();
   }
-  if (lane == 0) lag.finish(publish);
+  if (lane == 0) {
+    lag.finish(publish);  // waits for every store
+    trace_stamp(c.trace, kTraceStoresDone);
+  }
   __syncwarp();
 }
 
@@ -393,6 +403,7 @@ __device__ void zero_unfilled(const DispatchView& v, const DispatchCall& c, unsi
   if (lane == 0) {
     tma::commit();
     tma::wait_groups<0>();
+    trace_stamp(c.trace, kTraceZeroed);
   }
   __syncwarp();
 }
@@ -405,6 +416,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   const unsigned epoch = op_epoch(&v.control->op);
   __shared__ int s_broken, s_move;
   if (threadIdx.x == 0) {
+    trace_stamp(c.trace, kTraceDispatchStart);
     s_broken = timed_out(v.status);               // the count exchange timed out: move nothing, wait for nothing
     s_move = !s_broken && v.control->abort == 0;  // the preprocess kernel's decision, alike on all ranks
     for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(1);
@@ -428,6 +440,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     v.work[kWorkFirst] = 0;  // every CTA has taken its last item
     v.work[kWorkSecond] = 0;
     finish_op(&v.control->op, epoch);
+    trace_stamp(c.trace, kTraceDispatchEnd);
   }
 }
 

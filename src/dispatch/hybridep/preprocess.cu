@@ -26,6 +26,7 @@
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/phase_trace.cuh"
 #include "dispatch/hybridep/tma.cuh"
 #include "dispatch/hybridep/warp_layout.cuh"
 #include "flexep/cuda/runtime.h"
@@ -247,6 +248,8 @@ __global__ void __launch_bounds__(kThreads)
   // Launched as a dependent of the plan kernel: nothing of the plan may be read before it completed.
   tma::grid_dependency_wait();
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
+  const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
+  if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
   long long* s_begin = smem;        // [E] first row of every expert's group on its owner
   long long* s_kept = smem + E;     // [E] real rows kept per group
   long long* s_tpe = smem + 2 * E;  // [E] tokens_per_expert per group
@@ -266,6 +269,7 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned long long bad =
       c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts) : ~0ull;
   const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
+  if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
 
   // 1. This rank's slot into every rank's count region. Identical in every CTA (device_error says
   //    why for the device_* words), so a peer may read it after any CTA's flag.
@@ -293,6 +297,7 @@ __global__ void __launch_bounds__(kThreads)
   fence_sys();      // each thread's slot stores are ordered before the barrier...
   __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
   if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
+  if (stamp) trace_stamp(c.trace, kTraceCountsSent);
 
   // 2. Every rank's slot has arrived here.
   bool ok = true;
@@ -303,6 +308,7 @@ __global__ void __launch_bounds__(kThreads)
     if (blockIdx.x == 0 && c.host_control) publish_to_host(v, c);  // the host then waits and raises
     return;
   }
+  if (stamp) trace_stamp(c.trace, kTraceCountsArrived);
   const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
   for (int i = tid; i < R * word::count; i += blockDim.x)
     s_head[i / word::count][i % word::count] = __ldcg(count_slot(v, me, i / word::count) + i % word::count);
@@ -336,6 +342,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = tid; e < E; e += blockDim.x) s_src[e] = source_begin(counts, e, me, s_begin[e]);
   __syncthreads();
   const bool abort = s_abort != 0;
+  if (stamp) trace_stamp(c.trace, kTraceLayoutDone);
 
   // CTA 0 publishes the decision and this rank's receiver layout for the dispatch kernel and the
   // host (blocking mode reads control + tokens_per_expert with one copy).
@@ -382,6 +389,10 @@ __global__ void __launch_bounds__(kThreads)
       stage_token_in_registers(v, rows, t);
     else
       stage_token_in_memory(v, rows, t);
+  }
+  if (c.trace) {
+    __syncthreads();
+    if (stamp) trace_stamp(c.trace, kTraceStaged);
   }
 }
 
