@@ -168,10 +168,16 @@ __device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& ro
   }
 }
 
+// The block of kThreads tokens that CTA `cta` of `ctas` stages first (then every ctas-th). Block 0
+// goes to CTA 1 when there are several: CTA 0 first publishes the layout (in blocking mode to the
+// host too, over PCIe), and a small call (decode: all its tokens are in block 0) is then staged
+// beside that rather than after it.
+__device__ int staging_block(int cta, int ctas) { return (cta + ctas - 1) % ctas; }
+
 // Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
 // chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
 // bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA);
-// CTA 0, the one CTA that stages this rank's tokens (T <= blockDim), writes the slot ranks. The
+// the one CTA that stages this rank's tokens (T <= blockDim: block 0) writes the slot ranks. The
 // lowest bad slot (t * k + j) of the chunk is the same in every CTA; ~0 if none.
 __device__ unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits, long long* counts) {
   __shared__ unsigned long long s_bad;
@@ -186,7 +192,8 @@ __device__ unsigned long long plan_inline(const DispatchCall& c, int experts, st
   if (tid < c.tokens) set_token_bits(bits, ids, tid, tid, lowest);
   __syncthreads();
   for (int e = tid; e < experts; e += blockDim.x) counts[e] = plan_word_prefix(bits, e, kPlanChunkWords);
-  if (blockIdx.x == 0 && tid < c.tokens) write_slot_ranks(bits, ids, tid, tid, c.plan_slot_rows);
+  if (staging_block(blockIdx.x, gridDim.x) == 0 && tid < c.tokens)
+    write_slot_ranks(bits, ids, tid, tid, c.plan_slot_rows);
   __syncthreads();  // the counts are complete, and the bits free for the layout arrays
   return s_bad;
 }
@@ -384,7 +391,8 @@ __global__ void __launch_bounds__(kThreads)
   // 5. Staging records and slot entries, one thread per token of this rank.
   const TokenRows rows{c, s_src, s_begin, s_kept, v.experts, v.local_experts, abort};
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + tid; t < c.tokens; t += stride) {
+  const long long first = static_cast<long long>(staging_block(blockIdx.x, gridDim.x)) * blockDim.x;
+  for (long long t = first + tid; t < c.tokens; t += stride) {
     if (c.slots <= kRegisterSlots)
       stage_token_in_registers(v, rows, t);
     else
