@@ -20,24 +20,37 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
       const PartSplit s = part_split(chunks, pipelines);
       EXPECT_EQ(s.tokens * s.per_chunk, kChunkTokens);
       EXPECT_EQ(s.tokens & (s.tokens - 1), 0) << s.tokens;
-      EXPECT_GE(s.tokens, kMinPartTokens);
-      // Either 8 parts per pipeline, or parts already at the smallest size.
-      EXPECT_TRUE(chunks * s.per_chunk >= 8LL * pipelines || s.tokens == kMinPartTokens) << s.tokens;
-      // And the largest such size: twice as large would give fewer than 8 parts per pipeline.
-      if (s.tokens < kChunkTokens) {
-        EXPECT_LT(chunks * (s.per_chunk / 2), 8LL * pipelines);
+      const long long parts = chunks * s.per_chunk;
+      if (s.tokens >= kMinAutoPartTokens) {
+        // Either 8 parts per pipeline, or parts already at the smallest size balance asks for...
+        EXPECT_TRUE(parts >= 8LL * pipelines || s.tokens == kMinAutoPartTokens) << s.tokens;
+        // ...and the largest such size: twice as large would give fewer than 8 parts per pipeline.
+        if (s.tokens < kChunkTokens) {
+          EXPECT_LT(chunks * (s.per_chunk / 2), 8LL * pipelines);
+        }
+        // Smaller than that only where some pipeline would get no part at all.
+        if (s.tokens == kMinAutoPartTokens) {
+          EXPECT_GE(parts, pipelines);
+        }
+      } else {
+        // Fewer parts than pipelines at twice the size; never below kMinSpreadPartTokens.
+        EXPECT_GE(s.tokens, kMinSpreadPartTokens);
+        EXPECT_LT(chunks * (s.per_chunk / 2), pipelines);
       }
     }
   }
   // The two shapes of the benchmark cases at 16 SMs x 2 pipelines.
   EXPECT_EQ(part_split(num_chunks(4096), 32).tokens, 16);  // 128 chunks: 256 parts
-  EXPECT_EQ(part_split(num_chunks(128), 32).tokens, 4);    // decode, 4 chunks: the smallest parts
+  EXPECT_EQ(part_split(num_chunks(128), 32).tokens, 4);    // decode, 4 chunks: a part per pipeline
+  // Decode at 32 and 64 SMs: 2-token parts, so that 64 pipelines get one each.
+  EXPECT_EQ(part_split(num_chunks(128), 64).tokens, 2);
+  EXPECT_EQ(part_split(num_chunks(128), 128).tokens, 2);
 }
 
 // HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid
 // sizes leave the choice to the split (the dispatcher rejects invalid ones before a kernel runs).
 TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {
-  for (int forced : {4, 8, 16, 32}) {
+  for (int forced : {1, 2, 4, 8, 16, 32}) {
     EXPECT_TRUE(valid_part_tokens(forced));
     for (long long chunks : {1LL, 128LL})
       for (int pipelines : {1, 32, 256}) {
@@ -46,7 +59,7 @@ TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {
         EXPECT_EQ(s.tokens * s.per_chunk, kChunkTokens);
       }
   }
-  for (int bad : {0, -4, 1, 2, 3, 6, 12, 64}) {
+  for (int bad : {0, -4, 3, 6, 12, 64}) {
     EXPECT_FALSE(valid_part_tokens(bad)) << bad;
     EXPECT_EQ(part_split(128, 32, bad).tokens, part_split(128, 32).tokens) << bad;
   }

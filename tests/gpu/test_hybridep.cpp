@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -511,7 +512,7 @@ TEST_P(HybridEpMultiGpu, PartSizesChangeNoResult) {
   const int R = gpu_ranks();
   const Config c = config("parts zipf E=16R k=8 H=2048", 16, 8, 2048, {700, 300, 0, 65}, RoutingKind::zipf, 16);
   const std::vector<Outputs> want = run_host(c, R);
-  const std::vector<int> sizes = {4, 8, 16, 32};
+  const std::vector<int> sizes = {1, 2, 4, 8, 16, 32};
   std::vector<std::vector<Outputs>> got(sizes.size(), std::vector<Outputs>(static_cast<std::size_t>(R)));
   std::vector<std::exception_ptr> bad(static_cast<std::size_t>(R));
   const auto errors = run_gpu_ranks(
@@ -537,6 +538,73 @@ TEST_P(HybridEpMultiGpu, PartSizesChangeNoResult) {
   for (std::size_t i = 0; i < sizes.size(); ++i)
     expect_equal(want, got[i], c.name + " part_tokens " + std::to_string(sizes[i]));
   EXPECT_TRUE(all_threw<ArgumentError>(bad, [](const ArgumentError& e) { return e.argument() == "part_tokens"; }));
+}
+
+// kernel_timing: the steps of the last dispatch, stamped on the device by every CTA, come in the
+// protocol's order (a step's earliest and latest stamp never before the previous step's) and lie
+// within the events around the kernels; the results stay the host backend's.
+TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks();
+  // At most 256 tokens per rank: the inline plan (its step too); a rank with none still sends flags.
+  const Config c = config("timed E=16R k=8 H=2048", 16, 8, 2048, {200, 130, 0, 64});
+  const std::vector<Outputs> want = run_host(c, R);
+  std::vector<Outputs> got(static_cast<std::size_t>(R));
+  std::vector<HybridEpKernelTimes> times(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        HybridEpOptions o = hybridep_options(c, g.size);
+        o.stream = g.stream;
+        o.kernel_timing = true;
+        auto d = make_hybridep_dispatcher(g.comm, c.experts_per_rank * g.size, o);
+        got[static_cast<std::size_t>(g.rank)] = run_gpu_rank(g, *d, c);
+        times[static_cast<std::size_t>(g.rank)] = d->kernel_times();
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  expect_equal(want, got, c.name);
+
+  const bool v2 = GetParam() == 2;  // the v1 dispatch kernel has no stamps
+  std::vector<std::string> steps = {"preprocess_start", "planned", "counts_sent", "counts_arrived", "layout_done",
+                                    "staged"};
+  if (v2)
+    for (const char* s : {"dispatch_start", "sends_posted", "chunk_released", "flag_arrived", "fan_out_posted",
+                          "stores_done", "zeroed", "dispatch_end"})
+      steps.emplace_back(s);
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const HybridEpKernelTimes& t = times[static_cast<std::size_t>(r)];
+    std::map<std::string, HybridEpPhase> at;
+    for (const HybridEpPhase& p : t.dispatch_phases) at[p.name] = p;
+    ASSERT_EQ(at.size(), steps.size());
+    for (const std::string& s : steps) ASSERT_EQ(at.count(s), 1u) << s;
+    EXPECT_EQ(at["preprocess_start"].first, 0.0);
+    // The device clock ticks in ~1 us steps; the events bracket the kernels.
+    const double end = t.plan + t.preprocess + t.dispatch + 5.0;
+    for (const HybridEpPhase& p : t.dispatch_phases) {
+      EXPECT_LE(p.first, p.last) << p.name;
+      EXPECT_GE(p.first, 0.0) << p.name;
+      EXPECT_LE(p.last, end) << p.name;
+    }
+    const auto in_order = [&](const std::string& a, const std::string& b) {
+      EXPECT_LE(at[a].first, at[b].first) << a << " before " << b;
+      EXPECT_LE(at[a].last, at[b].last) << a << " before " << b;
+    };
+    for (std::size_t i = 1; i < 6; ++i) in_order(steps[i - 1], steps[i]);  // each preprocess CTA's steps
+    if (!v2) continue;
+    // The dispatch kernel starts after the whole preprocess grid (stream order: no dependent launch
+    // with kernel_timing).
+    EXPECT_LE(at["staged"].last, at["dispatch_start"].first);
+    in_order("dispatch_start", "sends_posted");
+    in_order("sends_posted", "fan_out_posted");
+    for (const char* s : {"chunk_released", "flag_arrived", "stores_done", "zeroed"}) {
+      EXPECT_LE(at["dispatch_start"].first, at[s].first) << s;
+      EXPECT_LE(at[s].last, at["dispatch_end"].last) << s;
+    }
+    EXPECT_LE(at["fan_out_posted"].last, at["dispatch_end"].last);
+    EXPECT_LE(at["chunk_released"].last, at["stores_done"].last);  // a consumer publishes, then finishes
+  }
 }
 
 TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {

@@ -8,7 +8,8 @@
 // The hybridep backend adds, per SM count of --sms (default: its process-wide 20): call records in
 // blocking mode (one host sync per call), a budget-mode dispatch (budget = the exact rows, no host
 // sync), and "kernel" records timed with CUDA events around its own kernels (dispatch kernel, with
-// the preprocess kernel in parts_us; combine kernel), a "graph" record (a budget-mode dispatch +
+// the preprocess kernel and the step stamps of phase_trace.h in parts_us; combine kernel; a second
+// dispatcher, so that the calls run without events and with dependent launch), a "graph" record (a budget-mode dispatch +
 // combine captured once in a CUDA graph, timed per replay), every record with `sms` set and its note
 // starting with the kernel variant (--hybridep-kernels).
 #include <cstdio>
@@ -117,19 +118,24 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
   ho.max_tokens_per_rank = T;
   ho.hidden = H;
   ho.max_topk = k;
-  ho.kernel_timing = true;
   ho.stream = stream;
   ho.kernels = a.hybridep_kernels;
   ho.part_tokens = a.hybridep_part_tokens;
-  // A second dispatcher without kernel timing for the graph record (no event records in the capture).
+  // Three dispatchers. `d` times the calls as a training step runs them: no events between the
+  // kernels, each launched as a programmatic dependent of the one before. `timed` has kernel_timing
+  // (events around its kernels, which also turns dependent launch off, and the step stamps) for the
+  // kernel records. `graphed`, sized to the exact rows, for the graph record (no events in a capture).
+  HybridEpOptions to = ho;
+  to.kernel_timing = true;
   HybridEpOptions go = ho;
-  go.kernel_timing = false;
   go.max_recv_rows = exact_rows;
   auto graphed = make_hybridep_dispatcher(comm_ptr, E, go);
+  auto timed = make_hybridep_dispatcher(comm_ptr, E, to);
   auto d = make_hybridep_dispatcher(std::move(comm_ptr), E, ho);
   const std::vector<int> sweep = a.sms.empty() ? std::vector<int>{hybridep_num_sms().dispatch} : a.sms;
   for (int sms : sweep) {
     d->set_num_sms(sms, sms, sms);
+    timed->set_num_sms(sms, sms, sms);
     auto tag = [&](std::size_t first) {
       for (std::size_t i = first; i < mine.size(); ++i) mine[i].sms = sms;
     };
@@ -163,22 +169,34 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
     // Kernels alone: events around the dispatch kernel (preprocess kernel in parts_us) and the
     // combine kernel, budget mode so that no host sync sits between the repetitions' kernels.
     std::vector<double> disp, pre, plan, comb;
+    std::vector<std::pair<std::string, std::vector<double>>> phases;  // "<step>.first" / ".last", us
+    const auto phase = [&phases](const std::string& name) -> std::vector<double>& {
+      for (auto& [n, us] : phases)
+        if (n == name) return us;
+      return phases.emplace_back(name, std::vector<double>{}).second;
+    };
     for (int i = 0; i < a.warmup + a.reps; ++i) {
       comm.barrier("bench barrier");
-      DispatchResult r3 = d->dispatch(in, budget);
-      d->combine(r3.handle, r3.tokens);
-      const HybridEpKernelTimes kt = d->kernel_times();
+      DispatchResult r3 = timed->dispatch(in, budget);
+      timed->combine(r3.handle, r3.tokens);
+      const HybridEpKernelTimes kt = timed->kernel_times();
       if (i < a.warmup) continue;
       disp.push_back(kt.dispatch);
       pre.push_back(kt.preprocess);
       plan.push_back(kt.plan);
       comb.push_back(kt.combine);
+      for (const HybridEpPhase& p : kt.dispatch_phases) {
+        phase(p.name + ".first").push_back(p.first);
+        phase(p.name + ".last").push_back(p.last);
+      }
     }
-    d->check_errors();
+    timed->check_errors();
     record("hybridep", "dispatch", stats_of(disp), "dispatch kernel alone (events around it)", "kernel");
     mine.back().parts_us = {{"plan", stats_of(plan).median},
                             {"preprocess_kernel", stats_of(pre).median},
                             {"dispatch_kernel", stats_of(disp).median}};
+    // When each step was reached on this GPU (device clock, from the first preprocess CTA).
+    for (const auto& [name, us] : phases) mine.back().parts_us.emplace_back("step." + name, stats_of(us).median);
     record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
     record("hybridep", "dispatch+combine", graph_replay_time(a, comm, *graphed, in, budget, sms, stream),
            "CUDA graph replay of a budget-mode dispatch + combine (no host sync inside; the host launches the "

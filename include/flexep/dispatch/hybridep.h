@@ -51,6 +51,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "flexep/comm/communicator.h"
 #include "flexep/core/config.h"
@@ -78,7 +80,7 @@ struct HybridEpOptions {
   // than 32 KB, or H > 8192 for combine) use 1.
   int kernels = 2;
   // Tokens per work item of the v2 kernels: 0 = chosen per call (the largest power of two in
-  // [4, 32] that gives every pipeline 8+ items; docs/hybridep.md), or 4, 8, 16, 32 (sweeps).
+  // [4, 32] that gives every pipeline 8+ items; docs/hybridep.md), or 1, 2, 4, 8, 16, 32 (sweeps).
   int part_tokens = 0;
 
   // SM counts from Automodel-style configuration: dispatch_sms(), combine_sms(), preprocess_sms().
@@ -108,11 +110,19 @@ struct HybridEpSms {
   int dispatch = 0, combine = 0, preprocess = 0;
 };
 
+// A step of the last dispatch on this GPU (kernel_timing, v2 kernels): when the earliest and the
+// latest CTA reached it, microseconds after the first preprocess CTA started (the device clock).
+struct HybridEpPhase {
+  std::string name;  // src/dispatch/hybridep/phase_trace.h lists the steps
+  double first = 0, last = 0;
+};
+
 // Time of the last call's kernels (events around them; kernel_timing must be on). Microseconds;
 // 0 for a kernel that has not run.
 struct HybridEpKernelTimes {
   double plan = 0;  // the single-GPU plan (multihot slots, sort, layout) before the preprocess kernel
   double preprocess = 0, dispatch = 0, combine = 0;
+  std::vector<HybridEpPhase> dispatch_phases;  // in the order of the steps; those reached only
 };
 
 class HybridEpDispatcher : public TokenDispatcher {

@@ -84,7 +84,7 @@ __device__ unsigned rows_here(const CombineView& v, const HandleView& h, int s, 
 }
 
 __device__ void load(const CombineView& v, const HandleView& h, const uint4* grad_out, const Ring& ring, const Env& env,
-                     int lane) {
+                     int pipe, int lane) {
   const int R = v.ranks, me = v.rank;
   const long long words = v.hidden / 8;
   unsigned j = 0;
@@ -93,7 +93,8 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
     // Stage: this rank's grad_out rows into its window, where the expert ranks pull them.
     const PartSplit split1 = part_split(num_chunks(h.tokens), env.pipelines, v.part_tokens);
     const long long parts1 = static_cast<long long>(num_chunks(h.tokens)) * split1.per_chunk;
-    for (long long i = grab_item(&v.work[kWorkFirst], lane); i < parts1; i = grab_item(&v.work[kWorkFirst], lane)) {
+    ItemQueue items1{&v.work[kWorkFirst], parts1, pipe, env.pipelines};
+    for (long long i = items1.next(lane); i < parts1; i = items1.next(lane)) {
       const Part p = part_in_rank(i, split1, h.tokens, me);
       for (long long t = p.t0; t < p.t1; ++t) {
         ring.acquire(j, lane);
@@ -115,7 +116,8 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
     const PartSplit split2 = part_split(chunks_of_ranks(R, tokens, none), env.pipelines, v.part_tokens);
     const long long parts2 = parts_of_ranks(R, split2, tokens, none);
     const WaitContext wait{v.status, v.timeout_ns, Phase::combine_backward_rows};
-    for (long long i = grab_item(&v.work[kWorkSecond], lane); i < parts2; i = grab_item(&v.work[kWorkSecond], lane)) {
+    ItemQueue items2{&v.work[kWorkSecond], parts2, pipe, env.pipelines};
+    for (long long i = items2.next(lane); i < parts2; i = items2.next(lane)) {
       Part p;
       parts_of_ranks(R, split2, tokens, none, i, &p);
       bool ok = true;
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     if (warp < 2 * kPipes) {
       const Ring ring = Ring::make(smem, layout, warp / 2);
       if (warp % 2 == 0)
-        load(v, h, grad_out, ring, env, lane);
+        load(v, h, grad_out, ring, env, static_cast<int>(blockIdx.x) * kPipes + warp / 2, lane);
       else
         store(v, h, out, ring, env, lane);
     } else if (warp == kZeroWarp) {

@@ -163,7 +163,7 @@ __device__ unsigned load_out_part(const CombineView& v, const HandleView& h, con
 
 template <class S>
 __device__ void load(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring, unsigned epoch,
-                     unsigned dispatch_epoch, int lane) {
+                     unsigned dispatch_epoch, int pipe, int lane) {
   const int R = v.ranks, me = v.rank;
   const int pipelines = static_cast<int>(gridDim.x) * S::pipes;
   unsigned j = 0;
@@ -176,7 +176,8 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     auto tokens = [&h](int s) { return tokens_of(h.control, s, h.max_tokens); };
     const PartSplit split1 = part_split(chunks_of_ranks(R, tokens, all), pipelines, v.part_tokens);
     const long long parts1 = parts_of_ranks(R, split1, tokens, all);
-    for (long long i = grab_item(&v.work[kWorkFirst], lane); i < parts1; i = grab_item(&v.work[kWorkFirst], lane)) {
+    ItemQueue items1{&v.work[kWorkFirst], parts1, pipe, pipelines};
+    for (long long i = items1.next(lane); i < parts1; i = items1.next(lane)) {
       Part p;
       parts_of_ranks(R, split1, tokens, all, i, &p);
       j = load_partial_part(v, h, c, ring, j, p, dispatch_epoch, lane);
@@ -188,7 +189,8 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     const WaitContext wait{v.status, v.timeout_ns, c.data_phase};
     const PartSplit split2 = part_split(num_chunks(h.tokens), pipelines, v.part_tokens);
     const long long parts2 = static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
-    for (long long i = grab_item(&v.work[kWorkSecond], lane); i < parts2; i = grab_item(&v.work[kWorkSecond], lane)) {
+    ItemQueue items2{&v.work[kWorkSecond], parts2, pipe, pipelines};
+    for (long long i = items2.next(lane); i < parts2; i = items2.next(lane)) {
       const Part p = part_in_rank(i, split2, h.tokens, me);
       bool ok = true;
       if (lane == 0) {
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(S::threads, 1)
   if (!s_broken) {
     const Ring ring = Ring::make(smem, layout, pipe);
     if (role == 0)
-      load<S>(v, h, c, ring, epoch, s_dispatch_epoch, threadIdx.x % 32);
+      load<S>(v, h, c, ring, epoch, s_dispatch_epoch, static_cast<int>(blockIdx.x) * S::pipes + pipe, threadIdx.x % 32);
     else
       compute<S>(v, h, c, ring, epoch, threadIdx.x - (pipe * kWarpsPerPipe + 1) * 32, pipe);
   }

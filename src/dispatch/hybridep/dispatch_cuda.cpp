@@ -139,6 +139,12 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   // one that passed the device tests until PDL has run on the GPU too.
   const bool overlap = v2 && !options_.kernel_timing && !capturing(s);
   bool after_plan = false;  // the chunk plan kernel is the last launch before the preprocess kernel
+  traced_ = options_.kernel_timing;
+  if (traced_) {  // before the first event: the resets are not timed
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(trace_->first, 0xff, sizeof trace_->first, s));
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(trace_->last, 0, sizeof trace_->last, s));
+    c.trace = trace_;
+  }
   record(ev_plan, s);
   if (!local) {
     const std::int64_t T = rt.tokens;

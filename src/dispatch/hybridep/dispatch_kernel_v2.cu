@@ -40,6 +40,7 @@
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/phase_trace.cuh"
 #include "dispatch/hybridep/ring.cuh"
 #include "dispatch/hybridep/store_lag.cuh"
 #include "dispatch/hybridep/tma.cuh"
@@ -214,7 +215,8 @@ __device__ unsigned produce_fan_out_part(const DispatchView& v, const DispatchCa
   return j;
 }
 
-__device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
+__device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int pipe,
+                        int lane) {
   const int R = v.ranks, me = v.rank;
   unsigned j = 0;
   auto not_mine = [me](int s) { return s == me; };
@@ -223,13 +225,15 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   // 1. This rank's tokens: never waits for anything remote.
   const PartSplit send = part_split(num_chunks(c.tokens), env.pipelines, v.part_tokens);
   const long long send_parts = static_cast<long long>(num_chunks(c.tokens)) * send.per_chunk;
-  for (long long i = grab_item(&v.work[kWorkFirst], lane); i < send_parts; i = grab_item(&v.work[kWorkFirst], lane)) {
+  ItemQueue sends{&v.work[kWorkFirst], send_parts, pipe, env.pipelines};
+  for (long long i = sends.next(lane); i < send_parts; i = sends.next(lane)) {
     const Part p = part_in_rank(i, send, c.tokens, me);
     if (env.move) j = produce_send_part(v, c, ring, j, p, env, lane);
     ring.acquire(j, lane);
     if (lane == 0) ring.post(j, Job{kPartEnd, p.chunk, send.per_chunk, 0, 0, 0, 0, 0});
     ++j;
   }
+  if (lane == 0) trace_stamp(c.trace, kTraceSendsPosted);
 
   // Every part sent so far must be published before this warp waits for a peer's flag: the peer
   // may be waiting for exactly that part (a publish held back by kReleaseLag would never come).
@@ -241,18 +245,21 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   const PartSplit recv = part_split(chunks_of_ranks(R, received_tokens, not_mine), env.pipelines, v.part_tokens);
   const long long recv_parts = parts_of_ranks(R, recv, received_tokens, not_mine);
   const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_tokens};
-  for (long long i = grab_item(&v.work[kWorkSecond], lane); i < recv_parts; i = grab_item(&v.work[kWorkSecond], lane)) {
+  ItemQueue fan_outs{&v.work[kWorkSecond], recv_parts, pipe, env.pipelines};
+  for (long long i = fan_outs.next(lane); i < recv_parts; i = fan_outs.next(lane)) {
     Part p;
     parts_of_ranks(R, recv, received_tokens, not_mine, i, &p);
     bool ok = true;
     if (lane == 0) {
       ok = wait_flag_at_least(chunk_flag(v, me, p.source, p.chunk), env.epoch, wait, p.source);
       if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flag published
+      if (ok) trace_stamp(c.trace, kTraceFlagArrived);
     }
     __syncwarp();  // lane 0's acquire is ordered before every lane's reads below
     if (!__shfl_sync(kFullMask, ok, 0)) break;
     if (env.move) j = produce_fan_out_part(v, c, ring, j, p, env, lane);
   }
+  if (lane == 0) trace_stamp(c.trace, kTraceFanOutPosted);
 
   ring.acquire(j, lane);
   if (lane == 0) ring.post(j, Job{kExit, 0, 0, 0, 0, 0, 0, 0});
@@ -330,16 +337,19 @@ __device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, cons
 
 // Lane 0: the stores of every job up to the part end `since` jobs ago are complete; count the part,
 // and the chunk's last part releases the chunk flag on every rank.
-__device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, int since, const Env& env) {
+__device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, int since, const Env& env,
+                             PhaseTrace* trace) {
   tma::wait_groups_dyn(since);  // the newest `since` groups were committed after the part's end
   tma::fence_proxy_global();    // the completed bulk (async-proxy) writes before the generic fence and flags
-  if (count_part(&v.work[kWorkChunks + chunk], per_chunk))
+  if (count_part(&v.work[kWorkChunks + chunk], per_chunk)) {
     for (int d = 0; d < v.ranks; ++d) st_release_sys(chunk_flag(v, d, v.rank, chunk), env.epoch);
+    trace_stamp(trace, kTraceChunkReleased);
+  }
 }
 
 __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
   StoreLag lag;
-  auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env); };
+  auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env, c.trace); };
   for (unsigned j = 0;; ++j) {
     const Job job = ring.wait_lane0(j, lane);
     if (job.kind == kExit) break;
@@ -348,7 +358,10 @@ __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring
     if (lane == 0) lag.after_job(ring, j, job.kind == kPartEnd, job.kind == kFlush, job.a, job.b, publish);
     __syncwarp();
   }
-  if (lane == 0) lag.finish(publish);
+  if (lane == 0) {
+    lag.finish(publish);  // waits for every store
+    trace_stamp(c.trace, kTraceStoresDone);
+  }
   __syncwarp();
 }
 
@@ -387,12 +400,24 @@ __device__ void zero_unfilled(const DispatchView& v, const DispatchCall& c, unsi
   __syncwarp();
   const long long out_rows = v.control->out_rows;
   auto clamp_row = [out_rows](long long r) { return clamp_ll(r, 0, out_rows); };
-  for (int le = 0; le < v.local_experts; ++le)
-    zero_rows(v, c, clamp_row(v.begin[le] + v.kept[le]), clamp_row(v.begin[le] + v.tpe[le]), zeros, lane);
+  // 32 experts' ranges loaded at once, a lane each (one after another, the loads took 13 us of a
+  // decode call for 32 experts: the step trace), then zeroed one range after another by the warp.
+  for (int le0 = 0; le0 < v.local_experts; le0 += 32) {
+    const int le = le0 + lane;
+    long long a = 0, b = 0;
+    if (le < v.local_experts) {
+      a = clamp_row(v.begin[le] + v.kept[le]);
+      b = clamp_row(v.begin[le] + v.tpe[le]);
+    }
+    const int n = v.local_experts - le0 < 32 ? v.local_experts - le0 : 32;
+    for (int i = 0; i < n; ++i)
+      zero_rows(v, c, __shfl_sync(kFullMask, a, i), __shfl_sync(kFullMask, b, i), zeros, lane);
+  }
   zero_rows(v, c, clamp_row(v.control->used_rows), out_rows, zeros, lane);
   if (lane == 0) {
     tma::commit();
     tma::wait_groups<0>();
+    trace_stamp(c.trace, kTraceZeroed);
   }
   __syncwarp();
 }
@@ -405,6 +430,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   const unsigned epoch = op_epoch(&v.control->op);
   __shared__ int s_broken, s_move;
   if (threadIdx.x == 0) {
+    trace_stamp(c.trace, kTraceDispatchStart);
     s_broken = timed_out(v.status);               // the count exchange timed out: move nothing, wait for nothing
     s_move = !s_broken && v.control->abort == 0;  // the preprocess kernel's decision, alike on all ranks
     for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(1);
@@ -417,7 +443,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     if (warp < 2 * kPipes) {
       const Ring ring = Ring::make(smem, layout, warp / 2);
       if (warp % 2 == 0)
-        produce(v, c, ring, env, lane);
+        produce(v, c, ring, env, static_cast<int>(blockIdx.x) * kPipes + warp / 2, lane);
       else
         consume(v, c, ring, env, lane);
     } else if (warp == kZeroWarp && env.move) {
@@ -428,6 +454,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     v.work[kWorkFirst] = 0;  // every CTA has taken its last item
     v.work[kWorkSecond] = 0;
     finish_op(&v.control->op, epoch);
+    trace_stamp(c.trace, kTraceDispatchEnd);
   }
 }
 

@@ -25,7 +25,7 @@ hybridep::BufferConfig config_of(const HybridEpOptions& o, int ranks, int expert
                    "SM counts must be >= 0 (0 = the process-wide setting)");
   FLEXEP_CHECK_ARG(o.kernels == 1 || o.kernels == 2, "kernels", "must be 1 or 2, got ", o.kernels);
   FLEXEP_CHECK_ARG(o.part_tokens == 0 || hybridep::valid_part_tokens(o.part_tokens), "part_tokens",
-                   "must be 0 (chosen per call) or 4, 8, 16 or 32, got ", o.part_tokens);
+                   "must be 0 (chosen per call) or 1, 2, 4, 8, 16 or 32, got ", o.part_tokens);
   return hybridep::make_buffer_config(ranks, experts, o.max_tokens_per_rank, o.hidden, o.max_topk, o.max_recv_rows,
                                       o.max_pad_multiple, o.fp8);
 }
@@ -83,6 +83,7 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
   own_sms_ = {options.dispatch_sms, options.combine_sms, options.preprocess_sms};
   FLEXEP_CUDA_CHECK(cudaMalloc(&status_, sizeof(Status)));
   FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
+  FLEXEP_CUDA_CHECK(cudaMalloc(&trace_, sizeof(PhaseTrace)));
   FLEXEP_CUDA_CHECK(cudaMallocHost(&readback_, sizeof(Readback)));
   std::memset(static_cast<void*>(readback_), 0, sizeof(Readback));
   FLEXEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&readback_device_), readback_, 0));
@@ -100,6 +101,7 @@ Dispatcher::~Dispatcher() {
     if (e) cudaEventDestroy(e);
   if (readback_) cudaFreeHost(readback_);
   if (status_) cudaFree(status_);
+  if (trace_) cudaFree(trace_);
   cudaSetDevice(previous);
 }
 
@@ -251,6 +253,17 @@ HybridEpKernelTimes Dispatcher::kernel_times() {
   t.preprocess = span(ev_preprocess, ev_dispatch);
   t.dispatch = span(ev_dispatch, ev_dispatch_end);
   t.combine = span(ev_combine, ev_combine_end);
+  if (traced_) {
+    PhaseTrace trace;
+    FLEXEP_CUDA_CHECK(cudaMemcpy(&trace, trace_, sizeof trace, cudaMemcpyDeviceToHost));  // after the events
+    const unsigned long long origin = trace.first[kTracePreprocessStart];
+    const auto us = [origin](unsigned long long ns) {
+      return (static_cast<double>(ns) - static_cast<double>(origin)) / 1000.0;
+    };
+    for (int p = 0; p < kTracePoints; ++p)
+      if (trace.first[p] != ~0ull && origin != ~0ull)  // reached
+        t.dispatch_phases.push_back(HybridEpPhase{kTracePointNames[p], us(trace.first[p]), us(trace.last[p])});
+  }
   return t;
 }
 

@@ -109,6 +109,8 @@ class Dispatcher final : public HybridEpDispatcher {
   std::shared_ptr<DispatchStorage> dispatch_;
   std::shared_ptr<CombineStorage> combine_;
   Status* status_ = nullptr;      // device
+  PhaseTrace* trace_ = nullptr;   // device: the last traced dispatch's stamps (kernel_timing)
+  bool traced_ = false;           // trace_ holds the last dispatch's stamps
   Readback* readback_ = nullptr;         // pinned host
   Readback* readback_device_ = nullptr;  // the same memory, as the GPU addresses it
   cuda::DeviceErrors errors_;

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "dispatch/hybridep/device_state.h"
+#include "dispatch/hybridep/phase_trace.h"
 #include "flexep/comm/symmetric_buffer.h"
 #include "flexep/cuda/device_errors.h"
 
@@ -77,6 +78,7 @@ struct DispatchCall {
   Status* host_status = nullptr;  // and the status, so that an error an earlier call left is raised now
   unsigned* host_seq_at = nullptr;
   unsigned host_seq = 0;
+  PhaseTrace* trace = nullptr;  // kernel_timing: the steps' stamps (phase_trace.h); else null
 };
 
 // The dispatch a handle belongs to, on this rank (read by combine and the backwards).

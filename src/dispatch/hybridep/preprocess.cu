@@ -26,6 +26,7 @@
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/phase_trace.cuh"
 #include "dispatch/hybridep/tma.cuh"
 #include "dispatch/hybridep/warp_layout.cuh"
 #include "flexep/cuda/runtime.h"
@@ -167,10 +168,16 @@ __device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& ro
   }
 }
 
+// The block of kThreads tokens that CTA `cta` of `ctas` stages first (then every ctas-th). Block 0
+// goes to CTA 1 when there are several: CTA 0 first publishes the layout (in blocking mode to the
+// host too, over PCIe), and a small call (decode: all its tokens are in block 0) is then staged
+// beside that rather than after it.
+__device__ int staging_block(int cta, int ctas) { return (cta + ctas - 1) % ctas; }
+
 // Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
 // chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
 // bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA);
-// CTA 0, the one CTA that stages this rank's tokens (T <= blockDim), writes the slot ranks. The
+// the one CTA that stages this rank's tokens (T <= blockDim: block 0) writes the slot ranks. The
 // lowest bad slot (t * k + j) of the chunk is the same in every CTA; ~0 if none.
 __device__ unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits, long long* counts) {
   __shared__ unsigned long long s_bad;
@@ -185,7 +192,8 @@ __device__ unsigned long long plan_inline(const DispatchCall& c, int experts, st
   if (tid < c.tokens) set_token_bits(bits, ids, tid, tid, lowest);
   __syncthreads();
   for (int e = tid; e < experts; e += blockDim.x) counts[e] = plan_word_prefix(bits, e, kPlanChunkWords);
-  if (blockIdx.x == 0 && tid < c.tokens) write_slot_ranks(bits, ids, tid, tid, c.plan_slot_rows);
+  if (staging_block(blockIdx.x, gridDim.x) == 0 && tid < c.tokens)
+    write_slot_ranks(bits, ids, tid, tid, c.plan_slot_rows);
   __syncthreads();  // the counts are complete, and the bits free for the layout arrays
   return s_bad;
 }
@@ -247,6 +255,8 @@ __global__ void __launch_bounds__(kThreads)
   // Launched as a dependent of the plan kernel: nothing of the plan may be read before it completed.
   tma::grid_dependency_wait();
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
+  const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
+  if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
   long long* s_begin = smem;        // [E] first row of every expert's group on its owner
   long long* s_kept = smem + E;     // [E] real rows kept per group
   long long* s_tpe = smem + 2 * E;  // [E] tokens_per_expert per group
@@ -266,6 +276,7 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned long long bad =
       c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts) : ~0ull;
   const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
+  if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
 
   // 1. This rank's slot into every rank's count region. Identical in every CTA (device_error says
   //    why for the device_* words), so a peer may read it after any CTA's flag.
@@ -293,6 +304,7 @@ __global__ void __launch_bounds__(kThreads)
   fence_sys();      // each thread's slot stores are ordered before the barrier...
   __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
   if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
+  if (stamp) trace_stamp(c.trace, kTraceCountsSent);
 
   // 2. Every rank's slot has arrived here.
   bool ok = true;
@@ -303,6 +315,7 @@ __global__ void __launch_bounds__(kThreads)
     if (blockIdx.x == 0 && c.host_control) publish_to_host(v, c);  // the host then waits and raises
     return;
   }
+  if (stamp) trace_stamp(c.trace, kTraceCountsArrived);
   const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
   for (int i = tid; i < R * word::count; i += blockDim.x)
     s_head[i / word::count][i % word::count] = __ldcg(count_slot(v, me, i / word::count) + i % word::count);
@@ -336,6 +349,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = tid; e < E; e += blockDim.x) s_src[e] = source_begin(counts, e, me, s_begin[e]);
   __syncthreads();
   const bool abort = s_abort != 0;
+  if (stamp) trace_stamp(c.trace, kTraceLayoutDone);
 
   // CTA 0 publishes the decision and this rank's receiver layout for the dispatch kernel and the
   // host (blocking mode reads control + tokens_per_expert with one copy).
@@ -377,11 +391,16 @@ __global__ void __launch_bounds__(kThreads)
   // 5. Staging records and slot entries, one thread per token of this rank.
   const TokenRows rows{c, s_src, s_begin, s_kept, v.experts, v.local_experts, abort};
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + tid; t < c.tokens; t += stride) {
+  const long long first = static_cast<long long>(staging_block(blockIdx.x, gridDim.x)) * blockDim.x;
+  for (long long t = first + tid; t < c.tokens; t += stride) {
     if (c.slots <= kRegisterSlots)
       stage_token_in_registers(v, rows, t);
     else
       stage_token_in_memory(v, rows, t);
+  }
+  if (c.trace) {
+    __syncthreads();
+    if (stamp) trace_stamp(c.trace, kTraceStaged);
   }
 }
 

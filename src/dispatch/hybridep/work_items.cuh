@@ -1,5 +1,7 @@
 // Work items of the v2 hybridep kernels on the device: the parts of parts.h are handed out one at a
-// time through an atomic counter, so no pipeline waits for a slow one at the end.
+// time through an atomic counter, so no pipeline waits for a slow one at the end. Each pipeline's
+// first item is its own index, without the counter: at the start every pipeline is free anyway, and
+// a small call (decode: about one part per pipeline) then pays no atomic round trip at all.
 //
 // A chunk's flag is released once all its parts are done: every part's pipeline counts itself in
 // `work[kWorkChunks + chunk]` after its stores are complete, and the last one releases the flag and
@@ -25,6 +27,25 @@ __device__ inline long long grab_item(unsigned* counter, int lane) {
   if (lane == 0) i = atomicAdd(counter, 1u);
   return static_cast<long long>(__shfl_sync(kFullMask, i, 0));
 }
+
+// The items [0, n) of one phase as pipeline `pipe` of `pipelines` takes them: first item `pipe`,
+// then items pipelines, pipelines + 1, ... from `counter` (never touched when n <= pipelines);
+// every item goes to exactly one pipeline. next() returns n or more when there is none left.
+struct ItemQueue {
+  unsigned* counter;
+  long long n;
+  int pipe, pipelines;
+  bool started = false;
+
+  __device__ long long next(int lane) {
+    if (!started) {
+      started = true;
+      return pipe;
+    }
+    if (n <= pipelines) return n;
+    return pipelines + grab_item(counter, lane);
+  }
+};
 
 // Counts one finished part of the chunk whose counter is `done`; returns true in the caller that
 // counted the last of `per_chunk` parts (it then owns the release of the chunk's flag). The caller

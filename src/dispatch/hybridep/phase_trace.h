@@ -1,0 +1,45 @@
+// Where a dispatch's time goes on the GPU, step by step (HybridEpOptions::kernel_timing): every CTA
+// stamps the device clock (%globaltimer, ns) at the end of each step of the preprocess and dispatch
+// kernels into the earliest and the latest stamp of that step. Events around the kernels give only
+// their spans; these show, on each rank, when the count exchange arrived, when the sends were
+// published, when the peer's first chunk flag came, and so on (docs/hybridep.md, "The call's
+// fixed costs").
+//
+// Shared by the kernels and the host (no CUDA headers); the device stamp is in phase_trace.cuh.
+#pragma once
+
+namespace flexep::hybridep {
+
+enum TracePoint : int {
+  // preprocess kernel
+  kTracePreprocessStart,  // after the wait for the plan kernel
+  kTracePlanned,          // the inline plan of a one-chunk call done
+  kTraceCountsSent,       // this rank's counts released to every rank
+  kTraceCountsArrived,    // every rank's counts here
+  kTraceLayoutDone,       // every receiver's layout and the abort decision
+  kTraceStaged,           // the CTA's staging records written
+  // dispatch kernel (v2)
+  kTraceDispatchStart,    // after the wait for the preprocess grid
+  kTraceSendsPosted,      // a producer posted its last send job
+  kTraceChunkReleased,    // a chunk flag released to every rank (its parts' stores complete)
+  kTraceFlagArrived,      // a producer acquired a peer's chunk flag (fan-out)
+  kTraceFanOutPosted,     // a producer posted its last job
+  kTraceStoresDone,       // a consumer's last stores complete
+  kTraceZeroed,           // the unfilled rows zeroed (CTA's slice)
+  kTraceDispatchEnd,      // the last CTA to finish
+  kTracePoints
+};
+
+inline constexpr const char* kTracePointNames[kTracePoints] = {
+    "preprocess_start", "planned",     "counts_sent",      "counts_arrived", "layout_done",
+    "staged",           "dispatch_start", "sends_posted",  "chunk_released", "flag_arrived",
+    "fan_out_posted",   "stores_done", "zeroed",           "dispatch_end"};
+
+// first[p] = min and last[p] = max over the stamps of point p; reset before each traced call to
+// ~0 and 0 (a point no CTA reached keeps first = ~0).
+struct PhaseTrace {
+  unsigned long long first[kTracePoints];
+  unsigned long long last[kTracePoints];
+};
+
+}  // namespace flexep::hybridep
