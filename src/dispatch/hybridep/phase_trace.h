@@ -30,10 +30,13 @@ enum TracePoint : int {
   kTracePoints
 };
 
-inline constexpr const char* kTracePointNames[kTracePoints] = {
-    "preprocess_start", "planned",     "counts_sent",      "counts_arrived", "layout_done",
-    "staged",           "dispatch_start", "sends_posted",  "chunk_released", "flag_arrived",
-    "fan_out_posted",   "stores_done", "zeroed",           "dispatch_end"};
+// The steps' names, in the order of TracePoint (kernel_times().dispatch_phases, bench `step.*`).
+inline constexpr const char* kTracePointNames[] = {
+    "preprocess_start", "planned",        "counts_sent",  "counts_arrived", "layout_done",
+    "staged",           "dispatch_start", "sends_posted", "chunk_released", "flag_arrived",
+    "fan_out_posted",   "stores_done",    "zeroed",       "dispatch_end",
+};
+static_assert(sizeof(kTracePointNames) / sizeof(kTracePointNames[0]) == kTracePoints, "a name per trace point");
 
 // first[p] = min and last[p] = max over the stamps of point p; reset before each traced call to
 // ~0 and 0 (a point no CTA reached keeps first = ~0).
