@@ -9,9 +9,9 @@
 // blocking mode (one host sync per call), a budget-mode dispatch (budget = the exact rows, no host
 // sync), and "kernel" records timed with CUDA events around its own kernels (dispatch kernel, with
 // the preprocess kernel and the step stamps of phase_trace.h in parts_us; combine kernel; a second
-// dispatcher, so that the calls run without events and with dependent launch), a "graph" record (a budget-mode dispatch +
-// combine captured once in a CUDA graph, timed per replay), every record with `sms` set and its note
-// starting with the kernel variant (--hybridep-kernels).
+// dispatcher, so that the calls run without events and with dependent launch), a "graph" record
+// (a budget-mode dispatch + combine captured once in a CUDA graph, timed per replay), every record
+// with `sms` set and its note starting with the kernel variant (--hybridep-kernels).
 #include <cstdio>
 #include <mutex>
 #include <tuple>

@@ -80,7 +80,8 @@ struct HybridEpOptions {
   // than 32 KB, or H > 8192 for combine) use 1.
   int kernels = 2;
   // Tokens per work item of the v2 kernels: 0 = chosen per call (the largest power of two in
-  // [4, 32] that gives every pipeline 8+ items; docs/hybridep.md), or 1, 2, 4, 8, 16, 32 (sweeps).
+  // [4, 32] that gives every pipeline 8+ items, down to 2 while a pipeline would get none;
+  // docs/hybridep.md), or 1, 2, 4, 8, 16, 32 (sweeps).
   int part_tokens = 0;
 
   // SM counts from Automodel-style configuration: dispatch_sms(), combine_sms(), preprocess_sms().
@@ -120,7 +121,7 @@ struct HybridEpPhase {
 // Time of the last call's kernels (events around them; kernel_timing must be on). Microseconds;
 // 0 for a kernel that has not run.
 struct HybridEpKernelTimes {
-  double plan = 0;  // the single-GPU plan (multihot slots, sort, layout) before the preprocess kernel
+  double plan = 0;  // the single-GPU plan (multihot slots, chunk plan kernel) before the preprocess kernel
   double preprocess = 0, dispatch = 0, combine = 0;
   std::vector<HybridEpPhase> dispatch_phases;  // in the order of the steps; those reached only
 };
