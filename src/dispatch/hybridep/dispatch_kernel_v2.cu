@@ -154,6 +154,10 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
       }
     }
   }
+  if (c.trace) {
+    __syncwarp();
+    if (lane == 0) trace_stamp(c.trace, kTraceProbsWritten);
+  }
   const auto* hidden = static_cast<const unsigned char*>(c.hidden);
   const auto* scales = static_cast<const unsigned char*>(c.scales);
   for (unsigned m = __ballot_sync(kFullMask, any); m != 0; m &= m - 1) {
@@ -164,11 +168,14 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
                    scales ? scales + tt * c.scale_bytes : nullptr);
     ++j;
   }
+  if (lane == 0) trace_stamp(c.trace, kTraceLoadsPosted);
   // The records, while the consumer stores the rows; fenced here (system scope) so that the part's
   // release by the consumer publishes them too.
   copy_records(v, p, env.epoch, lane);
+  if (lane == 0) trace_stamp(c.trace, kTraceRecordsCopied);
   fence_sys();
   __syncwarp();
+  if (lane == 0) trace_stamp(c.trace, kTraceRecordsFenced);
   return j;
 }
 
@@ -219,6 +226,7 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
                         int lane) {
   const int R = v.ranks, me = v.rank;
   unsigned j = 0;
+  if (lane == 0) trace_stamp(c.trace, kTraceProducerStart);
   auto not_mine = [me](int s) { return s == me; };
   auto received_tokens = [&v](int s) { return tokens_of(v.control, s, v.max_tokens); };
 
@@ -349,11 +357,17 @@ __device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, in
 
 __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
   StoreLag lag;
+  bool stamped_stores = false;  // kTraceFirstStores once per consumer
   auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env, c.trace); };
   for (unsigned j = 0;; ++j) {
     const Job job = ring.wait_lane0(j, lane);
+    if (j == 0 && lane == 0) trace_stamp(c.trace, kTraceFirstJob);
     if (job.kind == kExit) break;
-    if (job.kind == kSendRow) store_send_row(v, c, ring.stage(j), job.a, env, lane);
+    if (job.kind == kSendRow) {
+      store_send_row(v, c, ring.stage(j), job.a, env, lane);
+      if (!stamped_stores && lane == 0) trace_stamp(c.trace, kTraceFirstStores);
+      stamped_stores = true;
+    }
     if (job.kind == kFanOut) store_fan_out(v, c, ring.stage(j), job, env, lane);
     if (lane == 0) lag.after_job(ring, j, job.kind == kPartEnd, job.kind == kFlush, job.a, job.b, publish);
     __syncwarp();

@@ -98,7 +98,7 @@ constexpr int kRegisterSlots = 8;
 // A token's record for each destination (entries sorted by row) and its slots' entries. The rows of
 // one token on one rank belong to distinct experts, hence distinct groups: an entry's place is the
 // number of the token's entries for the same rank with a lower row.
-__device__ void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t) {
+__device__ void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t, bool stamp) {
   const int k = rows.c.slots;
   int row[kRegisterSlots], dest[kRegisterSlots];
   float prob[kRegisterSlots];
@@ -118,6 +118,7 @@ __device__ void stage_token_in_registers(const DispatchView& v, const TokenRows&
       }
     }
   }
+  if (stamp) trace_stamp(rows.c.trace, kTraceStagingLoaded);  // rows known (prob loads may be in flight)
   for (int d = 0; d < v.ranks; ++d) {
     unsigned n = 0;
 #pragma unroll
@@ -141,6 +142,7 @@ __device__ void stage_token_in_registers(const DispatchView& v, const TokenRows&
     }
     v.slot_entry[t * k + j] = entry;
   }
+  if (stamp) trace_stamp(rows.c.trace, kTraceStagingStored);
 }
 
 // Any number of slots: sorted inserts into the staged records, then a search for each slot's entry.
@@ -386,6 +388,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (c.host_control) publish_to_host(v, c);
+    if (stamp) trace_stamp(c.trace, kTracePublished);
   }
 
   // 5. Staging records and slot entries, one thread per token of this rank.
@@ -394,7 +397,7 @@ __global__ void __launch_bounds__(kThreads)
   const long long first = static_cast<long long>(staging_block(blockIdx.x, gridDim.x)) * blockDim.x;
   for (long long t = first + tid; t < c.tokens; t += stride) {
     if (c.slots <= kRegisterSlots)
-      stage_token_in_registers(v, rows, t);
+      stage_token_in_registers(v, rows, t, t == first && c.trace != nullptr);
     else
       stage_token_in_memory(v, rows, t);
   }
