@@ -170,17 +170,28 @@ __device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& ro
   }
 }
 
-// The block of kThreads tokens that CTA `cta` of `ctas` stages first (then every ctas-th). Block 0
-// goes to CTA 1 when there are several: CTA 0 first publishes the layout (in blocking mode to the
-// host too, over PCIe), and a small call (decode: all its tokens are in block 0) is then staged
-// beside that rather than after it.
-__device__ int staging_block(int cta, int ctas) { return (cta + ctas - 1) % ctas; }
+// The tokens this CTA stages: thread i's is token(i), then every `stride` tokens after it.
+//   one chunk (the inline plan, T <= blockDim): token t on CTA t % G, so that every CTA stages a few
+//     (one CTA staging all of decode's 128 tokens was the preprocess kernel's slowest step in the
+//     step trace, 6-7 us after its layout);
+//   larger calls: blocks of blockDim tokens, block 0 on CTA 1 when there are several (CTA 0 first
+//     publishes the layout, in blocking mode over PCIe).
+struct StagingShare {
+  long long first, step, stride;
+  __device__ long long token(int i) const { return first + i * step; }
+};
+
+__device__ StagingShare staging_share(bool one_chunk) {
+  const long long G = gridDim.x, B = blockDim.x;
+  if (one_chunk) return StagingShare{blockIdx.x, G, G * B};
+  return StagingShare{(blockIdx.x + G - 1) % G * B, 1, G * B};
+}
 
 // Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
 // chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
 // bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA);
-// the one CTA that stages this rank's tokens (T <= blockDim: block 0) writes the slot ranks. The
-// lowest bad slot (t * k + j) of the chunk is the same in every CTA; ~0 if none.
+// each CTA writes the slot ranks of the tokens it stages (staging_share). The lowest bad slot
+// (t * k + j) of the chunk is the same in every CTA; ~0 if none.
 __device__ unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits, long long* counts) {
   __shared__ unsigned long long s_bad;
   const int tid = threadIdx.x;
@@ -194,8 +205,8 @@ __device__ unsigned long long plan_inline(const DispatchCall& c, int experts, st
   if (tid < c.tokens) set_token_bits(bits, ids, tid, tid, lowest);
   __syncthreads();
   for (int e = tid; e < experts; e += blockDim.x) counts[e] = plan_word_prefix(bits, e, kPlanChunkWords);
-  if (staging_block(blockIdx.x, gridDim.x) == 0 && tid < c.tokens)
-    write_slot_ranks(bits, ids, tid, tid, c.plan_slot_rows);
+  const long long mine = staging_share(true).token(tid);
+  if (mine < c.tokens) write_slot_ranks(bits, ids, mine, static_cast<int>(mine), c.plan_slot_rows);
   __syncthreads();  // the counts are complete, and the bits free for the layout arrays
   return s_bad;
 }
@@ -393,11 +404,10 @@ __global__ void __launch_bounds__(kThreads)
 
   // 5. Staging records and slot entries, one thread per token of this rank.
   const TokenRows rows{c, s_src, s_begin, s_kept, v.experts, v.local_experts, abort};
-  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  const long long first = static_cast<long long>(staging_block(blockIdx.x, gridDim.x)) * blockDim.x;
-  for (long long t = first + tid; t < c.tokens; t += stride) {
+  const StagingShare share = staging_share(c.inline_plan != 0);
+  for (long long t = share.token(tid); t < c.tokens; t += share.stride) {
     if (c.slots <= kRegisterSlots)
-      stage_token_in_registers(v, rows, t, t == first && c.trace != nullptr);
+      stage_token_in_registers(v, rows, t, t == share.token(0) && c.trace != nullptr);
     else
       stage_token_in_memory(v, rows, t);
   }
