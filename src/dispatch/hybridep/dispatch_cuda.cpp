@@ -200,6 +200,7 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   DispatchView view = st.view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
   const bool fused = v2 && c.inline_plan && dispatch_small_supported(c.row_bytes, c.scale_bytes, E, c.slots);
+  one_kernel_ = fused;
   record(ev_preprocess, s);
   if (!fused) launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);

@@ -145,10 +145,10 @@ __device__ void post_row_job(const Ring& ring, unsigned j, const Job& job, const
     tma::load_async(ring.stage(j) + c.row_bytes, scales, static_cast<std::uint32_t>(c.scale_bytes), ring.full_bar(j));
 }
 
-__device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
-                                      const Part& p, const Env& env, int lane) {
+// Lane l's token t0 + l (read from its staged records): does it go anywhere; the probs of its rows
+// here are written on the way.
+__device__ bool write_staged_probs(const DispatchView& v, const Part& p, const Env& env, int lane) {
   const int R = v.ranks, me = v.rank;
-  // Lane l looks at token t0 + l: does it go anywhere, and the probs of its rows here.
   const long long t = p.t0 + lane;
   bool any = false;
   if (t < p.t1) {
@@ -166,6 +166,12 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
       }
     }
   }
+  return any;
+}
+
+// `any`: lane l's token t0 + l goes somewhere (its probs here are written).
+__device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
+                                      const Part& p, const Env& env, bool any, int lane) {
   if (c.trace) {
     __syncwarp();
     if (lane == 0) trace_stamp(c.trace, kTraceProbsWritten);
@@ -248,15 +254,30 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   ItemQueue sends{&v.work[kWorkFirst], send_parts, pipe, env.pipelines};
   for (long long i = sends.next(lane); i < send_parts; i = sends.next(lane)) {
     const Part p = part_in_rank(i, send, c.tokens, me);
+    bool any = false;
     if (env.stage != nullptr) {
       // The fused kernel: the part's tokens are staged here, a lane each (records and slot entries;
-      // an aborted call's get none and -1, as in the preprocess kernel). The warp's other lanes read
-      // them after the __syncwarp, the consumer after the job post.
+      // an aborted call's get none and -1, as in the preprocess kernel), and the probs of the rows
+      // here written from the same registers. The warp's other lanes read the records after the
+      // __syncwarp, the consumer after the job post.
       const long long t = p.t0 + lane;
-      if (t < p.t1) preprocess_steps::stage_token_in_registers(v, *env.stage, t, false);
+      const long long out_rows = env.out_rows;
+      if (t < p.t1)
+        preprocess_steps::stage_token_in_registers(v, *env.stage, t, c.trace != nullptr && lane == 0,
+                                                   [&](int d, int row, float prob) {
+                                                     any = true;
+                                                     if (d != me) return;
+                                                     if (row < out_rows)
+                                                       *prob_at(v, me, row) = prob;
+                                                     else
+                                                       report_status(v.status, StatusCode::corrupt,
+                                                                     Phase::dispatch_tokens, me, t, out_rows);
+                                                   });
       __syncwarp();
+    } else if (env.move) {
+      any = write_staged_probs(v, p, env, lane);
     }
-    if (env.move) j = produce_send_part(v, c, ring, j, p, env, lane);
+    if (env.move) j = produce_send_part(v, c, ring, j, p, env, any, lane);
     ring.acquire(j, lane);
     if (lane == 0) ring.post(j, Job{kPartEnd, p.chunk, send.per_chunk, 0, 0, 0, 0, 0});
     ++j;

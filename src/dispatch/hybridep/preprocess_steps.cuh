@@ -55,8 +55,15 @@ constexpr int kRegisterSlots = 8;
 // A token's record for each destination (entries sorted by row) and its slots' entries. The rows of
 // one token on one rank belong to distinct experts, hence distinct groups: an entry's place is the
 // number of the token's entries for the same rank with a lower row.
+// `on_entry(dest, row, prob)` sees each entry stored (the fused kernel's producer writes its local
+// probs from these registers instead of reading the records back).
+struct NoEntryHook {
+  __device__ void operator()(int, int, float) const {}
+};
+
+template <class OnEntry = NoEntryHook>
 __device__ inline void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t,
-                                                bool stamp) {
+                                                bool stamp, OnEntry on_entry = {}) {
   const int k = rows.c.slots;
   int row[kRegisterSlots], dest[kRegisterSlots];
   float prob[kRegisterSlots];
@@ -94,6 +101,7 @@ __device__ inline void stage_token_in_registers(const DispatchView& v, const Tok
       if (place < v.width) {
         record_entries(staging_at(v, dest[j], t))[place] = RecordEntry{row[j], prob[j]};
         entry = dest[j] * v.width + place;
+        on_entry(dest[j], row[j], prob[j]);
       } else {
         report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, dest[j], v.width);
       }
@@ -147,13 +155,11 @@ __device__ inline StagingShare staging_share(bool one_chunk) {
 
 // Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
 // chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
-// bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA);
-// each CTA writes the slot ranks of the tokens it stages (staging_share), or of every token
-// (`every_token`: the fused small-call kernel, whose producers stage whichever part they get; the
-// CTAs write identical values). The lowest bad slot (t * k + j) of the chunk is the same in every
-// CTA; ~0 if none.
+// bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA;
+// the slot ranks follow once the counts are sent, write_inline_slot_ranks). The lowest bad slot
+// (t * k + j) of the chunk is the same in every CTA; ~0 if none.
 __device__ inline unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits,
-                                                 long long* counts, bool every_token) {
+                                                 long long* counts) {
   __shared__ unsigned long long s_bad;
   const int tid = threadIdx.x;
   if (tid == 0) s_bad = ~0ull;
@@ -166,15 +172,24 @@ __device__ inline unsigned long long plan_inline(const DispatchCall& c, int expe
   for (long long t = tid; t < c.tokens; t += blockDim.x) set_token_bits(bits, ids, t, static_cast<int>(t), lowest);
   __syncthreads();
   for (int e = tid; e < experts; e += blockDim.x) counts[e] = plan_word_prefix(bits, e, kPlanChunkWords);
+  __syncthreads();  // the counts are complete
+  return s_bad;
+}
+
+// The slot ranks of the tokens this CTA stages (staging_share), or of every token (`every_token`:
+// the fused small-call kernel, whose producers stage whichever part they get; the CTAs write
+// identical values). Run while the counts travel: nothing before the layout needs them, and a
+// system fence before the count release would wait for these stores too.
+__device__ inline void write_inline_slot_ranks(const DispatchCall& c, const std::uint32_t* bits, int experts,
+                                               bool every_token) {
+  const PlanIds ids{c.indices, c.indices_i64, c.slots, experts};
   if (every_token) {
-    for (long long t = tid; t < c.tokens; t += blockDim.x)
+    for (long long t = threadIdx.x; t < c.tokens; t += blockDim.x)
       write_slot_ranks(bits, ids, t, static_cast<int>(t), c.plan_slot_rows);
   } else {
-    const long long mine = staging_share(true).token(tid);
+    const long long mine = staging_share(true).token(threadIdx.x);
     if (mine < c.tokens) write_slot_ranks(bits, ids, mine, static_cast<int>(mine), c.plan_slot_rows);
   }
-  __syncthreads();  // the counts are complete, and the bits free for the layout arrays
-  return s_bad;
 }
 
 // The header's device_* words: the call's first device error on this rank, identical in every CTA.
@@ -238,7 +253,7 @@ struct CtaLayout {
 
 // Steps 0-4 in every CTA of the calling grid, then CTA 0 publishes this rank's receiver layout and
 // the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `smem`:
-// preprocess_smem_bytes(E) of dynamic shared memory; `every_token`: see plan_inline.
+// preprocess_smem_bytes(E) of dynamic shared memory; `every_token`: see write_inline_slot_ranks.
 __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, long long* smem,
                                          bool every_token) {
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
@@ -262,7 +277,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   //    after the barriers of step 1), its bits where the layout arrays will.
   long long* s_counts = s_pairs;
   const unsigned long long bad =
-      c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts, every_token) : ~0ull;
+      c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts) : ~0ull;
   const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
   if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
 
@@ -293,6 +308,8 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
   if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
   if (stamp) trace_stamp(c.trace, kTraceCountsSent);
+  // The plan's bits stay in place until step 3 (after step 2's barriers).
+  if (c.inline_plan) write_inline_slot_ranks(c, reinterpret_cast<const std::uint32_t*>(smem), E, every_token);
 
   // 2. Every rank's slot has arrived here.
   bool ok = true;
