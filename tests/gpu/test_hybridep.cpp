@@ -619,9 +619,11 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
     }
     // Each producer's steps in every send part, and each consumer's first job before its first stores.
     for (const char* s : {"producer_start", "first_job"}) EXPECT_LE(at["dispatch_start"].first, at[s].first) << s;
-    if (fused && tokens) {  // a producer stages its part, then writes its probs
-      in_order("producer_start", "staging_loaded");
-      in_order("staging_stored", "probs_written");
+    if (fused && tokens) {
+      // A producer stages its part, then writes its probs. Only the first and the last stamps are
+      // ordered: a part can be empty (probs stamped, nothing staged), and a producer may get none.
+      EXPECT_LE(at["producer_start"].first, at["staging_loaded"].first);
+      EXPECT_LE(at["staging_stored"].last, at["probs_written"].last);
     }
     in_order("producer_start", "probs_written");
     in_order("probs_written", "loads_posted");
