@@ -566,14 +566,23 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
   expect_equal(want, got, c.name);
 
   const bool v2 = GetParam() == 2;  // the v1 dispatch kernel has no stamps
-  std::vector<std::string> steps = {"preprocess_start", "planned", "counts_sent", "counts_arrived", "layout_done",
-                                    "staged"};
-  if (v2)
-    for (const char* s : {"dispatch_start", "sends_posted", "chunk_released", "flag_arrived", "fan_out_posted",
-                          "stores_done", "zeroed", "dispatch_end"})
-      steps.emplace_back(s);
+  // Every rank's T fits one plan chunk and k = 8: v2 runs the fused kernel (the preprocess steps in
+  // the dispatch CTAs; each producer stages its parts' tokens, stamping the first lane's token).
+  const bool fused = v2;
   for (int r = 0; r < R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
+    const bool tokens = c.tokens[static_cast<std::size_t>(r)] > 0;  // else no token is staged or sent
+    std::vector<std::string> steps = {"preprocess_start", "planned", "counts_sent", "counts_arrived", "layout_done",
+                                      "published"};
+    if (tokens) steps.insert(steps.end(), {"staging_loaded", "staging_stored"});
+    if (!fused) steps.emplace_back("staged");
+    if (v2) {
+      steps.insert(steps.end(), {"dispatch_start", "producer_start", "probs_written", "loads_posted", "records_copied",
+                                 "records_fenced", "first_job"});
+      if (tokens) steps.emplace_back("first_stores");
+      steps.insert(steps.end(), {"sends_posted", "chunk_released", "flag_arrived", "fan_out_posted", "stores_done",
+                                 "zeroed", "dispatch_end"});
+    }
     const HybridEpKernelTimes& t = times[static_cast<std::size_t>(r)];
     std::map<std::string, HybridEpPhase> at;
     for (const HybridEpPhase& p : t.dispatch_phases) at[p.name] = p;
@@ -591,11 +600,37 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
       EXPECT_LE(at[a].first, at[b].first) << a << " before " << b;
       EXPECT_LE(at[a].last, at[b].last) << a << " before " << b;
     };
-    for (std::size_t i = 1; i < 6; ++i) in_order(steps[i - 1], steps[i]);  // each preprocess CTA's steps
+    for (std::size_t i = 1; i < 5; ++i) in_order(steps[i - 1], steps[i]);  // each preprocess CTA's steps
+    EXPECT_LE(at["layout_done"].first, at["published"].first);  // CTA 0 alone publishes
+    if (tokens) {  // the first token of a staging CTA or producer, after that CTA's layout
+      EXPECT_LE(at["layout_done"].first, at["staging_loaded"].first);
+      in_order("staging_loaded", "staging_stored");
+      if (!fused) {
+        EXPECT_LE(at["staging_stored"].last, at["staged"].last);
+      }
+    }
     if (!v2) continue;
-    // The dispatch kernel starts after the whole preprocess grid (stream order: no dependent launch
-    // with kernel_timing).
-    EXPECT_LE(at["staged"].last, at["dispatch_start"].first);
+    if (fused) {
+      in_order("layout_done", "dispatch_start");  // each CTA's roles start after its own layout
+    } else {
+      // The dispatch kernel starts after the whole preprocess grid (stream order: no dependent
+      // launch with kernel_timing).
+      EXPECT_LE(at["staged"].last, at["dispatch_start"].first);
+    }
+    // Each producer's steps in every send part, and each consumer's first job before its first stores.
+    for (const char* s : {"producer_start", "first_job"}) EXPECT_LE(at["dispatch_start"].first, at[s].first) << s;
+    if (fused && tokens) {
+      // A producer stages its part, then writes its probs. Only the first and the last stamps are
+      // ordered: a part can be empty (probs stamped, nothing staged), and a producer may get none.
+      EXPECT_LE(at["producer_start"].first, at["staging_loaded"].first);
+      EXPECT_LE(at["staging_stored"].last, at["probs_written"].last);
+    }
+    in_order("producer_start", "probs_written");
+    in_order("probs_written", "loads_posted");
+    in_order("loads_posted", "records_copied");
+    in_order("records_copied", "records_fenced");
+    EXPECT_LE(at["records_fenced"].last, at["sends_posted"].last);
+    if (tokens) in_order("first_job", "first_stores");
     in_order("dispatch_start", "sends_posted");
     in_order("sends_posted", "fan_out_posted");
     for (const char* s : {"chunk_released", "flag_arrived", "stores_done", "zeroed"}) {

@@ -123,6 +123,9 @@ struct HybridEpPhase {
 struct HybridEpKernelTimes {
   double plan = 0;  // the single-GPU plan (multihot slots, chunk plan kernel) before the preprocess kernel
   double preprocess = 0, dispatch = 0, combine = 0;
+  // The dispatch ran as one kernel (a call that fits one plan chunk, kernels v2): its preprocess
+  // steps are inside `dispatch`, and `preprocess` is ~0.
+  bool one_kernel = false;
   std::vector<HybridEpPhase> dispatch_phases;  // in the order of the steps; those reached only
 };
 

@@ -195,12 +195,19 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    complete before it reads anything, so the results cannot change. Not in a graph capture:
   //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
   //    dependencies they had before.
+  //    A call whose tokens fit one plan chunk (decode) takes ONE kernel instead: the preprocess
+  //    steps in every CTA of the dispatch grid, then its roles (dispatch_small_kernel).
   DispatchView view = st.view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
+  const bool fused = v2 && c.inline_plan && dispatch_small_supported(c.row_bytes, c.scale_bytes, E, c.slots);
+  one_kernel_ = fused;
   record(ev_preprocess, s);
-  launch_preprocess(view, c, sms.preprocess, s, after_plan);
+  if (!fused) launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);
-  (v2 ? launch_dispatch_v2 : launch_dispatch)(view, c, sms.dispatch, s, overlap);
+  if (fused)
+    launch_dispatch_small(view, c, sms.dispatch, s);
+  else
+    (v2 ? launch_dispatch_v2 : launch_dispatch)(view, c, sms.dispatch, s, overlap);
   record(ev_dispatch_end, s);
 
   if (local) {

@@ -34,6 +34,11 @@
 // remote chunk flags (with a deadline); a consumer waits only for its producer's jobs, and every
 // producer ends with an exit job. Sends never wait for anything remote, so every chunk flag of
 // every rank is released (the reuse argument of docs/hybridep.md holds unchanged).
+//
+// dispatch_small_kernel: a call whose tokens fit one plan chunk (decode) in one kernel. Every CTA
+// first runs the preprocess steps (preprocess_steps.cuh) itself; the roles then read the layout
+// from the CTA's shared memory (Env), and each producer stages the tokens of the parts it takes
+// before sending them. Same protocol with the peers, so ranks on either path work together.
 #include <cuda_runtime.h>
 
 #include "dispatch/hybridep/access.cuh"
@@ -41,6 +46,7 @@
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/phase_trace.cuh"
+#include "dispatch/hybridep/preprocess_steps.cuh"
 #include "dispatch/hybridep/ring.cuh"
 #include "dispatch/hybridep/store_lag.cuh"
 #include "dispatch/hybridep/tma.cuh"
@@ -66,11 +72,17 @@ enum Kind : int { kSendRow = 0, kFanOut = 1, kPartEnd = 2, kFlush = 3, kExit = 4
 // kSendRow: a = token.  kFanOut: a = source, b = token, c = n (rows), d = first row.
 // kPartEnd: a = chunk, b = parts per chunk.  kFlush, kExit: none.
 
+// What the roles read of the call's layout: from the preprocess kernel's results in device memory
+// (dispatch_kernel_v2), or from the CTA's own shared memory (dispatch_small_kernel).
 struct Env {
   unsigned epoch;
-  bool move;           // the preprocess kernel's decision (false: aborted call, flags only)
+  bool move;           // the preprocess steps' decision (false: aborted call, flags only)
   long long out_rows;  // rows of this rank's output
   int pipelines;       // rings in the grid
+  long long used_rows;                         // rows covered by this rank's groups
+  const long long *begin, *kept, *tpe;         // [L] this rank's groups
+  const long long* tokens;                     // [R] T of every rank (clamped)
+  const preprocess_steps::TokenRows* stage;    // non-null: producers stage their parts' tokens
 };
 
 // ---- records -----------------------------------------------------------------------------------------
@@ -133,10 +145,10 @@ __device__ void post_row_job(const Ring& ring, unsigned j, const Job& job, const
     tma::load_async(ring.stage(j) + c.row_bytes, scales, static_cast<std::uint32_t>(c.scale_bytes), ring.full_bar(j));
 }
 
-__device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
-                                      const Part& p, const Env& env, int lane) {
+// Lane l's token t0 + l (read from its staged records): does it go anywhere; the probs of its rows
+// here are written on the way.
+__device__ bool write_staged_probs(const DispatchView& v, const Part& p, const Env& env, int lane) {
   const int R = v.ranks, me = v.rank;
-  // Lane l looks at token t0 + l: does it go anywhere, and the probs of its rows here.
   const long long t = p.t0 + lane;
   bool any = false;
   if (t < p.t1) {
@@ -154,6 +166,16 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
       }
     }
   }
+  return any;
+}
+
+// `any`: lane l's token t0 + l goes somewhere (its probs here are written).
+__device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
+                                      const Part& p, const Env& env, bool any, int lane) {
+  if (c.trace) {
+    __syncwarp();
+    if (lane == 0) trace_stamp(c.trace, kTraceProbsWritten);
+  }
   const auto* hidden = static_cast<const unsigned char*>(c.hidden);
   const auto* scales = static_cast<const unsigned char*>(c.scales);
   for (unsigned m = __ballot_sync(kFullMask, any); m != 0; m &= m - 1) {
@@ -164,11 +186,14 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
                    scales ? scales + tt * c.scale_bytes : nullptr);
     ++j;
   }
+  if (lane == 0) trace_stamp(c.trace, kTraceLoadsPosted);
   // The records, while the consumer stores the rows; fenced here (system scope) so that the part's
   // release by the consumer publishes them too.
   copy_records(v, p, env.epoch, lane);
+  if (lane == 0) trace_stamp(c.trace, kTraceRecordsCopied);
   fence_sys();
   __syncwarp();
+  if (lane == 0) trace_stamp(c.trace, kTraceRecordsFenced);
   return j;
 }
 
@@ -219,8 +244,9 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
                         int lane) {
   const int R = v.ranks, me = v.rank;
   unsigned j = 0;
+  if (lane == 0) trace_stamp(c.trace, kTraceProducerStart);
   auto not_mine = [me](int s) { return s == me; };
-  auto received_tokens = [&v](int s) { return tokens_of(v.control, s, v.max_tokens); };
+  auto received_tokens = [&env](int s) { return env.tokens[s]; };
 
   // 1. This rank's tokens: never waits for anything remote.
   const PartSplit send = part_split(num_chunks(c.tokens), env.pipelines, v.part_tokens);
@@ -228,7 +254,30 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   ItemQueue sends{&v.work[kWorkFirst], send_parts, pipe, env.pipelines};
   for (long long i = sends.next(lane); i < send_parts; i = sends.next(lane)) {
     const Part p = part_in_rank(i, send, c.tokens, me);
-    if (env.move) j = produce_send_part(v, c, ring, j, p, env, lane);
+    bool any = false;
+    if (env.stage != nullptr) {
+      // The fused kernel: the part's tokens are staged here, a lane each (records and slot entries;
+      // an aborted call's get none and -1, as in the preprocess kernel), and the probs of the rows
+      // here written from the same registers. The warp's other lanes read the records after the
+      // __syncwarp, the consumer after the job post.
+      const long long t = p.t0 + lane;
+      const long long out_rows = env.out_rows;
+      if (t < p.t1)
+        preprocess_steps::stage_token_in_registers(v, *env.stage, t, c.trace != nullptr && lane == 0,
+                                                   [&](int d, int row, float prob) {
+                                                     any = true;
+                                                     if (d != me) return;
+                                                     if (row < out_rows)
+                                                       *prob_at(v, me, row) = prob;
+                                                     else
+                                                       report_status(v.status, StatusCode::corrupt,
+                                                                     Phase::dispatch_tokens, me, t, out_rows);
+                                                   });
+      __syncwarp();
+    } else if (env.move) {
+      any = write_staged_probs(v, p, env, lane);
+    }
+    if (env.move) j = produce_send_part(v, c, ring, j, p, env, any, lane);
     ring.acquire(j, lane);
     if (lane == 0) ring.post(j, Job{kPartEnd, p.chunk, send.per_chunk, 0, 0, 0, 0, 0});
     ++j;
@@ -349,11 +398,17 @@ __device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, in
 
 __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
   StoreLag lag;
+  bool stamped_stores = false;  // kTraceFirstStores once per consumer
   auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env, c.trace); };
   for (unsigned j = 0;; ++j) {
     const Job job = ring.wait_lane0(j, lane);
+    if (j == 0 && lane == 0) trace_stamp(c.trace, kTraceFirstJob);
     if (job.kind == kExit) break;
-    if (job.kind == kSendRow) store_send_row(v, c, ring.stage(j), job.a, env, lane);
+    if (job.kind == kSendRow) {
+      store_send_row(v, c, ring.stage(j), job.a, env, lane);
+      if (!stamped_stores && lane == 0) trace_stamp(c.trace, kTraceFirstStores);
+      stamped_stores = true;
+    }
     if (job.kind == kFanOut) store_fan_out(v, c, ring.stage(j), job, env, lane);
     if (lane == 0) lag.after_job(ring, j, job.kind == kPartEnd, job.kind == kFlush, job.a, job.b, publish);
     __syncwarp();
@@ -394,11 +449,12 @@ __device__ void zero_rows(const DispatchView& v, const DispatchCall& c, long lon
 }
 
 // The rows no (token, expert) pair fills (rows.cuh's zero_unfilled_rows, same ranges and clamps).
-__device__ void zero_unfilled(const DispatchView& v, const DispatchCall& c, unsigned char* zeros, int lane) {
+__device__ void zero_unfilled(const DispatchView& v, const DispatchCall& c, const Env& env, unsigned char* zeros,
+                              int lane) {
   for (int i = lane; i < kZeroBytes / 16; i += 32) reinterpret_cast<uint4*>(zeros)[i] = make_uint4(0u, 0u, 0u, 0u);
   tma::fence_proxy_shared();  // the ordinary stores above before the bulk stores that read them
   __syncwarp();
-  const long long out_rows = v.control->out_rows;
+  const long long out_rows = env.out_rows;
   auto clamp_row = [out_rows](long long r) { return clamp_ll(r, 0, out_rows); };
   // 32 experts' ranges loaded at once, a lane each (one after another, the loads took 13 us of a
   // decode call for 32 experts: the step trace), then zeroed one range after another by the warp.
@@ -406,14 +462,14 @@ __device__ void zero_unfilled(const DispatchView& v, const DispatchCall& c, unsi
     const int le = le0 + lane;
     long long a = 0, b = 0;
     if (le < v.local_experts) {
-      a = clamp_row(v.begin[le] + v.kept[le]);
-      b = clamp_row(v.begin[le] + v.tpe[le]);
+      a = clamp_row(env.begin[le] + env.kept[le]);
+      b = clamp_row(env.begin[le] + env.tpe[le]);
     }
     const int n = v.local_experts - le0 < 32 ? v.local_experts - le0 : 32;
     for (int i = 0; i < n; ++i)
       zero_rows(v, c, __shfl_sync(kFullMask, a, i), __shfl_sync(kFullMask, b, i), zeros, lane);
   }
-  zero_rows(v, c, clamp_row(v.control->used_rows), out_rows, zeros, lane);
+  zero_rows(v, c, clamp_row(env.used_rows), out_rows, zeros, lane);
   if (lane == 0) {
     tma::commit();
     tma::wait_groups<0>();
@@ -422,6 +478,37 @@ __device__ void zero_unfilled(const DispatchView& v, const DispatchCall& c, unsi
   __syncwarp();
 }
 
+// The roles of the CTA's warps: per pipeline a producer and a consumer, and the zero warp.
+__device__ void run_roles(const DispatchView& v, const DispatchCall& c, const RingLayout& layout, unsigned char* smem,
+                          const Env& env) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 2 * kPipes) {
+    const Ring ring = Ring::make(smem, layout, warp / 2);
+    if (warp % 2 == 0)
+      produce(v, c, ring, env, static_cast<int>(blockIdx.x) * kPipes + warp / 2, lane);
+    else
+      consume(v, c, ring, env, lane);
+  } else if (warp == kZeroWarp && env.move) {
+    zero_unfilled(v, c, env, smem + layout.off_extra(), lane);
+  }
+}
+
+// The grid's last CTA: every CTA has taken its last item; the operation ends.
+__device__ void finish_dispatch(const DispatchView& v, const DispatchCall& c, unsigned epoch) {
+  if (last_cta_to_finish(&v.control->op) && threadIdx.x == 0) {
+    v.work[kWorkFirst] = 0;
+    v.work[kWorkSecond] = 0;
+    finish_op(&v.control->op, epoch);
+    trace_stamp(c.trace, kTraceDispatchEnd);
+  }
+}
+
+__device__ void init_rings(unsigned char* smem, const RingLayout& layout) {
+  for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(1);
+  tma::fence_mbar_init();
+}
+
+// After the preprocess kernel, which left the layout and the staging records in device memory.
 __global__ void __launch_bounds__(kThreadsV2, 1)
     dispatch_kernel_v2(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c,
                        const RingLayout layout) {
@@ -433,29 +520,47 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     trace_stamp(c.trace, kTraceDispatchStart);
     s_broken = timed_out(v.status);               // the count exchange timed out: move nothing, wait for nothing
     s_move = !s_broken && v.control->abort == 0;  // the preprocess kernel's decision, alike on all ranks
-    for (int p = 0; p < kPipes; ++p) Ring::make(smem, layout, p).init(1);
-    tma::fence_mbar_init();
+    init_rings(smem, layout);
   }
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (!s_broken) {
-    const Env env{epoch, s_move != 0, v.control->out_rows, static_cast<int>(gridDim.x) * kPipes};
-    if (warp < 2 * kPipes) {
-      const Ring ring = Ring::make(smem, layout, warp / 2);
-      if (warp % 2 == 0)
-        produce(v, c, ring, env, static_cast<int>(blockIdx.x) * kPipes + warp / 2, lane);
-      else
-        consume(v, c, ring, env, lane);
-    } else if (warp == kZeroWarp && env.move) {
-      zero_unfilled(v, c, smem + layout.off_extra(), lane);
-    }
+    // control's tokens were clamped by the preprocess kernel (tokens_of's clamp).
+    const Env env{epoch,  s_move != 0, v.control->out_rows, static_cast<int>(gridDim.x) * kPipes, v.control->used_rows,
+                  v.begin, v.kept,      v.tpe,               v.control->tokens,                    nullptr};
+    run_roles(v, c, layout, smem, env);
   }
-  if (last_cta_to_finish(&v.control->op) && threadIdx.x == 0) {
-    v.work[kWorkFirst] = 0;  // every CTA has taken its last item
-    v.work[kWorkSecond] = 0;
-    finish_op(&v.control->op, epoch);
-    trace_stamp(c.trace, kTraceDispatchEnd);
+  finish_dispatch(v, c, epoch);
+}
+
+// A small call in one kernel (dispatch_small_supported): every CTA first runs the preprocess steps
+// itself (count exchange, every receiver's layout, the decision; CTA 0 publishes them), then its
+// roles read the layout from its own shared memory and each producer stages the tokens of the parts
+// it takes. No CTA waits for another CTA of this grid, and there is no kernel boundary between
+// the layout and the first send (the step trace: the boundary and one CTA staging every token were
+// ~9 us of a decode call's 47).
+__global__ void __launch_bounds__(kThreadsV2, 1)
+    dispatch_small_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c,
+                          const RingLayout layout) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned epoch = op_epoch(&v.control->op);
+  if (threadIdx.x == 0) init_rings(smem, layout);  // ordered before the roles by lay_out_call's barriers
+  auto* steps_smem = reinterpret_cast<long long*>(smem + layout.off_extra() + kZeroBytes);
+  const preprocess_steps::CtaLayout l = preprocess_steps::lay_out_call(v, c, steps_smem, true);
+  __shared__ int s_broken;
+  if (threadIdx.x == 0) {
+    s_broken = !l.ok || timed_out(v.status);  // a timeout: move nothing, wait for nothing
+    if (!s_broken) trace_stamp(c.trace, kTraceDispatchStart);  // before the barrier: before every role
   }
+  __syncthreads();
+  if (!s_broken) {
+    const int L = v.local_experts, me = v.rank;
+    const preprocess_steps::TokenRows rows{c, l.src, l.begin, l.kept, v.experts, L, l.abort};
+    const Env env{epoch,       !l.abort,         l.out_rows,       static_cast<int>(gridDim.x) * kPipes,
+                  l.used_rows, l.begin + me * L, l.kept + me * L, l.tpe + me * L,
+                  l.tokens,    &rows};
+    run_roles(v, c, layout, smem, env);
+  }
+  finish_dispatch(v, c, epoch);
 }
 
 // The kernel's shared-memory budget on each device.
@@ -467,13 +572,38 @@ RingLayout layout_for(long long row_bytes, long long scale_bytes) {
                    smem_budget.get(dispatch_kernel_v2));
 }
 
+// The fused kernel: its extra region holds the zero block and then the preprocess steps' arrays.
+SmemBudget small_smem_budget;
+
+RingLayout small_layout_for(long long row_bytes, long long scale_bytes, int experts) {
+  if (row_bytes + scale_bytes > kMaxStageBytes) return RingLayout{1, 0, 128, 0};
+  return fit_rings(kPipes, static_cast<std::size_t>(row_bytes + scale_bytes),
+                   kZeroBytes + preprocess_smem_bytes(experts), kMinStages, kMaxStages,
+                   small_smem_budget.get(dispatch_small_kernel));
+}
+
 }  // namespace
 
 bool dispatch_v2_supported(long long row_bytes, long long scale_bytes) {
   return layout_for(row_bytes, scale_bytes).stages >= kMinStages;
 }
 
-void prepare_dispatch_v2() { raise_smem_limit(dispatch_kernel_v2); }
+void prepare_dispatch_v2() {
+  raise_smem_limit(dispatch_kernel_v2);
+  raise_smem_limit(dispatch_small_kernel);
+}
+
+bool dispatch_small_supported(long long row_bytes, long long scale_bytes, int experts, int slots) {
+  return slots <= preprocess_steps::kRegisterSlots &&
+         small_layout_for(row_bytes, scale_bytes, experts).stages >= kMinStages;
+}
+
+void launch_dispatch_small(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
+  const RingLayout layout = small_layout_for(c.row_bytes, c.scale_bytes, v.experts);
+  FLEXEP_CHECK(layout.stages >= kMinStages && c.inline_plan,
+               "hybridep fused dispatch: not for this call (internal error: dispatch_small_supported decides)");
+  launch_kernel(dispatch_small_kernel, grid, kThreadsV2, layout.total_bytes(), stream, false, v, c, layout);
+}
 
 void launch_dispatch_v2(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
                         bool after_preprocess) {

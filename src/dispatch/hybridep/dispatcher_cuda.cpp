@@ -253,6 +253,7 @@ HybridEpKernelTimes Dispatcher::kernel_times() {
   t.preprocess = span(ev_preprocess, ev_dispatch);
   t.dispatch = span(ev_dispatch, ev_dispatch_end);
   t.combine = span(ev_combine, ev_combine_end);
+  t.one_kernel = one_kernel_;
   if (traced_) {
     PhaseTrace trace;
     FLEXEP_CUDA_CHECK(cudaMemcpy(&trace, trace_, sizeof trace, cudaMemcpyDeviceToHost));  // after the events

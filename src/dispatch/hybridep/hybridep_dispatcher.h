@@ -111,6 +111,7 @@ class Dispatcher final : public HybridEpDispatcher {
   Status* status_ = nullptr;      // device
   PhaseTrace* trace_ = nullptr;   // device: the last traced dispatch's stamps (kernel_timing)
   bool traced_ = false;           // trace_ holds the last dispatch's stamps
+  bool one_kernel_ = false;       // the last dispatch ran as the fused small-call kernel
   Readback* readback_ = nullptr;         // pinned host
   Readback* readback_device_ = nullptr;  // the same memory, as the GPU addresses it
   cuda::DeviceErrors errors_;

@@ -175,9 +175,15 @@ void launch_dispatch(const DispatchView& v, const DispatchCall& c, int grid, cud
 bool dispatch_v2_supported(long long row_bytes, long long scale_bytes);
 void launch_dispatch_v2(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream,
                         bool after_preprocess = false);
-// Raises the kernel's dynamic shared-memory limit on the current device (once per buffer, outside
-// any graph capture).
+// Raises the kernels' dynamic shared-memory limits on the current device (once per buffer, outside
+// any graph capture): the v2 kernel's and the fused small-call kernel's.
 void prepare_dispatch_v2();
+// A call whose tokens fit one plan chunk (DispatchCall::inline_plan) as ONE kernel: the preprocess
+// steps in every CTA, then the v2 roles (same protocol, records, flags and output bytes), no
+// preprocess kernel. False when the call cannot take it (more than 8 slots per token, or the
+// preprocess arrays of E experts leave too little shared memory for the rings).
+bool dispatch_small_supported(long long row_bytes, long long scale_bytes, int experts, int slots);
+void launch_dispatch_small(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream);
 
 // --- combine_kernel.cu -----------------------------------------------------------------------------------
 void launch_combine(const CombineView& v, const HandleView& h, const CombineCall& c, int grid, cudaStream_t stream);

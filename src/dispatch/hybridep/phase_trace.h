@@ -17,9 +17,19 @@ enum TracePoint : int {
   kTraceCountsSent,       // this rank's counts released to every rank
   kTraceCountsArrived,    // every rank's counts here
   kTraceLayoutDone,       // every receiver's layout and the abort decision
+  kTracePublished,        // CTA 0: the layout and the decision published (to the host too, blocking)
+  kTraceStagingLoaded,    // a CTA's first token: its slots' plan ranks, ids and weights loaded
+  kTraceStagingStored,    // a CTA's first token: its records and slot entries stored
   kTraceStaged,           // the CTA's staging records written
   // dispatch kernel (v2)
   kTraceDispatchStart,    // after the wait for the preprocess grid
+  kTraceProducerStart,    // a producer warp begins (rings initialised, the decision read)
+  kTraceProbsWritten,     // a send part's staging headers read and local probs written
+  kTraceLoadsPosted,      // a send part's row loads posted to the ring
+  kTraceRecordsCopied,    // a send part's records stored to every destination
+  kTraceRecordsFenced,    // ... and fenced at system scope
+  kTraceFirstJob,         // a consumer received its first job
+  kTraceFirstStores,      // a consumer issued the stores of its first row
   kTraceSendsPosted,      // a producer posted its last send job
   kTraceChunkReleased,    // a chunk flag released to every rank (its parts' stores complete)
   kTraceFlagArrived,      // a producer acquired a peer's chunk flag (fan-out)
@@ -32,9 +42,11 @@ enum TracePoint : int {
 
 // The steps' names, in the order of TracePoint (kernel_times().dispatch_phases, bench `step.*`).
 inline constexpr const char* kTracePointNames[] = {
-    "preprocess_start", "planned",        "counts_sent",  "counts_arrived", "layout_done",
-    "staged",           "dispatch_start", "sends_posted", "chunk_released", "flag_arrived",
-    "fan_out_posted",   "stores_done",    "zeroed",       "dispatch_end",
+    "preprocess_start", "planned",        "counts_sent",    "counts_arrived", "layout_done",
+    "published",        "staging_loaded", "staging_stored", "staged",         "dispatch_start",
+    "producer_start",   "probs_written",  "loads_posted",   "records_copied", "records_fenced",
+    "first_job",        "first_stores",   "sends_posted",   "chunk_released", "flag_arrived",
+    "fan_out_posted",   "stores_done",    "zeroed",         "dispatch_end",
 };
 static_assert(sizeof(kTracePointNames) / sizeof(kTracePointNames[0]) == kTracePoints, "a name per trace point");
 

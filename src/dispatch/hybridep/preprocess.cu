@@ -20,31 +20,17 @@
 //   the gradient of its prob in dispatch_backward).
 #include <cuda_runtime.h>
 
-#include "dispatch/hybridep/access.cuh"
-#include "dispatch/hybridep/chunk_plan.cuh"
-#include "dispatch/hybridep/chunk_plan_math.h"
-#include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernel_launch.h"
 #include "dispatch/hybridep/kernels.h"
-#include "dispatch/hybridep/phase_trace.cuh"
+#include "dispatch/hybridep/preprocess_steps.cuh"
 #include "dispatch/hybridep/tma.cuh"
-#include "dispatch/hybridep/warp_layout.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::hybridep {
 
 namespace {
 
-// counts(s, e), read from this rank's count region (written by rank s, acquired in step 2; read
-// through L2 because a peer wrote it).
-struct WindowCounts {
-  const unsigned char* base;
-  unsigned long long slot_bytes;
-  __device__ long long operator()(int s, int e) const {
-    return __ldcg(reinterpret_cast<const long long*>(base + static_cast<unsigned long long>(s) * slot_bytes) +
-                  word::count + e);
-  }
-};
+using namespace preprocess_steps;
 
 __global__ void __launch_bounds__(kThreads)
     multihot_slots_kernel(const unsigned char* __restrict__ map, const float* __restrict__ probs, long long tokens,
@@ -70,180 +56,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Where the slots of this rank's tokens go, once every receiver's layout is known (steps 3 + 4).
-struct TokenRows {
-  const DispatchCall& c;
-  const long long* src;    // [E] first row of this rank's pairs in each group
-  const long long* begin;  // [E] first row of each group on its owner
-  const long long* kept;   // [E] rows kept per group
-  int experts, local_experts;
-  bool abort;
-
-  // Slot i of token t: its row on the owner of its expert (-1: no or invalid expert, dropped by the
-  // budget, or the call aborted) and that owner.
-  __device__ long long row(long long t, long long i, int& dest) const {
-    const int local = abort ? -1 : c.plan_slot_rows[i];
-    if (local < 0) return -1;
-    const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-    const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
-    const long long rank = base + local;
-    dest = e / local_experts;
-    return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
-  }
-};
-
-// Tokens with at most this many slots build their records in registers and store them once.
-constexpr int kRegisterSlots = 8;
-
-// A token's record for each destination (entries sorted by row) and its slots' entries. The rows of
-// one token on one rank belong to distinct experts, hence distinct groups: an entry's place is the
-// number of the token's entries for the same rank with a lower row.
-__device__ void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t) {
-  const int k = rows.c.slots;
-  int row[kRegisterSlots], dest[kRegisterSlots];
-  float prob[kRegisterSlots];
-#pragma unroll
-  for (int j = 0; j < kRegisterSlots; ++j) {
-    row[j] = -1;
-    dest[j] = -1;
-    prob[j] = 0.0f;
-    if (j < k) {
-      const long long i = t * k + j;
-      int d = -1;
-      const long long r = rows.row(t, i, d);
-      if (r >= 0) {
-        row[j] = static_cast<int>(r);
-        dest[j] = d;
-        prob[j] = rows.c.weights[i];
-      }
-    }
-  }
-  for (int d = 0; d < v.ranks; ++d) {
-    unsigned n = 0;
-#pragma unroll
-    for (int j = 0; j < kRegisterSlots; ++j) n += dest[j] == d ? 1u : 0u;
-    *record_header(staging_at(v, d, t)) = RecordHeader{0u, n < static_cast<unsigned>(v.width) ? n : v.width};
-  }
-#pragma unroll
-  for (int j = 0; j < kRegisterSlots; ++j) {
-    if (j >= k) break;
-    int entry = -1;
-    if (row[j] >= 0) {
-      int place = 0;
-#pragma unroll
-      for (int q = 0; q < kRegisterSlots; ++q) place += dest[q] == dest[j] && row[q] < row[j] ? 1 : 0;
-      if (place < v.width) {
-        record_entries(staging_at(v, dest[j], t))[place] = RecordEntry{row[j], prob[j]};
-        entry = dest[j] * v.width + place;
-      } else {
-        report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, dest[j], v.width);
-      }
-    }
-    v.slot_entry[t * k + j] = entry;
-  }
-}
-
-// Any number of slots: sorted inserts into the staged records, then a search for each slot's entry.
-__device__ void stage_token_in_memory(const DispatchView& v, const TokenRows& rows, long long t) {
-  const int k = rows.c.slots;
-  for (int d = 0; d < v.ranks; ++d) record_clear(staging_at(v, d, t));
-  for (int j = 0; j < k; ++j) {
-    const long long i = t * k + j;
-    int d = -1;
-    const long long row = rows.row(t, i, d);
-    if (row < 0) continue;
-    if (!record_insert(staging_at(v, d, t), v.width, static_cast<int>(row), rows.c.weights[i]))
-      report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, d, v.width);
-  }
-  for (int j = 0; j < k; ++j) {
-    const long long i = t * k + j;
-    int d = -1;
-    const long long row = rows.row(t, i, d);
-    int entry = -1;
-    if (row >= 0) {
-      const int found = record_find(staging_at(v, d, t), static_cast<int>(row));
-      if (found >= 0) entry = d * v.width + found;
-    }
-    v.slot_entry[i] = entry;
-  }
-}
-
-// The block of kThreads tokens that CTA `cta` of `ctas` stages first (then every ctas-th). Block 0
-// goes to CTA 1 when there are several: CTA 0 first publishes the layout (in blocking mode to the
-// host too, over PCIe), and a small call (decode: all its tokens are in block 0) is then staged
-// beside that rather than after it.
-__device__ int staging_block(int cta, int ctas) { return (cta + ctas - 1) % ctas; }
-
-// Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
-// chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
-// bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA);
-// the one CTA that stages this rank's tokens (T <= blockDim: block 0) writes the slot ranks. The
-// lowest bad slot (t * k + j) of the chunk is the same in every CTA; ~0 if none.
-__device__ unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits, long long* counts) {
-  __shared__ unsigned long long s_bad;
-  const int tid = threadIdx.x;
-  if (tid == 0) s_bad = ~0ull;
-  for (int w = tid; w < experts * kPlanChunkWords; w += blockDim.x) bits[w] = 0;
-  __syncthreads();
-  const PlanIds ids{c.indices, c.indices_i64, c.slots, experts};
-  const auto lowest = [&](long long t, int j, long long) {
-    atomicMin(&s_bad, static_cast<unsigned long long>(t * c.slots + j));
-  };
-  if (tid < c.tokens) set_token_bits(bits, ids, tid, tid, lowest);
-  __syncthreads();
-  for (int e = tid; e < experts; e += blockDim.x) counts[e] = plan_word_prefix(bits, e, kPlanChunkWords);
-  if (staging_block(blockIdx.x, gridDim.x) == 0 && tid < c.tokens)
-    write_slot_ranks(bits, ids, tid, tid, c.plan_slot_rows);
-  __syncthreads();  // the counts are complete, and the bits free for the layout arrays
-  return s_bad;
-}
-
-// The header's device_* words: the call's first device error on this rank, identical in every CTA.
-struct DeviceError {
-  long long arg = 0, row = 0, column = -1, value = 0, limit = 0;
-};
-
-// With the plan kernel before (final by now) it is the error record. With the inline plan, CTA 0
-// also reports the chunk's lowest bad slot there, while other CTAs may read the record: a record
-// read with an acquire either holds an earlier kernel's error (multihot routing, final), or CTA 0's
-// report (the same bad slot as this CTA's `bad`), or nothing yet - so every CTA uses the same one.
-__device__ DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts) {
-  DeviceError found;  // by the inline plan
-  if (c.inline_plan && bad != ~0ull) {
-    const long long i = static_cast<long long>(bad);
-    found = DeviceError{static_cast<long long>(cuda::DeviceArg::indices), i / c.slots, i % c.slots,
-                        plan_id_at(c.indices, c.indices_i64, i), experts};
-    if (blockIdx.x == 0 && threadIdx.x == 0)  // first error wins, as in the plan kernel
-      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, found.row, static_cast<int>(found.column),
-                                found.value, found.limit);
-  }
-  const int arg = static_cast<int>(ld_acquire_sys(reinterpret_cast<const unsigned*>(&c.errors->arg)));
-  if (arg <= 0) return found;
-  return DeviceError{arg, __ldcg(&c.errors->row), __ldcg(&c.errors->column), __ldcg(&c.errors->value),
-                     __ldcg(&c.errors->limit)};
-}
-
-// Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) and the status to the
-// host, then the call's number after them.
-__device__ void publish_to_host(const DispatchView& v, const DispatchCall& c) {
-  __syncthreads();
-  const int words = static_cast<int>((sizeof(DispatchControl) + 8 * static_cast<std::size_t>(v.local_experts)) / 8);
-  const auto* src = reinterpret_cast<const long long*>(v.control);
-  auto* dst = reinterpret_cast<long long*>(c.host_control);
-  for (int i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
-  if (threadIdx.x == 0) {
-    const volatile Status* st = v.status;  // errors of this call's CTAs or of earlier calls
-    c.host_status->code = st->code;
-    c.host_status->phase = st->phase;
-    c.host_status->peer = st->peer;
-    c.host_status->value = st->value;
-    c.host_status->limit = st->limit;
-  }
-  __threadfence_system();  // each thread's copies before the barrier, the barrier before the number
-  __syncthreads();
-  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(c.host_seq_at) = c.host_seq;
-}
-
 __global__ void __launch_bounds__(kThreads)
     preprocess_kernel(const __grid_constant__ DispatchView v, const __grid_constant__ DispatchCall c) {
   extern __shared__ long long smem[];
@@ -254,153 +66,21 @@ __global__ void __launch_bounds__(kThreads)
   tma::allow_dependent_launch();
   // Launched as a dependent of the plan kernel: nothing of the plan may be read before it completed.
   tma::grid_dependency_wait();
-  const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
-  const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
-  if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
-  long long* s_begin = smem;        // [E] first row of every expert's group on its owner
-  long long* s_kept = smem + E;     // [E] real rows kept per group
-  long long* s_tpe = smem + 2 * E;  // [E] tokens_per_expert per group
-  long long* s_src = smem + 3 * E;  // [E] first row of THIS rank's pairs in the group
-  long long* s_pairs = smem + 4 * E;  // [E] pairs of every expert from all sources
-  __shared__ long long s_head[kMaxRanks][word::count];
-  __shared__ long long s_out_rows[kMaxRanks], s_used[kMaxRanks], s_required[kMaxRanks], s_dropped[kMaxRanks];
-  __shared__ int s_bad[kMaxRanks];
-  __shared__ int s_abort, s_claimed;
-
-  const unsigned epoch = op_epoch(&v.control->op);
-  const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
-
-  // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
-  //    after the barriers of step 1), its bits where the layout arrays will.
-  long long* s_counts = s_pairs;
-  const unsigned long long bad =
-      c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts) : ~0ull;
-  const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
-  if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
-
-  // 1. This rank's slot into every rank's count region. Identical in every CTA (device_error says
-  //    why for the device_* words), so a peer may read it after any CTA's flag.
-  const int W = word::count + E;
-  const DeviceError err = device_error(c, bad, E);
-  for (int i = tid; i < R * W; i += blockDim.x) {
-    const int d = i / W, w = i - d * W;
-    long long value = 0;
-    if (w >= word::count)
-      value = counts_of_mine ? counts_of_mine[w - word::count] : 0;
-    else if (w == word::device_arg)
-      value = err.arg;
-    else if (w == word::device_row)
-      value = err.row;
-    else if (w == word::device_column)
-      value = err.column;
-    else if (w == word::device_value)
-      value = err.value;
-    else if (w == word::device_limit)
-      value = err.limit;
-    else
-      value = c.header[w];
-    count_slot(v, d, me)[w] = value;
-  }
-  fence_sys();      // each thread's slot stores are ordered before the barrier...
-  __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
-  if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
-  if (stamp) trace_stamp(c.trace, kTraceCountsSent);
-
-  // 2. Every rank's slot has arrived here.
-  bool ok = true;
-  if (tid < R) ok = wait_flag_at_least(count_flag(v, me, tid), epoch, wait, tid);
-  if (!__syncthreads_and(ok)) {
-    // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
-    if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
-    if (blockIdx.x == 0 && c.host_control) publish_to_host(v, c);  // the host then waits and raises
-    return;
-  }
-  if (stamp) trace_stamp(c.trace, kTraceCountsArrived);
-  const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
-  for (int i = tid; i < R * word::count; i += blockDim.x)
-    s_head[i / word::count][i % word::count] = __ldcg(count_slot(v, me, i / word::count) + i % word::count);
-  // Every group's pairs, an expert per thread: the count matrix is read with all loads in flight,
-  // not one after another in the per-receiver loop below (ncu: that loop reading the window itself
-  // was three quarters of this kernel's 45 us).
-  for (int e = tid; e < E; e += blockDim.x) s_pairs[e] = group_pairs(counts, e, R);
-  __syncthreads();
-
-  // 3 + 4. Every receiver's layout (warp w: receivers w, w + warps, ...), this rank's rows as a source.
-  const LayoutParams lp{R, E, c.pad_multiple, c.budget, c.drop != 0};
-  const int lane = tid % 32;
-  for (int d = tid / 32; d < R; d += blockDim.x / 32) {
-    const ReceiverTotals t =
-        warp_receiver_layout(s_pairs + d * L, lp, s_begin + d * L, s_kept + d * L, s_tpe + d * L, lane);
-    if (lane == 0) {
-      s_out_rows[d] = t.out_rows;
-      s_used[d] = t.used;
-      s_required[d] = t.required;
-      s_dropped[d] = t.dropped;
-      s_bad[d] = header_failed(s_head[d]) || !header_agrees(s_head[0], s_head[d]) || t.overflow ||
-                 t.out_rows > v.capacity_rows;
-    }
-  }
-  __syncthreads();
-  if (tid == 0) {
-    int abort = 0;
-    for (int d = 0; d < R; ++d) abort |= s_bad[d];
-    s_abort = abort;
-  }
-  for (int e = tid; e < E; e += blockDim.x) s_src[e] = source_begin(counts, e, me, s_begin[e]);
-  __syncthreads();
-  const bool abort = s_abort != 0;
-  if (stamp) trace_stamp(c.trace, kTraceLayoutDone);
-
-  // CTA 0 publishes the decision and this rank's receiver layout for the dispatch kernel and the
-  // host (blocking mode reads control + tokens_per_expert with one copy).
-  if (blockIdx.x == 0) {
-    for (int le = tid; le < L; le += blockDim.x) {
-      v.tpe[le] = s_tpe[me * L + le];
-      v.begin[le] = s_begin[me * L + le];
-      v.kept[le] = s_kept[me * L + le];
-    }
-    // T of every rank: the sender uses its own T, the receiver this copy of the sender's header,
-    // so both count the same chunks (a rank whose checks failed sends T = 0 and reads no input).
-    if (tid < R) v.control->tokens[tid] = clamp_ll(s_head[tid][word::tokens], 0, v.max_tokens);
-    if (tid == 0) {
-      v.control->abort = abort ? 1 : 0;
-      v.control->out_rows = s_out_rows[me];
-      v.control->used_rows = s_used[me];
-      v.control->required_rows = s_required[me];
-      v.control->dropped = s_dropped[me];
-      // The first unreported abort keeps a snapshot of the count region: the host decodes from it
-      // why (layout.h, abort_reason), with the same message on every rank.
-      s_claimed = abort && atomicCAS(&v.status->code, 0, -1) == 0;
-    }
-    __syncthreads();
-    if (s_claimed) {
-      const long long words = static_cast<long long>(R) * (v.slot_bytes / 8);
-      const long long* src = count_slot(v, me, 0);
-      for (long long i = tid; i < words; i += blockDim.x) v.snapshot[i] = __ldcg(src + i);
-      __syncthreads();
-      if (tid == 0) {
-        v.status->phase = static_cast<int>(Phase::dispatch_counts);
-        v.status->peer = -1;
-        __threadfence();
-        atomicExch(&v.status->code, static_cast<int>(StatusCode::abort));
-      }
-    }
-    if (c.host_control) publish_to_host(v, c);
-  }
+  const CtaLayout l = lay_out_call(v, c, smem, false);
+  if (!l.ok) return;  // timed out: the dispatch kernel sees the status and neither moves nor waits
 
   // 5. Staging records and slot entries, one thread per token of this rank.
-  const TokenRows rows{c, s_src, s_begin, s_kept, v.experts, v.local_experts, abort};
-  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  const long long first = static_cast<long long>(staging_block(blockIdx.x, gridDim.x)) * blockDim.x;
-  for (long long t = first + tid; t < c.tokens; t += stride) {
+  const TokenRows rows{c, l.src, l.begin, l.kept, v.experts, v.local_experts, l.abort};
+  const StagingShare share = staging_share(c.inline_plan != 0);
+  for (long long t = share.token(threadIdx.x); t < c.tokens; t += share.stride) {
     if (c.slots <= kRegisterSlots)
-      stage_token_in_registers(v, rows, t);
+      stage_token_in_registers(v, rows, t, t == share.token(0) && c.trace != nullptr);
     else
       stage_token_in_memory(v, rows, t);
   }
   if (c.trace) {
     __syncthreads();
-    if (stamp) trace_stamp(c.trace, kTraceStaged);
+    if (threadIdx.x == 0) trace_stamp(c.trace, kTraceStaged);
   }
 }
 

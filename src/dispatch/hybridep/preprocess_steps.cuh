@@ -1,0 +1,414 @@
+// The steps of a hybridep dispatch's preprocessing, as device functions: the preprocess kernel
+// (preprocess.cu) runs them on its own grid, the fused small-call dispatch kernel
+// (dispatch_kernel_v2.cu) at the start of every one of its CTAs. preprocess.cu's header comment
+// lists the steps.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "dispatch/hybridep/access.cuh"
+#include "dispatch/hybridep/chunk_plan.cuh"
+#include "dispatch/hybridep/chunk_plan_math.h"
+#include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/phase_trace.cuh"
+#include "dispatch/hybridep/warp_layout.cuh"
+
+namespace flexep::hybridep::preprocess_steps {
+
+// counts(s, e), read from this rank's count region (written by rank s, acquired in step 2; read
+// through L2 because a peer wrote it).
+struct WindowCounts {
+  const unsigned char* base;
+  unsigned long long slot_bytes;
+  __device__ long long operator()(int s, int e) const {
+    return __ldcg(reinterpret_cast<const long long*>(base + static_cast<unsigned long long>(s) * slot_bytes) +
+                  word::count + e);
+  }
+};
+
+// Where the slots of this rank's tokens go, once every receiver's layout is known (steps 3 + 4).
+struct TokenRows {
+  const DispatchCall& c;
+  const long long* src;    // [E] first row of this rank's pairs in each group
+  const long long* begin;  // [E] first row of each group on its owner
+  const long long* kept;   // [E] rows kept per group
+  int experts, local_experts;
+  bool abort;
+
+  // Slot i of token t: its row on the owner of its expert (-1: no or invalid expert, dropped by the
+  // budget, or the call aborted) and that owner.
+  __device__ long long row(long long t, long long i, int& dest) const {
+    const int local = abort ? -1 : c.plan_slot_rows[i];
+    if (local < 0) return -1;
+    const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
+    const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
+    const long long rank = base + local;
+    dest = e / local_experts;
+    return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
+  }
+};
+
+// Tokens with at most this many slots build their records in registers and store them once.
+constexpr int kRegisterSlots = 8;
+
+// A token's record for each destination (entries sorted by row) and its slots' entries. The rows of
+// one token on one rank belong to distinct experts, hence distinct groups: an entry's place is the
+// number of the token's entries for the same rank with a lower row.
+// `on_entry(dest, row, prob)` sees each entry stored (the fused kernel's producer writes its local
+// probs from these registers instead of reading the records back).
+struct NoEntryHook {
+  __device__ void operator()(int, int, float) const {}
+};
+
+template <class OnEntry = NoEntryHook>
+__device__ inline void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t,
+                                                bool stamp, OnEntry on_entry = {}) {
+  const int k = rows.c.slots;
+  int row[kRegisterSlots], dest[kRegisterSlots];
+  float prob[kRegisterSlots];
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    row[j] = -1;
+    dest[j] = -1;
+    prob[j] = 0.0f;
+    if (j < k) {
+      const long long i = t * k + j;
+      int d = -1;
+      const long long r = rows.row(t, i, d);
+      if (r >= 0) {
+        row[j] = static_cast<int>(r);
+        dest[j] = d;
+        prob[j] = rows.c.weights[i];
+      }
+    }
+  }
+  if (stamp) trace_stamp(rows.c.trace, kTraceStagingLoaded);  // rows known (prob loads may be in flight)
+  for (int d = 0; d < v.ranks; ++d) {
+    unsigned n = 0;
+#pragma unroll
+    for (int j = 0; j < kRegisterSlots; ++j) n += dest[j] == d ? 1u : 0u;
+    *record_header(staging_at(v, d, t)) = RecordHeader{0u, n < static_cast<unsigned>(v.width) ? n : v.width};
+  }
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    if (j >= k) break;
+    int entry = -1;
+    if (row[j] >= 0) {
+      int place = 0;
+#pragma unroll
+      for (int q = 0; q < kRegisterSlots; ++q) place += dest[q] == dest[j] && row[q] < row[j] ? 1 : 0;
+      if (place < v.width) {
+        record_entries(staging_at(v, dest[j], t))[place] = RecordEntry{row[j], prob[j]};
+        entry = dest[j] * v.width + place;
+        on_entry(dest[j], row[j], prob[j]);
+      } else {
+        report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, dest[j], v.width);
+      }
+    }
+    v.slot_entry[t * k + j] = entry;
+  }
+  if (stamp) trace_stamp(rows.c.trace, kTraceStagingStored);
+}
+
+// Any number of slots: sorted inserts into the staged records, then a search for each slot's entry.
+__device__ inline void stage_token_in_memory(const DispatchView& v, const TokenRows& rows, long long t) {
+  const int k = rows.c.slots;
+  for (int d = 0; d < v.ranks; ++d) record_clear(staging_at(v, d, t));
+  for (int j = 0; j < k; ++j) {
+    const long long i = t * k + j;
+    int d = -1;
+    const long long row = rows.row(t, i, d);
+    if (row < 0) continue;
+    if (!record_insert(staging_at(v, d, t), v.width, static_cast<int>(row), rows.c.weights[i]))
+      report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, d, v.width);
+  }
+  for (int j = 0; j < k; ++j) {
+    const long long i = t * k + j;
+    int d = -1;
+    const long long row = rows.row(t, i, d);
+    int entry = -1;
+    if (row >= 0) {
+      const int found = record_find(staging_at(v, d, t), static_cast<int>(row));
+      if (found >= 0) entry = d * v.width + found;
+    }
+    v.slot_entry[i] = entry;
+  }
+}
+
+// The tokens this CTA stages: thread i's is token(i), then every `stride` tokens after it.
+//   one chunk (the inline plan, T <= blockDim): token t on CTA t % G, so that every CTA stages a few
+//     (one CTA staging all of decode's 128 tokens was the preprocess kernel's slowest step in the
+//     step trace, 6-7 us after its layout);
+//   larger calls: blocks of blockDim tokens, block 0 on CTA 1 when there are several (CTA 0 first
+//     publishes the layout, in blocking mode over PCIe).
+struct StagingShare {
+  long long first, step, stride;
+  __device__ long long token(int i) const { return first + i * step; }
+};
+
+__device__ inline StagingShare staging_share(bool one_chunk) {
+  const long long G = gridDim.x, B = blockDim.x;
+  if (one_chunk) return StagingShare{blockIdx.x, G, G * B};
+  return StagingShare{(blockIdx.x + G - 1) % G * B, 1, G * B};
+}
+
+// Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
+// chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
+// bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA;
+// the slot ranks follow once the counts are sent, write_inline_slot_ranks). The lowest bad slot
+// (t * k + j) of the chunk is the same in every CTA; ~0 if none.
+__device__ inline unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits,
+                                                 long long* counts) {
+  __shared__ unsigned long long s_bad;
+  const int tid = threadIdx.x;
+  if (tid == 0) s_bad = ~0ull;
+  for (int w = tid; w < experts * kPlanChunkWords; w += blockDim.x) bits[w] = 0;
+  __syncthreads();
+  const PlanIds ids{c.indices, c.indices_i64, c.slots, experts};
+  const auto lowest = [&](long long t, int j, long long) {
+    atomicMin(&s_bad, static_cast<unsigned long long>(t * c.slots + j));
+  };
+  for (long long t = tid; t < c.tokens; t += blockDim.x) set_token_bits(bits, ids, t, static_cast<int>(t), lowest);
+  __syncthreads();
+  for (int e = tid; e < experts; e += blockDim.x) counts[e] = plan_word_prefix(bits, e, kPlanChunkWords);
+  __syncthreads();  // the counts are complete
+  return s_bad;
+}
+
+// The slot ranks of the tokens this CTA stages (staging_share), or of every token (`every_token`:
+// the fused small-call kernel, whose producers stage whichever part they get; the CTAs write
+// identical values). Run while the counts travel: nothing before the layout needs them, and a
+// system fence before the count release would wait for these stores too.
+__device__ inline void write_inline_slot_ranks(const DispatchCall& c, const std::uint32_t* bits, int experts,
+                                               bool every_token) {
+  const PlanIds ids{c.indices, c.indices_i64, c.slots, experts};
+  if (every_token) {
+    for (long long t = threadIdx.x; t < c.tokens; t += blockDim.x)
+      write_slot_ranks(bits, ids, t, static_cast<int>(t), c.plan_slot_rows);
+  } else {
+    const long long mine = staging_share(true).token(threadIdx.x);
+    if (mine < c.tokens) write_slot_ranks(bits, ids, mine, static_cast<int>(mine), c.plan_slot_rows);
+  }
+}
+
+// The header's device_* words: the call's first device error on this rank, identical in every CTA.
+struct DeviceError {
+  long long arg = 0, row = 0, column = -1, value = 0, limit = 0;
+};
+
+// With the plan kernel before (final by now) it is the error record. With the inline plan, CTA 0
+// also reports the chunk's lowest bad slot there, while other CTAs may read the record: a record
+// read with an acquire either holds an earlier kernel's error (multihot routing, final), or CTA 0's
+// report (the same bad slot as this CTA's `bad`), or nothing yet - so every CTA uses the same one.
+__device__ inline DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts) {
+  DeviceError found;  // by the inline plan
+  if (c.inline_plan && bad != ~0ull) {
+    const long long i = static_cast<long long>(bad);
+    found = DeviceError{static_cast<long long>(cuda::DeviceArg::indices), i / c.slots, i % c.slots,
+                        plan_id_at(c.indices, c.indices_i64, i), experts};
+    if (blockIdx.x == 0 && threadIdx.x == 0)  // first error wins, as in the plan kernel
+      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, found.row, static_cast<int>(found.column),
+                                found.value, found.limit);
+  }
+  const int arg = static_cast<int>(ld_acquire_sys(reinterpret_cast<const unsigned*>(&c.errors->arg)));
+  if (arg <= 0) return found;
+  return DeviceError{arg, __ldcg(&c.errors->row), __ldcg(&c.errors->column), __ldcg(&c.errors->value),
+                     __ldcg(&c.errors->limit)};
+}
+
+// Blocking mode, CTA 0: [control | tokens_per_expert] (this CTA's stores) and the status to the
+// host, then the call's number after them.
+__device__ inline void publish_to_host(const DispatchView& v, const DispatchCall& c) {
+  __syncthreads();
+  const int words = static_cast<int>((sizeof(DispatchControl) + 8 * static_cast<std::size_t>(v.local_experts)) / 8);
+  const auto* src = reinterpret_cast<const long long*>(v.control);
+  auto* dst = reinterpret_cast<long long*>(c.host_control);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
+  if (threadIdx.x == 0) {
+    const volatile Status* st = v.status;  // errors of this call's CTAs or of earlier calls
+    c.host_status->code = st->code;
+    c.host_status->phase = st->phase;
+    c.host_status->peer = st->peer;
+    c.host_status->value = st->value;
+    c.host_status->limit = st->limit;
+  }
+  __threadfence_system();  // each thread's copies before the barrier, the barrier before the number
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(c.host_seq_at) = c.host_seq;
+}
+
+// What steps 0-4 leave in a CTA's shared memory: every receiver's layout (this rank's groups at
+// [me * L, (me + 1) * L)), this rank's first row in each group, every rank's T and the decision.
+struct CtaLayout {
+  bool ok = false;     // false: the count exchange timed out (status set; CTA 0 published an abort)
+  bool abort = false;  // the call moves nothing (alike on every rank)
+  long long* begin = nullptr;  // [E] first row of every expert's group on its owner
+  long long* kept = nullptr;   // [E] real rows kept per group
+  long long* tpe = nullptr;    // [E] tokens_per_expert per group
+  long long* src = nullptr;    // [E] first row of THIS rank's pairs in the group
+  const long long* tokens = nullptr;  // [R] T of every rank (as its header says, clamped)
+  long long out_rows = 0, used_rows = 0;  // this rank's output
+};
+
+// Steps 0-4 in every CTA of the calling grid, then CTA 0 publishes this rank's receiver layout and
+// the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `smem`:
+// preprocess_smem_bytes(E) of dynamic shared memory; `every_token`: see write_inline_slot_ranks.
+__device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, long long* smem,
+                                         bool every_token) {
+  const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
+  const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
+  if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
+  __shared__ long long s_tokens[kMaxRanks];
+  long long* s_begin = smem;        // [E] first row of every expert's group on its owner
+  long long* s_kept = smem + E;     // [E] real rows kept per group
+  long long* s_tpe = smem + 2 * E;  // [E] tokens_per_expert per group
+  long long* s_src = smem + 3 * E;  // [E] first row of THIS rank's pairs in the group
+  long long* s_pairs = smem + 4 * E;  // [E] pairs of every expert from all sources
+  __shared__ long long s_head[kMaxRanks][word::count];
+  __shared__ long long s_out_rows[kMaxRanks], s_used[kMaxRanks], s_required[kMaxRanks], s_dropped[kMaxRanks];
+  __shared__ int s_bad[kMaxRanks];
+  __shared__ int s_abort, s_claimed;
+
+  const unsigned epoch = op_epoch(&v.control->op);
+  const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
+
+  // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
+  //    after the barriers of step 1), its bits where the layout arrays will.
+  long long* s_counts = s_pairs;
+  const unsigned long long bad =
+      c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts) : ~0ull;
+  const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
+  if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
+
+  // 1. This rank's slot into every rank's count region. Identical in every CTA (device_error says
+  //    why for the device_* words), so a peer may read it after any CTA's flag.
+  const int W = word::count + E;
+  const DeviceError err = device_error(c, bad, E);
+  for (int i = tid; i < R * W; i += blockDim.x) {
+    const int d = i / W, w = i - d * W;
+    long long value = 0;
+    if (w >= word::count)
+      value = counts_of_mine ? counts_of_mine[w - word::count] : 0;
+    else if (w == word::device_arg)
+      value = err.arg;
+    else if (w == word::device_row)
+      value = err.row;
+    else if (w == word::device_column)
+      value = err.column;
+    else if (w == word::device_value)
+      value = err.value;
+    else if (w == word::device_limit)
+      value = err.limit;
+    else
+      value = c.header[w];
+    count_slot(v, d, me)[w] = value;
+  }
+  fence_sys();      // each thread's slot stores are ordered before the barrier...
+  __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
+  if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
+  if (stamp) trace_stamp(c.trace, kTraceCountsSent);
+  // The plan's bits stay in place until step 3 (after step 2's barriers).
+  if (c.inline_plan) write_inline_slot_ranks(c, reinterpret_cast<const std::uint32_t*>(smem), E, every_token);
+
+  // 2. Every rank's slot has arrived here.
+  bool ok = true;
+  if (tid < R) ok = wait_flag_at_least(count_flag(v, me, tid), epoch, wait, tid);
+  if (!__syncthreads_and(ok)) {
+    // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
+    if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
+    if (blockIdx.x == 0 && c.host_control) publish_to_host(v, c);  // the host then waits and raises
+    CtaLayout failed;
+    failed.ok = false;
+    return failed;
+  }
+  if (stamp) trace_stamp(c.trace, kTraceCountsArrived);
+  const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
+  for (int i = tid; i < R * word::count; i += blockDim.x)
+    s_head[i / word::count][i % word::count] = __ldcg(count_slot(v, me, i / word::count) + i % word::count);
+  __syncthreads();
+  for (int s = tid; s < R; s += blockDim.x) s_tokens[s] = clamp_ll(s_head[s][word::tokens], 0, v.max_tokens);
+  // Every group's pairs, an expert per thread: the count matrix is read with all loads in flight,
+  // not one after another in the per-receiver loop below (ncu: that loop reading the window itself
+  // was three quarters of this kernel's 45 us).
+  for (int e = tid; e < E; e += blockDim.x) s_pairs[e] = group_pairs(counts, e, R);
+  __syncthreads();
+
+  // 3 + 4. Every receiver's layout (warp w: receivers w, w + warps, ...), this rank's rows as a source.
+  const LayoutParams lp{R, E, c.pad_multiple, c.budget, c.drop != 0};
+  const int lane = tid % 32;
+  for (int d = tid / 32; d < R; d += blockDim.x / 32) {
+    const ReceiverTotals t =
+        warp_receiver_layout(s_pairs + d * L, lp, s_begin + d * L, s_kept + d * L, s_tpe + d * L, lane);
+    if (lane == 0) {
+      s_out_rows[d] = t.out_rows;
+      s_used[d] = t.used;
+      s_required[d] = t.required;
+      s_dropped[d] = t.dropped;
+      s_bad[d] = header_failed(s_head[d]) || !header_agrees(s_head[0], s_head[d]) || t.overflow ||
+                 t.out_rows > v.capacity_rows;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int abort = 0;
+    for (int d = 0; d < R; ++d) abort |= s_bad[d];
+    s_abort = abort;
+  }
+  for (int e = tid; e < E; e += blockDim.x) s_src[e] = source_begin(counts, e, me, s_begin[e]);
+  __syncthreads();
+  const bool abort = s_abort != 0;
+  if (stamp) trace_stamp(c.trace, kTraceLayoutDone);
+
+  // CTA 0 publishes the decision and this rank's receiver layout for the dispatch kernel and the
+  // host (blocking mode reads control + tokens_per_expert with one copy).
+  if (blockIdx.x == 0) {
+    for (int le = tid; le < L; le += blockDim.x) {
+      v.tpe[le] = s_tpe[me * L + le];
+      v.begin[le] = s_begin[me * L + le];
+      v.kept[le] = s_kept[me * L + le];
+    }
+    // T of every rank: the sender uses its own T, the receiver this copy of the sender's header,
+    // so both count the same chunks (a rank whose checks failed sends T = 0 and reads no input).
+    if (tid < R) v.control->tokens[tid] = s_tokens[tid];
+    if (tid == 0) {
+      v.control->abort = abort ? 1 : 0;
+      v.control->out_rows = s_out_rows[me];
+      v.control->used_rows = s_used[me];
+      v.control->required_rows = s_required[me];
+      v.control->dropped = s_dropped[me];
+      // The first unreported abort keeps a snapshot of the count region: the host decodes from it
+      // why (layout.h, abort_reason), with the same message on every rank.
+      s_claimed = abort && atomicCAS(&v.status->code, 0, -1) == 0;
+    }
+    __syncthreads();
+    if (s_claimed) {
+      const long long words = static_cast<long long>(R) * (v.slot_bytes / 8);
+      const long long* src = count_slot(v, me, 0);
+      for (long long i = tid; i < words; i += blockDim.x) v.snapshot[i] = __ldcg(src + i);
+      __syncthreads();
+      if (tid == 0) {
+        v.status->phase = static_cast<int>(Phase::dispatch_counts);
+        v.status->peer = -1;
+        __threadfence();
+        atomicExch(&v.status->code, static_cast<int>(StatusCode::abort));
+      }
+    }
+    if (c.host_control) publish_to_host(v, c);
+    if (stamp) trace_stamp(c.trace, kTracePublished);
+  }
+
+  CtaLayout out;
+  out.ok = true;
+  out.abort = abort;
+  out.begin = s_begin;
+  out.kept = s_kept;
+  out.tpe = s_tpe;
+  out.src = s_src;
+  out.tokens = s_tokens;
+  out.out_rows = s_out_rows[me];
+  out.used_rows = s_used[me];
+  return out;
+}
+
+}  // namespace flexep::hybridep::preprocess_steps
