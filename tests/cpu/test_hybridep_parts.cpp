@@ -15,7 +15,7 @@ namespace {
 
 TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEightParts) {
   for (long long chunks : {1LL, 2LL, 4LL, 8LL, 33LL, 128LL, 1000LL}) {
-    for (int pipelines : {1, 2, 8, 16, 32, 64, 256}) {
+    for (int pipelines : {1, 2, 8, 16, 32, 48, 64, 96, 256, 264}) {
       SCOPED_TRACE("chunks " + std::to_string(chunks) + ", pipelines " + std::to_string(pipelines));
       const PartSplit s = part_split(chunks, pipelines);
       EXPECT_EQ(s.tokens * s.per_chunk, kChunkTokens);
@@ -28,14 +28,15 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
         if (s.tokens < kChunkTokens) {
           EXPECT_LT(chunks * (s.per_chunk / 2), 8LL * pipelines);
         }
-        // Smaller than that only where some pipeline would get no part at all.
+        // Smaller than that only where half the size would still give no pipeline two parts.
         if (s.tokens == kMinAutoPartTokens) {
-          EXPECT_GE(parts, pipelines);
+          EXPECT_GT(2 * parts, pipelines);
         }
       } else {
-        // Fewer parts than pipelines at twice the size; never below kMinSpreadPartTokens.
+        // Split below that only while every pipeline still gets at most one part; never below
+        // kMinSpreadPartTokens.
         EXPECT_GE(s.tokens, kMinSpreadPartTokens);
-        EXPECT_LT(chunks * (s.per_chunk / 2), pipelines);
+        EXPECT_LE(parts, pipelines);
       }
     }
   }
@@ -45,6 +46,8 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
   // Decode at 32 and 64 SMs: 2-token parts, so that 64 pipelines get one each.
   EXPECT_EQ(part_split(num_chunks(128), 64).tokens, 2);
   EXPECT_EQ(part_split(num_chunks(128), 128).tokens, 2);
+  // Decode at 24 SMs (48 pipelines): 32 parts of 4 tokens, not 64 of 2 (16 pipelines with two).
+  EXPECT_EQ(part_split(num_chunks(128), 48).tokens, 4);
 }
 
 // HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid

@@ -16,7 +16,8 @@ namespace flexep::hybridep {
 // chooses by itself for load balance (below it a part costs more in hand-out and publishing than it
 // saves: dsv3-ep2, 4-token parts +10%); and the smallest it goes to so that every pipeline gets a
 // part at all (decode at 32 SMs: 2-token parts, kernel 38 -> 31 us; 1-token parts cost more than
-// they spread, 50 us at 16 SMs; experiments/*-8281ec4e-*).
+// they spread, 50 us at 16 SMs; experiments/*-8281ec4e-*), as long as no pipeline gets two (decode
+// at 24 SMs: 2-token parts gave 16 of the 48 pipelines a second part, 58 us against 52.7 at 16 SMs).
 constexpr int kMinPartTokens = 1;
 constexpr int kMinAutoPartTokens = 4;
 constexpr int kMinSpreadPartTokens = 2;
@@ -33,15 +34,16 @@ FLEXEP_HD bool valid_part_tokens(int tokens) {
 
 // The largest part size that still gives at least 8 parts per pipeline (so that the hand-out
 // balances the load to within ~1/8 of a pipeline's share), but not below kMinAutoPartTokens, unless
-// there would be fewer parts than pipelines (then down to kMinSpreadPartTokens); or `forced` when it
-// is a valid part size (HybridEpOptions::part_tokens, for sweeps).
+// half that size still gives no pipeline more than one part (then down to kMinSpreadPartTokens: a
+// small call's parts are latency chains, and a pipeline's second part runs after its first); or
+// `forced` when it is a valid part size (HybridEpOptions::part_tokens, for sweeps).
 FLEXEP_HD PartSplit part_split(long long chunks, int pipelines, int forced = 0) {
   int p = kChunkTokens;
   if (valid_part_tokens(forced)) {
     p = forced;
   } else {
     while (p > kMinAutoPartTokens && chunks * (kChunkTokens / p) < 8LL * pipelines) p /= 2;
-    while (p > kMinSpreadPartTokens && chunks * (kChunkTokens / p) < pipelines) p /= 2;
+    while (p > kMinSpreadPartTokens && 2 * chunks * (kChunkTokens / p) <= pipelines) p /= 2;
   }
   PartSplit s;
   s.tokens = p;
