@@ -50,6 +50,24 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
   EXPECT_EQ(part_split(num_chunks(128), 48).tokens, 4);
 }
 
+// The fused small-call kernel needs a send part for every pipeline (parts.h says why).
+TEST(HybridEpParts, EveryPipelineSendsWhenThereAreAtLeastAsManyPartsAsPipelines) {
+  // Decode (128 tokens, 4 chunks) at 2 pipelines per CTA: 8, 16, 32 SMs yes; 24, 48, 64 SMs no.
+  EXPECT_TRUE(every_pipeline_sends(128, 16));
+  EXPECT_TRUE(every_pipeline_sends(128, 32));   // 32 parts of 4
+  EXPECT_TRUE(every_pipeline_sends(128, 64));   // 64 parts of 2
+  EXPECT_FALSE(every_pipeline_sends(128, 48));  // 32 parts of 4
+  EXPECT_FALSE(every_pipeline_sends(128, 96));  // 64 parts of 2 (the floor)
+  EXPECT_FALSE(every_pipeline_sends(0, 40));    // one empty chunk: 16 parts of 2
+  EXPECT_FALSE(every_pipeline_sends(128, 64, 32));  // forced whole chunks: 4 parts
+  for (long long T : {0LL, 1LL, 33LL, 128LL, 200LL, 256LL})
+    for (int pipelines : {1, 8, 40, 48, 64, 128}) {
+      const long long chunks = num_chunks(T);
+      EXPECT_EQ(every_pipeline_sends(T, pipelines), chunks * part_split(chunks, pipelines).per_chunk >= pipelines)
+          << T << " tokens, " << pipelines << " pipelines";
+    }
+}
+
 // HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid
 // sizes leave the choice to the split (the dispatcher rejects invalid ones before a kernel runs).
 TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {

@@ -567,10 +567,16 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
 
   const bool v2 = GetParam() == 2;  // the v1 dispatch kernel has no stamps
   // Every rank's T fits one plan chunk and k = 8: v2 runs the fused kernel (the preprocess steps in
-  // the dispatch CTAs; each producer stages its parts' tokens, stamping the first lane's token).
-  const bool fused = v2;
+  // the dispatch CTAs; each producer stages its parts' tokens, stamping the first lane's token) on
+  // every rank whose parts give each pipeline one (rank 0's 200 tokens do at the default 20 SMs);
+  // a rank with fewer parts takes the two kernels.
+  if (v2) {
+    EXPECT_TRUE(times[0].one_kernel);
+  }
   for (int r = 0; r < R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
+    const bool fused = times[static_cast<std::size_t>(r)].one_kernel;
+    EXPECT_TRUE(v2 || !fused);
     const bool tokens = c.tokens[static_cast<std::size_t>(r)] > 0;  // else no token is staged or sent
     std::vector<std::string> steps = {"preprocess_start", "planned", "counts_sent", "counts_arrived", "layout_done",
                                       "published"};
@@ -625,12 +631,17 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
       EXPECT_LE(at["producer_start"].first, at["staging_loaded"].first);
       EXPECT_LE(at["staging_stored"].last, at["probs_written"].last);
     }
-    in_order("producer_start", "probs_written");
+    // Every producer stamps its start, only those with a send part its probs (and every consumer its
+    // first job, only those with a row its first stores): the first stamps are ordered, the last
+    // ones need not be.
+    EXPECT_LE(at["producer_start"].first, at["probs_written"].first);
     in_order("probs_written", "loads_posted");
     in_order("loads_posted", "records_copied");
     in_order("records_copied", "records_fenced");
     EXPECT_LE(at["records_fenced"].last, at["sends_posted"].last);
-    if (tokens) in_order("first_job", "first_stores");
+    if (tokens) {
+      EXPECT_LE(at["first_job"].first, at["first_stores"].first);
+    }
     in_order("dispatch_start", "sends_posted");
     in_order("sends_posted", "fan_out_posted");
     for (const char* s : {"chunk_released", "flag_arrived", "stores_done", "zeroed"}) {

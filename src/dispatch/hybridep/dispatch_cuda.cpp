@@ -196,10 +196,13 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
   //    dependencies they had before.
   //    A call whose tokens fit one plan chunk (decode) takes ONE kernel instead: the preprocess
-  //    steps in every CTA of the dispatch grid, then its roles (dispatch_small_kernel).
+  //    steps in every CTA of the dispatch grid, then its roles (dispatch_small_kernel), when every
+  //    pipeline of that grid sends a part of it (dispatch_small_supported says why).
   DispatchView view = st.view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
-  const bool fused = v2 && c.inline_plan && dispatch_small_supported(c.row_bytes, c.scale_bytes, E, c.slots);
+  const bool fused = v2 && c.inline_plan &&
+                     dispatch_small_supported(c.row_bytes, c.scale_bytes, E, c.slots, c.tokens, sms.dispatch,
+                                              options_.part_tokens);
   one_kernel_ = fused;
   record(ev_preprocess, s);
   if (!fused) launch_preprocess(view, c, sms.preprocess, s, after_plan);
@@ -231,7 +234,8 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   std::int64_t N = options.budget_rows;
   const std::shared_ptr<void> owner = dispatch_;
   if (blocking) {
-    // The preprocess kernel publishes [control | tokens_per_expert] into pinned memory; the call
+    // The preprocess steps' CTA 0 (of the preprocess kernel, or of the fused small-call kernel)
+    // publishes [control | tokens_per_expert] into pinned memory; the call
     // returns once it is there, while the dispatch kernel still moves the rows (stream-ordered
     // before anything the caller enqueues next). An aborted call waits for its kernels and raises;
     // an error of the data movement itself is raised by the next call that checks (as in budget

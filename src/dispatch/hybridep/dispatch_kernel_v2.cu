@@ -38,7 +38,11 @@
 // dispatch_small_kernel: a call whose tokens fit one plan chunk (decode) in one kernel. Every CTA
 // first runs the preprocess steps (preprocess_steps.cuh) itself; the roles then read the layout
 // from the CTA's shared memory (Env), and each producer stages the tokens of the parts it takes
-// before sending them. Same protocol with the peers, so ranks on either path work together.
+// before sending them. Same protocol with the peers, so ranks on either path work together. With
+// no grid boundary after the count reads, the count slots' reuse rests on every CTA having a send
+// part (dispatch_small_supported, parts.h every_pipeline_sends). A CTA whose count wait times out
+// skips its roles while the others may go on: its parts are never published, so the peers time out
+// in dispatch:tokens rather than in the count exchange (an error either way, not a hang).
 #include <cuda_runtime.h>
 
 #include "dispatch/hybridep/access.cuh"
@@ -82,13 +86,15 @@ struct Env {
   long long used_rows;                         // rows covered by this rank's groups
   const long long *begin, *kept, *tpe;         // [L] this rank's groups
   const long long* tokens;                     // [R] T of every rank (clamped)
-  const preprocess_steps::TokenRows* stage;    // non-null: producers stage their parts' tokens
+  const preprocess_steps::TokenRows* token_rows;  // non-null (the fused kernel): producers stage their parts' tokens
 };
 
 // ---- records -----------------------------------------------------------------------------------------
 
 // The local rows of a staged record all lie in this rank's output. The producer (probs) and the
-// consumer (rows) apply this same test, so a bad record is skipped by both.
+// consumer (rows) apply this same test, so a bad record is skipped by both (the fused kernel's
+// producer tests each entry as it builds the record instead: it writes the probs of the rows in
+// range and reports the others).
 __device__ bool local_rows_ok(const unsigned char* rec, unsigned n, int width, long long out_rows) {
   if (n > static_cast<unsigned>(width)) return false;
   const RecordEntry* e = record_entries(rec);
@@ -255,7 +261,7 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   for (long long i = sends.next(lane); i < send_parts; i = sends.next(lane)) {
     const Part p = part_in_rank(i, send, c.tokens, me);
     bool any = false;
-    if (env.stage != nullptr) {
+    if (env.token_rows != nullptr) {
       // The fused kernel: the part's tokens are staged here, a lane each (records and slot entries;
       // an aborted call's get none and -1, as in the preprocess kernel), and the probs of the rows
       // here written from the same registers. The warp's other lanes read the records after the
@@ -263,7 +269,7 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
       const long long t = p.t0 + lane;
       const long long out_rows = env.out_rows;
       if (t < p.t1)
-        preprocess_steps::stage_token_in_registers(v, *env.stage, t, c.trace != nullptr && lane == 0,
+        preprocess_steps::stage_token_in_registers(v, *env.token_rows, t, c.trace != nullptr && lane == 0,
                                                    [&](int d, int row, float prob) {
                                                      any = true;
                                                      if (d != me) return;
@@ -593,14 +599,15 @@ void prepare_dispatch_v2() {
   raise_smem_limit(dispatch_small_kernel);
 }
 
-bool dispatch_small_supported(long long row_bytes, long long scale_bytes, int experts, int slots) {
-  return slots <= preprocess_steps::kRegisterSlots &&
+bool dispatch_small_supported(long long row_bytes, long long scale_bytes, int experts, int slots, long long tokens,
+                              int grid, int part_tokens) {
+  return slots <= preprocess_steps::kRegisterSlots && every_pipeline_sends(tokens, grid * kPipes, part_tokens) &&
          small_layout_for(row_bytes, scale_bytes, experts).stages >= kMinStages;
 }
 
 void launch_dispatch_small(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
   const RingLayout layout = small_layout_for(c.row_bytes, c.scale_bytes, v.experts);
-  FLEXEP_CHECK(layout.stages >= kMinStages && c.inline_plan,
+  FLEXEP_CHECK(layout.stages >= kMinStages && c.inline_plan && every_pipeline_sends(c.tokens, grid * kPipes, v.part_tokens),
                "hybridep fused dispatch: not for this call (internal error: dispatch_small_supported decides)");
   launch_kernel(dispatch_small_kernel, grid, kThreadsV2, layout.total_bytes(), stream, false, v, c, layout);
 }

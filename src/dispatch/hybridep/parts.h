@@ -51,6 +51,16 @@ FLEXEP_HD PartSplit part_split(long long chunks, int pipelines, int forced = 0) 
   return s;
 }
 
+// Whether every pipeline of the grid has a send part of its own: a pipeline's first part is the one
+// with its index (work_items.cuh). The fused small-call kernel relies on it to reuse its count slots:
+// a CTA's first part cannot be published before that CTA has read the counts, so every chunk flag a
+// peer needs to finish the call waits for every CTA's reads, and the peer cannot rewrite its count
+// slot (its next call) while a late CTA still reads it.
+FLEXEP_HD bool every_pipeline_sends(long long tokens, int pipelines, int forced = 0) {
+  const long long chunks = num_chunks(tokens);
+  return chunks * part_split(chunks, pipelines, forced).per_chunk >= pipelines;
+}
+
 struct Part {
   int source = 0;  // the rank whose tokens these are
   int chunk = 0;

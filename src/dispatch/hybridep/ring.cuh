@@ -125,6 +125,9 @@ struct Ring {
   __device__ Job wait_lane0(unsigned j, int lane) const {
     Job job{};
     if (lane == 0) job = wait(j);
+    // Lane 0's acquire, then this barrier: the other lanes' reads of what the poster wrote before
+    // the job (the fused dispatch kernel's staged records) are ordered after it (a shuffle is not).
+    __syncwarp();
     auto from_lane0 = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
     return Job{from_lane0(job.kind), from_lane0(job.a), from_lane0(job.b), from_lane0(job.c),
                from_lane0(job.d),    from_lane0(job.e), from_lane0(job.f), from_lane0(job.g)};
