@@ -1,6 +1,7 @@
 // Where a dispatch's time goes on the GPU, step by step (HybridEpOptions::kernel_timing): every CTA
 // stamps the device clock (%globaltimer, ns) at the end of each step of the preprocess and dispatch
-// kernels into the earliest and the latest stamp of that step. Events around the kernels give only
+// kernels (or of the fused small-call kernel, which runs both sets of steps in one grid) into the
+// earliest and the latest stamp of that step. Events around the kernels give only
 // their spans; these show, on each rank, when the count exchange arrived, when the sends were
 // published, when the peer's first chunk flag came, and so on (docs/hybridep.md, "The call's
 // fixed costs").
@@ -11,20 +12,22 @@
 namespace flexep::hybridep {
 
 enum TracePoint : int {
-  // preprocess kernel
+  // preprocess steps (the preprocess kernel, or each CTA of the fused small-call kernel)
   kTracePreprocessStart,  // after the wait for the plan kernel
   kTracePlanned,          // the inline plan of a one-chunk call done
   kTraceCountsSent,       // this rank's counts released to every rank
   kTraceCountsArrived,    // every rank's counts here
   kTraceLayoutDone,       // every receiver's layout and the abort decision
   kTracePublished,        // CTA 0: the layout and the decision published (to the host too, blocking)
-  kTraceStagingLoaded,    // a CTA's first token: its slots' plan ranks, ids and weights loaded
-  kTraceStagingStored,    // a CTA's first token: its records and slot entries stored
-  kTraceStaged,           // the CTA's staging records written
-  // dispatch kernel (v2)
-  kTraceDispatchStart,    // after the wait for the preprocess grid
+  kTraceStagingLoaded,    // a staging CTA's first token (fused: each send part's first token):
+                          // its slots' plan ranks, ids and weights loaded
+  kTraceStagingStored,    // ... its records and slot entries stored
+  kTraceStaged,           // the CTA's staging records written (preprocess kernel only)
+  // dispatch roles (v2 kernel, or the fused kernel after its CTA's own preprocess steps)
+  kTraceDispatchStart,    // after the wait for the preprocess grid (fused: the CTA's layout)
   kTraceProducerStart,    // a producer warp begins (rings initialised, the decision read)
-  kTraceProbsWritten,     // a send part's staging headers read and local probs written
+  kTraceProbsWritten,     // a send part's local probs written (from the staged records, or fused:
+                          // from the staging registers)
   kTraceLoadsPosted,      // a send part's row loads posted to the ring
   kTraceRecordsCopied,    // a send part's records stored to every destination
   kTraceRecordsFenced,    // ... and fenced at system scope
