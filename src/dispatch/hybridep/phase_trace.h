@@ -3,8 +3,8 @@
 // kernels (or of the fused small-call kernel, which runs both sets of steps in one grid) into the
 // earliest and the latest stamp of that step. Events around the kernels give only
 // their spans; these show, on each rank, when the count exchange arrived, when the sends were
-// published, when the peer's first chunk flag came, and so on (docs/hybridep.md, "The call's
-// fixed costs").
+// published, when the peer's first chunk flag came, and so on (docs/hybridep.md, "The step
+// trace").
 //
 // Shared by the kernels and the host (no CUDA headers); the device stamp is in phase_trace.cuh.
 #pragma once
