@@ -607,7 +607,8 @@ bool dispatch_small_supported(long long row_bytes, long long scale_bytes, int ex
 
 void launch_dispatch_small(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
   const RingLayout layout = small_layout_for(c.row_bytes, c.scale_bytes, v.experts);
-  FLEXEP_CHECK(layout.stages >= kMinStages && c.inline_plan && every_pipeline_sends(c.tokens, grid * kPipes, v.part_tokens),
+  FLEXEP_CHECK(layout.stages >= kMinStages && c.inline_plan &&
+                   every_pipeline_sends(c.tokens, grid * kPipes, v.part_tokens),
                "hybridep fused dispatch: not for this call (internal error: dispatch_small_supported decides)");
   launch_kernel(dispatch_small_kernel, grid, kThreadsV2, layout.total_bytes(), stream, false, v, c, layout);
 }

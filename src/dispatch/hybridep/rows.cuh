@@ -23,8 +23,9 @@ __device__ inline void zero_row_range(uint4* rows, float* probs, long long words
 // Every row of an expert-major output that no (token, expert) pair fills: for each local expert
 // le, rows [begin + kept, begin + tpe) (padding up to pad_multiple, cut by the budget), then the
 // rows [used, out_rows) past the last group (budget mode). With core/plan.cpp's layout these and
-// the kept rows tile [0, out_rows) exactly (docs/hybridep.md, end of "Data flow of a dispatch"). Every range is clamped to
-// [0, out_rows): nothing outside the output is ever written, whatever the layout arrays hold.
+// the kept rows tile [0, out_rows) exactly (docs/hybridep.md, end of "Data flow of a dispatch").
+// Every range is clamped to [0, out_rows): nothing outside the output is ever written, whatever
+// the layout arrays hold.
 __device__ inline void zero_unfilled_rows(uint4* rows, float* probs, long long words_per_row, const long long* begin,
                                           const long long* kept, const long long* tpe, int local_experts,
                                           long long used, long long out_rows, int w, int W, int lane) {
