@@ -86,7 +86,8 @@ struct Env {
   long long used_rows;                         // rows covered by this rank's groups
   const long long *begin, *kept, *tpe;         // [L] this rank's groups
   const long long* tokens;                     // [R] T of every rank (clamped)
-  const preprocess_steps::TokenRows* token_rows;  // non-null (the fused kernel): producers stage their parts' tokens
+  // Non-null in the fused kernel: its producers stage their parts' tokens.
+  const preprocess_steps::TokenRows* token_rows = nullptr;
 };
 
 // ---- records -----------------------------------------------------------------------------------------
@@ -172,6 +173,23 @@ __device__ bool write_staged_probs(const DispatchView& v, const Part& p, const E
       }
     }
   }
+  return any;
+}
+
+// The fused kernel's producer lane: stages its part's token t (records and slot entries; an aborted
+// call's get none and -1, as in the preprocess kernel) and writes the probs of the token's rows here
+// from the same registers, each entry tested against the output as it is built. Returns whether the
+// token goes anywhere.
+__device__ bool stage_and_write_probs(const DispatchView& v, const Env& env, long long t, bool stamp) {
+  bool any = false;
+  preprocess_steps::stage_token_in_registers(v, *env.token_rows, t, stamp, [&](int d, int row, float prob) {
+    any = true;
+    if (d != v.rank) return;
+    if (row < env.out_rows)
+      *prob_at(v, v.rank, row) = prob;
+    else
+      report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, v.rank, t, env.out_rows);
+  });
   return any;
 }
 
@@ -261,25 +279,10 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   for (long long i = sends.next(lane); i < send_parts; i = sends.next(lane)) {
     const Part p = part_in_rank(i, send, c.tokens, me);
     bool any = false;
-    if (env.token_rows != nullptr) {
-      // The fused kernel: the part's tokens are staged here, a lane each (records and slot entries;
-      // an aborted call's get none and -1, as in the preprocess kernel), and the probs of the rows
-      // here written from the same registers. The warp's other lanes read the records after the
-      // __syncwarp, the consumer after the job post.
+    if (env.token_rows != nullptr) {  // the fused kernel: the part's tokens staged here, a lane each
       const long long t = p.t0 + lane;
-      const long long out_rows = env.out_rows;
-      if (t < p.t1)
-        preprocess_steps::stage_token_in_registers(v, *env.token_rows, t, c.trace != nullptr && lane == 0,
-                                                   [&](int d, int row, float prob) {
-                                                     any = true;
-                                                     if (d != me) return;
-                                                     if (row < out_rows)
-                                                       *prob_at(v, me, row) = prob;
-                                                     else
-                                                       report_status(v.status, StatusCode::corrupt,
-                                                                     Phase::dispatch_tokens, me, t, out_rows);
-                                                   });
-      __syncwarp();
+      if (t < p.t1) any = stage_and_write_probs(v, env, t, c.trace != nullptr && lane == 0);
+      __syncwarp();  // the warp's other lanes read the records after it, the consumer after the job post
     } else if (env.move) {
       any = write_staged_probs(v, p, env, lane);
     }
@@ -531,8 +534,15 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   __syncthreads();
   if (!s_broken) {
     // control's tokens were clamped by the preprocess kernel (tokens_of's clamp).
-    const Env env{epoch,  s_move != 0, v.control->out_rows, static_cast<int>(gridDim.x) * kPipes, v.control->used_rows,
-                  v.begin, v.kept,      v.tpe,               v.control->tokens,                    nullptr};
+    const Env env{.epoch = epoch,
+                  .move = s_move != 0,
+                  .out_rows = v.control->out_rows,
+                  .pipelines = static_cast<int>(gridDim.x) * kPipes,
+                  .used_rows = v.control->used_rows,
+                  .begin = v.begin,
+                  .kept = v.kept,
+                  .tpe = v.tpe,
+                  .tokens = v.control->tokens};
     run_roles(v, c, layout, smem, env);
   }
   finish_dispatch(v, c, epoch);
@@ -561,9 +571,16 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   if (!s_broken) {
     const int L = v.local_experts, me = v.rank;
     const preprocess_steps::TokenRows rows{c, l.src, l.begin, l.kept, v.experts, L, l.abort};
-    const Env env{epoch,       !l.abort,         l.out_rows,       static_cast<int>(gridDim.x) * kPipes,
-                  l.used_rows, l.begin + me * L, l.kept + me * L, l.tpe + me * L,
-                  l.tokens,    &rows};
+    const Env env{.epoch = epoch,
+                  .move = !l.abort,
+                  .out_rows = l.out_rows,
+                  .pipelines = static_cast<int>(gridDim.x) * kPipes,
+                  .used_rows = l.used_rows,
+                  .begin = l.begin + me * L,
+                  .kept = l.kept + me * L,
+                  .tpe = l.tpe + me * L,
+                  .tokens = l.tokens,
+                  .token_rows = &rows};
     run_roles(v, c, layout, smem, env);
   }
   finish_dispatch(v, c, epoch);

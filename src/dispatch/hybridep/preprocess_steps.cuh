@@ -318,9 +318,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
     if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
     if (blockIdx.x == 0 && c.host_control) publish_to_host(v, c);  // the host then waits and raises
-    CtaLayout failed;
-    failed.ok = false;
-    return failed;
+    return CtaLayout{};  // ok = false
   }
   if (stamp) trace_stamp(c.trace, kTraceCountsArrived);
   const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
@@ -398,17 +396,15 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     if (stamp) trace_stamp(c.trace, kTracePublished);
   }
 
-  CtaLayout out;
-  out.ok = true;
-  out.abort = abort;
-  out.begin = s_begin;
-  out.kept = s_kept;
-  out.tpe = s_tpe;
-  out.src = s_src;
-  out.tokens = s_tokens;
-  out.out_rows = s_out_rows[me];
-  out.used_rows = s_used[me];
-  return out;
+  return CtaLayout{.ok = true,
+                   .abort = abort,
+                   .begin = s_begin,
+                   .kept = s_kept,
+                   .tpe = s_tpe,
+                   .src = s_src,
+                   .tokens = s_tokens,
+                   .out_rows = s_out_rows[me],
+                   .used_rows = s_used[me]};
 }
 
 }  // namespace flexep::hybridep::preprocess_steps
