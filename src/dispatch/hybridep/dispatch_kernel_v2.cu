@@ -623,16 +623,20 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   const unsigned epoch = op_epoch(&v.control->op);
   if (threadIdx.x == 0) init_rings(smem, layout);  // ordered before the roles by lay_out_call's barriers
   auto* steps_smem = reinterpret_cast<long long*>(smem + layout.off_extra() + kZeroBytes);
-  // Each producer lane loads the slots of its token of the pipeline's first part while the counts
-  // travel: only the rows wait for the layout (the step trace had ~4 us from a producer's start to
-  // its rows known, after the layout).
+  // Each producer lane loads the ids and weights of its token of the pipeline's first part now (they
+  // arrive during the inline plan) and ranks its slots while the counts travel: only the rows wait
+  // for the layout (the step trace had ~4 us from a producer's start to its rows known, after the
+  // layout). Loading them in the count wait instead delayed every CTA's barrier there by ~2 us.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int pipelines = static_cast<int>(gridDim.x) * kPipes, pipe = static_cast<int>(blockIdx.x) * kPipes + warp / 2;
+  const Part first = first_send_part(v, c, pipelines, pipe);
+  const bool stages_first = warp < 2 * kPipes && warp % 2 == 0 && first.t0 + lane < first.t1;  // producers
+  preprocess_steps::SlotInputs first_inputs;
+  if (stages_first) first_inputs = preprocess_steps::load_slot_inputs(c, first.t0 + lane);
   preprocess_steps::TokenSlots first_slots;
   const auto load_first_slots = [&](const std::uint32_t* bits) {
-    if (warp >= 2 * kPipes || warp % 2 != 0) return;  // producers only
-    const Part p = first_send_part(v, c, pipelines, pipe);
-    if (p.t0 + lane < p.t1) first_slots = preprocess_steps::token_slots_from_bits(c, bits, v.experts, p.t0 + lane);
+    if (stages_first)
+      first_slots = preprocess_steps::token_slots_from_bits(first_inputs, bits, v.experts, first.t0 + lane);
   };
   const preprocess_steps::CtaLayout l = preprocess_steps::lay_out_call(v, c, steps_smem, true, load_first_slots);
   __shared__ int s_broken;

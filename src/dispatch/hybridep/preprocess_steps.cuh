@@ -62,10 +62,32 @@ __device__ inline TokenSlots load_token_slots(const DispatchCall& c, int experts
   return s;
 }
 
+// What a token's slots read from the inputs: the expert ids and the weights (-1 and 0 past the
+// call's slots). The fused kernel's producers load them at the kernel's start, so that they arrive
+// during the inline plan: nothing uses them before the count release.
+struct SlotInputs {
+  long long id[kRegisterSlots];
+  float weight[kRegisterSlots];
+};
+
+__device__ inline SlotInputs load_slot_inputs(const DispatchCall& c, long long t) {
+  SlotInputs in;
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    in.id[j] = -1;
+    in.weight[j] = 0.0f;
+    if (j < c.slots) {
+      in.id[j] = plan_id_at(c.indices, c.indices_i64, t * c.slots + j);
+      in.weight[j] = c.weights[t * c.slots + j];
+    }
+  }
+  return in;
+}
+
 // From the inline plan's bits in shared memory (a one-chunk call: token t is chunk token t), the
-// same ranks write_slot_ranks writes. The fused kernel's producers load their first part's tokens
-// so while the counts travel: only the rows need the layout.
-__device__ inline TokenSlots token_slots_from_bits(const DispatchCall& c, const std::uint32_t* bits, int experts,
+// same ranks write_slot_ranks writes. The fused kernel's producers rank their first part's tokens
+// so while the counts travel: only the rows need the layout. Reads shared memory only.
+__device__ inline TokenSlots token_slots_from_bits(const SlotInputs& in, const std::uint32_t* bits, int experts,
                                                    long long t) {
   TokenSlots s;
   const int w = plan_word(static_cast<int>(t));
@@ -74,15 +96,11 @@ __device__ inline TokenSlots token_slots_from_bits(const DispatchCall& c, const 
     s.expert[j] = -1;
     s.rank[j] = -1;
     s.prob[j] = 0.0f;
-    if (j < c.slots) {
-      const long long i = t * c.slots + j;
-      const long long id = plan_id_at(c.indices, c.indices_i64, i);
-      if (id >= 0 && id < experts) {
-        const int e = static_cast<int>(id);
-        s.expert[j] = e;
-        s.rank[j] = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, static_cast<int>(t));
-        s.prob[j] = c.weights[i];
-      }
+    if (in.id[j] >= 0 && in.id[j] < experts) {
+      const int e = static_cast<int>(in.id[j]);
+      s.expert[j] = e;
+      s.rank[j] = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, static_cast<int>(t));
+      s.prob[j] = in.weight[j];
     }
   }
   return s;
