@@ -88,7 +88,15 @@ struct Env {
   const long long* tokens;                     // [R] T of every rank (clamped)
   // Non-null in the fused kernel: its producers stage their parts' tokens.
   const preprocess_steps::TokenRows* token_rows = nullptr;
+  // The fused kernel's producer lanes: the slots of their token of the pipeline's first send part,
+  // loaded while the counts travelled (first_send_part).
+  const preprocess_steps::TokenSlots* first_slots = nullptr;
 };
+
+// A pipeline's first send part: the item with its own index (work_items.cuh).
+__device__ Part first_send_part(const DispatchView& v, const DispatchCall& c, int pipelines, int pipe) {
+  return part_in_rank(pipe, part_split(num_chunks(c.tokens), pipelines, v.part_tokens), c.tokens, v.rank);
+}
 
 // ---- records -----------------------------------------------------------------------------------------
 
@@ -180,9 +188,10 @@ __device__ bool write_staged_probs(const DispatchView& v, const Part& p, const E
 // call's get none and -1, as in the preprocess kernel) and writes the probs of the token's rows here
 // from the same registers, each entry tested against the output as it is built. Returns whether the
 // token goes anywhere.
-__device__ bool stage_and_write_probs(const DispatchView& v, const Env& env, long long t, bool stamp) {
+__device__ bool stage_and_write_probs(const DispatchView& v, const Env& env, long long t,
+                                      const preprocess_steps::TokenSlots& slots, bool stamp) {
   bool any = false;
-  preprocess_steps::stage_token_in_registers(v, *env.token_rows, t, stamp, [&](int d, int row, float prob) {
+  preprocess_steps::stage_token_in_registers(v, *env.token_rows, t, slots, stamp, [&](int d, int row, float prob) {
     any = true;
     if (d != v.rank) return;
     if (row < env.out_rows)
@@ -211,14 +220,85 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
     ++j;
   }
   if (lane == 0) trace_stamp(c.trace, kTraceLoadsPosted);
-  // The records, while the consumer stores the rows; fenced here (system scope) so that the part's
-  // release by the consumer publishes them too.
+  // The records, while the consumer stores the rows. No fence here: the __syncwarp orders every
+  // lane's record stores before lane 0's "part end" post (an mbarrier arrive: release, CTA scope),
+  // and the consumer that observes it fences at system scope before it counts the part, which
+  // publishes them with the rows (fences are cumulative). A fence here waited 2-4 us per part for
+  // the records' NVLink acknowledgements, on the critical path of a decode call (the step trace).
   copy_records(v, p, env.epoch, lane);
-  if (lane == 0) trace_stamp(c.trace, kTraceRecordsCopied);
-  fence_sys();
   __syncwarp();
-  if (lane == 0) trace_stamp(c.trace, kTraceRecordsFenced);
+  if (lane == 0) trace_stamp(c.trace, kTraceRecordsCopied);
   return j;
+}
+
+// A received record of at most kRegisterSlots entries (a width this small: at most five 16-byte
+// words), read with all its loads in flight: one round trip instead of three dependent ones (the
+// header, then the rows to check, then the probs to write).
+struct ReceivedRecord {
+  static constexpr int kWords = (8 + 8 * preprocess_steps::kRegisterSlots + 15) / 16;
+  uint4 w[kWords];
+
+  // Written by the source rank over NVLink: read through L2.
+  __device__ void load(const unsigned char* rec, int record_bytes) {
+#pragma unroll
+    for (int q = 0; q < kWords; ++q)
+      if (q * 16 < record_bytes) w[q] = __ldcg(reinterpret_cast<const uint4*>(rec) + q);
+  }
+  __device__ unsigned epoch() const { return w[0].x; }
+  __device__ unsigned n() const { return w[0].y; }
+  // Entry q (a constant once unrolled) sits at byte 8 + 8q: the upper half of word (q + 1) / 2 for
+  // even q, the lower half for odd q.
+  __device__ RecordEntry entry(int q) const {
+    const uint4& x = w[(q + 1) / 2];
+    return q % 2 == 0 ? RecordEntry{static_cast<int>(x.z), __uint_as_float(x.w)}
+                      : RecordEntry{static_cast<int>(x.x), __uint_as_float(x.y)};
+  }
+};
+
+// Lane l's token p.t0 + l of source s, received on this rank: its probs written, and whether its
+// row needs copies into other rows (n > 1; n and its first row returned). A bad record is reported.
+__device__ bool write_received_probs(const DispatchView& v, const Part& p, const Env& env, long long t,
+                                     unsigned& n, int& row0) {
+  const int me = v.rank, s = p.source;
+  const unsigned char* rec = record_at(records_of(v, me), s, t, v.max_tokens, v.record_bytes);
+  long long bad_row = -1;
+  bool bad = false;
+  if (v.width <= preprocess_steps::kRegisterSlots) {
+    ReceivedRecord r;
+    r.load(rec, v.record_bytes);
+    if (r.epoch() != env.epoch) return false;  // not for this rank
+    n = r.n();
+    row0 = r.entry(0).row;
+    bad = n == 0 || n > static_cast<unsigned>(v.width);
+#pragma unroll
+    for (int q = 0; q < preprocess_steps::kRegisterSlots; ++q) {
+      const int row = r.entry(q).row;
+      if (!bad && q < static_cast<int>(n) && (row < 0 || row >= env.out_rows)) bad = true, bad_row = row;
+    }
+    if (!bad) {
+#pragma unroll
+      for (int q = 0; q < preprocess_steps::kRegisterSlots; ++q)
+        if (q < static_cast<int>(n)) *prob_at(v, me, r.entry(q).row) = r.entry(q).prob;
+    }
+  } else {
+    const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));  // {epoch, n, row0, prob0}
+    if (head.x != env.epoch) return false;
+    n = head.y;
+    row0 = static_cast<int>(head.z);
+    const RecordEntry* e = record_entries(rec);
+    bad = n == 0 || n > static_cast<unsigned>(v.width);
+    for (unsigned q = 0; !bad && q < n; ++q) {
+      const int row = __ldcg(&e[q].row);
+      if (row < 0 || row >= env.out_rows) bad = true, bad_row = row;
+    }
+    if (!bad)
+      for (unsigned q = 0; q < n; ++q) *prob_at(v, me, __ldcg(&e[q].row)) = __ldcg(&e[q].prob);
+  }
+  if (bad) {
+    report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, s, bad_row, env.out_rows);
+    return false;
+  }
+  return n > 1;  // the row landed in entries[0]; the others need a copy
 }
 
 __device__ unsigned produce_fan_out_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
@@ -227,29 +307,7 @@ __device__ unsigned produce_fan_out_part(const DispatchView& v, const DispatchCa
   const long long t = p.t0 + lane;
   unsigned n = 0;
   int row0 = 0;
-  bool copy = false;
-  if (t < p.t1) {
-    const unsigned char* rec = record_at(records_of(v, me), s, t, v.max_tokens, v.record_bytes);
-    // Written by rank s over NVLink: read through L2.
-    const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));  // {epoch, n, row0, prob0}
-    if (head.x == env.epoch) {                                       // else: not for this rank
-      n = head.y;
-      row0 = static_cast<int>(head.z);
-      const RecordEntry* e = record_entries(rec);
-      bool bad = n == 0 || n > static_cast<unsigned>(v.width);
-      long long bad_row = -1;
-      for (unsigned q = 0; !bad && q < n; ++q) {
-        const int row = __ldcg(&e[q].row);
-        if (row < 0 || row >= env.out_rows) bad = true, bad_row = row;
-      }
-      if (bad) {
-        report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, s, bad_row, env.out_rows);
-      } else {
-        for (unsigned q = 0; q < n; ++q) *prob_at(v, me, __ldcg(&e[q].row)) = __ldcg(&e[q].prob);
-        copy = n > 1;  // the row landed in entries[0]; the others need a copy
-      }
-    }
-  }
+  const bool copy = t < p.t1 && write_received_probs(v, p, env, t, n, row0);
   for (unsigned m = __ballot_sync(kFullMask, copy); m != 0; m &= m - 1) {
     const int l = __ffs(m) - 1;
     const unsigned nn = __shfl_sync(kFullMask, n, l);
@@ -281,7 +339,11 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
     bool any = false;
     if (env.token_rows != nullptr) {  // the fused kernel: the part's tokens staged here, a lane each
       const long long t = p.t0 + lane;
-      if (t < p.t1) any = stage_and_write_probs(v, env, t, c.trace != nullptr && lane == 0);
+      if (t < p.t1) {
+        const bool first = i == pipe && env.first_slots != nullptr;  // loaded while the counts travelled
+        any = stage_and_write_probs(v, env, t, first ? *env.first_slots : preprocess_steps::load_token_slots(c, v.experts, t),
+                                    c.trace != nullptr && lane == 0);
+      }
       __syncwarp();  // the warp's other lanes read the records after it, the consumer after the job post
     } else if (env.move) {
       any = write_staged_probs(v, p, env, lane);
@@ -561,7 +623,22 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   const unsigned epoch = op_epoch(&v.control->op);
   if (threadIdx.x == 0) init_rings(smem, layout);  // ordered before the roles by lay_out_call's barriers
   auto* steps_smem = reinterpret_cast<long long*>(smem + layout.off_extra() + kZeroBytes);
-  const preprocess_steps::CtaLayout l = preprocess_steps::lay_out_call(v, c, steps_smem, true);
+  // Each producer lane loads the ids and weights of its token of the pipeline's first part now (they
+  // arrive during the inline plan) and ranks its slots while the counts travel: only the rows wait
+  // for the layout (the step trace had ~4 us from a producer's start to its rows known, after the
+  // layout). Loading them in the count wait instead delayed every CTA's barrier there by ~2 us.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int pipelines = static_cast<int>(gridDim.x) * kPipes, pipe = static_cast<int>(blockIdx.x) * kPipes + warp / 2;
+  const Part first = first_send_part(v, c, pipelines, pipe);
+  const bool stages_first = warp < 2 * kPipes && warp % 2 == 0 && first.t0 + lane < first.t1;  // producers
+  preprocess_steps::SlotInputs first_inputs;
+  if (stages_first) first_inputs = preprocess_steps::load_slot_inputs(c, first.t0 + lane);
+  preprocess_steps::TokenSlots first_slots;
+  const auto load_first_slots = [&](const std::uint32_t* bits) {
+    if (stages_first)
+      first_slots = preprocess_steps::token_slots_from_bits(first_inputs, bits, v.experts, first.t0 + lane);
+  };
+  const preprocess_steps::CtaLayout l = preprocess_steps::lay_out_call(v, c, steps_smem, true, load_first_slots);
   __shared__ int s_broken;
   if (threadIdx.x == 0) {
     s_broken = !l.ok || timed_out(v.status);  // a timeout: move nothing, wait for nothing
@@ -574,13 +651,14 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     const Env env{.epoch = epoch,
                   .move = !l.abort,
                   .out_rows = l.out_rows,
-                  .pipelines = static_cast<int>(gridDim.x) * kPipes,
+                  .pipelines = pipelines,
                   .used_rows = l.used_rows,
                   .begin = l.begin + me * L,
                   .kept = l.kept + me * L,
                   .tpe = l.tpe + me * L,
                   .tokens = l.tokens,
-                  .token_rows = &rows};
+                  .token_rows = &rows,
+                  .first_slots = &first_slots};
     run_roles(v, c, layout, smem, env);
   }
   finish_dispatch(v, c, epoch);

@@ -29,8 +29,7 @@ enum TracePoint : int {
   kTraceProbsWritten,     // a send part's local probs written (from the staged records, or fused:
                           // from the staging registers)
   kTraceLoadsPosted,      // a send part's row loads posted to the ring
-  kTraceRecordsCopied,    // a send part's records stored to every destination
-  kTraceRecordsFenced,    // ... and fenced at system scope
+  kTraceRecordsCopied,    // a send part's records stored to every destination (every lane's)
   kTraceFirstJob,         // a consumer received its first job
   kTraceFirstStores,      // a consumer issued the stores of its first row
   kTraceSendsPosted,      // a producer posted its last send job
@@ -47,9 +46,9 @@ enum TracePoint : int {
 inline constexpr const char* kTracePointNames[] = {
     "preprocess_start", "planned",        "counts_sent",    "counts_arrived", "layout_done",
     "published",        "staging_loaded", "staging_stored", "staged",         "dispatch_start",
-    "producer_start",   "probs_written",  "loads_posted",   "records_copied", "records_fenced",
-    "first_job",        "first_stores",   "sends_posted",   "chunk_released", "flag_arrived",
-    "fan_out_posted",   "stores_done",    "zeroed",         "dispatch_end",
+    "producer_start",   "probs_written",  "loads_posted",   "records_copied", "first_job",
+    "first_stores",     "sends_posted",   "chunk_released", "flag_arrived",   "fan_out_posted",
+    "stores_done",      "zeroed",         "dispatch_end",
 };
 static_assert(sizeof(kTracePointNames) / sizeof(kTracePointNames[0]) == kTracePoints, "a name per trace point");
 

@@ -74,7 +74,8 @@ __global__ void __launch_bounds__(kThreads)
   const StagingShare share = staging_share(c.inline_plan != 0);
   for (long long t = share.token(threadIdx.x); t < c.tokens; t += share.stride) {
     if (c.slots <= kRegisterSlots)
-      stage_token_in_registers(v, rows, t, t == share.token(0) && c.trace != nullptr);
+      stage_token_in_registers(v, rows, t, load_token_slots(c, v.experts, t),
+                               t == share.token(0) && c.trace != nullptr);
     else
       stage_token_in_memory(v, rows, t);
   }

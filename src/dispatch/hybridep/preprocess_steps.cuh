@@ -27,6 +27,85 @@ struct WindowCounts {
   }
 };
 
+// Tokens with at most this many slots build their records in registers and store them once.
+constexpr int kRegisterSlots = 8;
+
+// A token's slots as far as they are known before the layout: each slot's expert, its rank among
+// this rank's pairs of that expert (the plan's), and its weight. expert -1: a slot the plan did not
+// rank (no or an invalid expert).
+struct TokenSlots {
+  int expert[kRegisterSlots];
+  int rank[kRegisterSlots];
+  float prob[kRegisterSlots];
+};
+
+// From the plan's results in device memory (the plan kernel's, or the inline plan's slot ranks).
+__device__ inline TokenSlots load_token_slots(const DispatchCall& c, int experts, long long t) {
+  TokenSlots s;
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    s.expert[j] = -1;
+    s.rank[j] = -1;
+    s.prob[j] = 0.0f;
+    if (j < c.slots) {
+      const long long i = t * c.slots + j;
+      const int local = c.plan_slot_rows[i];
+      if (local >= 0) {
+        const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
+        const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
+        s.expert[j] = e;
+        s.rank[j] = static_cast<int>(base + local);
+        s.prob[j] = c.weights[i];
+      }
+    }
+  }
+  return s;
+}
+
+// What a token's slots read from the inputs: the expert ids and the weights (-1 and 0 past the
+// call's slots). The fused kernel's producers load them at the kernel's start, so that they arrive
+// during the inline plan: nothing uses them before the count release.
+struct SlotInputs {
+  long long id[kRegisterSlots];
+  float weight[kRegisterSlots];
+};
+
+__device__ inline SlotInputs load_slot_inputs(const DispatchCall& c, long long t) {
+  SlotInputs in;
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    in.id[j] = -1;
+    in.weight[j] = 0.0f;
+    if (j < c.slots) {
+      in.id[j] = plan_id_at(c.indices, c.indices_i64, t * c.slots + j);
+      in.weight[j] = c.weights[t * c.slots + j];
+    }
+  }
+  return in;
+}
+
+// From the inline plan's bits in shared memory (a one-chunk call: token t is chunk token t), the
+// same ranks write_slot_ranks writes. The fused kernel's producers rank their first part's tokens
+// so while the counts travel: only the rows need the layout. Reads shared memory only.
+__device__ inline TokenSlots token_slots_from_bits(const SlotInputs& in, const std::uint32_t* bits, int experts,
+                                                   long long t) {
+  TokenSlots s;
+  const int w = plan_word(static_cast<int>(t));
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    s.expert[j] = -1;
+    s.rank[j] = -1;
+    s.prob[j] = 0.0f;
+    if (in.id[j] >= 0 && in.id[j] < experts) {
+      const int e = static_cast<int>(in.id[j]);
+      s.expert[j] = e;
+      s.rank[j] = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, static_cast<int>(t));
+      s.prob[j] = in.weight[j];
+    }
+  }
+  return s;
+}
+
 // Where the slots of this rank's tokens go, once every receiver's layout is known (steps 3 + 4).
 struct TokenRows {
   const DispatchCall& c;
@@ -36,21 +115,23 @@ struct TokenRows {
   int experts, local_experts;
   bool abort;
 
-  // Slot i of token t: its row on the owner of its expert (-1: no or invalid expert, dropped by the
-  // budget, or the call aborted) and that owner.
+  // The row of a slot of expert e with `rank` among this rank's pairs of e, on e's owner (-1:
+  // dropped by the budget, or the call aborted), and that owner.
+  __device__ long long row_of(int e, long long rank, int& dest) const {
+    if (abort) return -1;
+    dest = e / local_experts;
+    return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
+  }
+
+  // Slot i of token t, from the plan's results in device memory (-1 also for no or an invalid expert).
   __device__ long long row(long long t, long long i, int& dest) const {
     const int local = abort ? -1 : c.plan_slot_rows[i];
     if (local < 0) return -1;
     const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
     const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
-    const long long rank = base + local;
-    dest = e / local_experts;
-    return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
+    return row_of(e, base + local, dest);
   }
 };
-
-// Tokens with at most this many slots build their records in registers and store them once.
-constexpr int kRegisterSlots = 8;
 
 // A token's record for each destination (entries sorted by row) and its slots' entries. The rows of
 // one token on one rank belong to distinct experts, hence distinct groups: an entry's place is the
@@ -63,7 +144,7 @@ struct NoEntryHook {
 
 template <class OnEntry = NoEntryHook>
 __device__ inline void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t,
-                                                bool stamp, OnEntry on_entry = {}) {
+                                                const TokenSlots& slots, bool stamp, OnEntry on_entry = {}) {
   const int k = rows.c.slots;
   int row[kRegisterSlots], dest[kRegisterSlots];
   float prob[kRegisterSlots];
@@ -72,14 +153,13 @@ __device__ inline void stage_token_in_registers(const DispatchView& v, const Tok
     row[j] = -1;
     dest[j] = -1;
     prob[j] = 0.0f;
-    if (j < k) {
-      const long long i = t * k + j;
+    if (j < k && slots.expert[j] >= 0) {
       int d = -1;
-      const long long r = rows.row(t, i, d);
+      const long long r = rows.row_of(slots.expert[j], slots.rank[j], d);
       if (r >= 0) {
         row[j] = static_cast<int>(r);
         dest[j] = d;
-        prob[j] = rows.c.weights[i];
+        prob[j] = slots.prob[j];
       }
     }
   }
@@ -251,11 +331,18 @@ struct CtaLayout {
   long long out_rows = 0, used_rows = 0;  // this rank's output
 };
 
+struct NoBitsHook {
+  __device__ void operator()(const std::uint32_t*) const {}
+};
+
 // Steps 0-4 in every CTA of the calling grid, then CTA 0 publishes this rank's receiver layout and
 // the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `smem`:
 // preprocess_smem_bytes(E) of dynamic shared memory; `every_token`: see write_inline_slot_ranks.
+// With the inline plan, every thread calls `while_counts_travel(bits)` between the count release
+// and the wait for the peers' counts, with the plan's bits in shared memory (token_slots_from_bits).
+template <class WhileCountsTravel = NoBitsHook>
 __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, long long* smem,
-                                         bool every_token) {
+                                         bool every_token, WhileCountsTravel while_counts_travel = {}) {
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
   const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
   if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
@@ -309,7 +396,11 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
   if (stamp) trace_stamp(c.trace, kTraceCountsSent);
   // The plan's bits stay in place until step 3 (after step 2's barriers).
-  if (c.inline_plan) write_inline_slot_ranks(c, reinterpret_cast<const std::uint32_t*>(smem), E, every_token);
+  if (c.inline_plan) {
+    const auto* bits = reinterpret_cast<const std::uint32_t*>(smem);
+    write_inline_slot_ranks(c, bits, E, every_token);
+    while_counts_travel(bits);
+  }
 
   // 2. Every rank's slot has arrived here.
   bool ok = true;
