@@ -457,6 +457,10 @@ __device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, cons
 
 // Lane 0: the stores of every job up to the part end `since` jobs ago are complete; count the part,
 // and the chunk's last part releases the chunk flag on every rank.
+// Also what publishes the part's records, which their producer lanes do not fence: lane 0 acquired
+// the part's end (wait_lane0: the mbarrier's acquire after the producer's __syncwarp and release),
+// and count_part's system fence by this same lane is cumulative. Keep the wait and the publication
+// on one lane.
 __device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, int since, const Env& env,
                              PhaseTrace* trace) {
   tma::wait_groups_dyn(since);  // the newest `since` groups were committed after the part's end
