@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Profiles the hybridep v2 kernels of `flexep bench dsv3-ep2` with Nsight Compute on the GPU machine.
-#   scripts/ncu-hybridep.sh [build dir] [SMs] [kernel regex] [ranks]  -> $OUT/ncu-rank0.ncu-rep (+ .txt, -source.csv)
+#   scripts/ncu-hybridep.sh [build dir] [SMs] [kernel regex] [ranks] [case]
+#     -> $OUT/ncu-rank0.ncu-rep (+ .txt, -source.csv); case: dsv3-ep2 (default) or decode (the fused
+#     small-call kernel: kernel regex dispatch_small_kernel)
 #
 # ranks 1 (default): one process on GPU 0, a one-rank hybridep (every row local, no peer). ncu may
 #   replay a kernel as often as its sections need: nothing outside the process writes the flags it
@@ -14,9 +16,10 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 build="${1:-build-gpu}" sms="${2:-16}" kernels="${3:-dispatch_kernel_v2|combine_kernel_v2}" ranks="${4:-1}"
+case_name="${5:-dsv3-ep2}"
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
-common=(bench dsv3-ep2 --backend hybridep --sms "$sms" --warmup 2 --reps 3 --out "$out")
+common=(bench "$case_name" --backend hybridep --sms "$sms" --warmup 2 --reps 3 --out "$out")
 # The first launches are warm-up; one launch of each kernel is enough.
 profile=(--clock-control none --kernel-name "regex:$kernels" --launch-skip 4 --launch-count 2)
 if [ "$ranks" = 1 ]; then
