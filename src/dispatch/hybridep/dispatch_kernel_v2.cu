@@ -235,7 +235,7 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
 // words), read with all its loads in flight: one round trip instead of three dependent ones (the
 // header, then the rows to check, then the probs to write).
 struct ReceivedRecord {
-  static constexpr int kWords = (8 + 8 * preprocess_steps::kRegisterSlots + 15) / 16;
+  static constexpr int kWords = record_bytes(preprocess_steps::kRegisterSlots) / 16;
   uint4 w[kWords];
 
   // Written by the source rank over NVLink: read through L2.

@@ -36,7 +36,7 @@ constexpr int kMaxExperts = 4096;
 constexpr int kChunkTokens = 32;
 
 // m == 1 (no padding, the common case) skips the 64-bit division, a ~70-instruction routine on the GPU.
-FLEXEP_HD long long round_up(long long x, long long m) { return m == 1 ? x : (x + m - 1) / m * m; }
+FLEXEP_HD constexpr long long round_up(long long x, long long m) { return m == 1 ? x : (x + m - 1) / m * m; }
 FLEXEP_HD long long clamp_ll(long long x, long long lo, long long hi) { return x < lo ? lo : (x > hi ? hi : x); }
 // Chunks of a rank with `tokens` tokens: at least one, so that every (source, receiver) pair
 // exchanges at least one flag per call even when the source has no token (see docs/hybridep.md,
@@ -148,7 +148,7 @@ struct RecordHeader {
   unsigned n;
 };
 
-FLEXEP_HD int record_bytes(int width) { return static_cast<int>(round_up(8 + 8LL * width, 16)); }
+FLEXEP_HD constexpr int record_bytes(int width) { return static_cast<int>(round_up(8 + 8LL * width, 16)); }
 // 16-byte words a record of n entries occupies.
 FLEXEP_HD int record_words(unsigned n) { return static_cast<int>((8 + 8 * static_cast<long long>(n) + 15) / 16); }
 

@@ -39,7 +39,16 @@ struct TokenSlots {
   float prob[kRegisterSlots];
 };
 
-// From the plan's results in device memory (the plan kernel's, or the inline plan's slot ranks).
+// Slot i of token t from the plan's results in device memory (the plan kernel's, or the inline
+// plan's slot ranks): its rank among this rank's pairs of its expert, which goes to `expert`; -1 for
+// no or an invalid expert.
+__device__ inline long long plan_slot_rank(const DispatchCall& c, int experts, long long t, long long i, int& expert) {
+  const int local = c.plan_slot_rows[i];
+  if (local < 0) return -1;
+  expert = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
+  return (c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + expert]) + local;
+}
+
 __device__ inline TokenSlots load_token_slots(const DispatchCall& c, int experts, long long t) {
   TokenSlots s;
 #pragma unroll
@@ -49,12 +58,11 @@ __device__ inline TokenSlots load_token_slots(const DispatchCall& c, int experts
     s.prob[j] = 0.0f;
     if (j < c.slots) {
       const long long i = t * c.slots + j;
-      const int local = c.plan_slot_rows[i];
-      if (local >= 0) {
-        const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-        const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
+      int e = -1;
+      const long long rank = plan_slot_rank(c, experts, t, i, e);
+      if (rank >= 0) {
         s.expert[j] = e;
-        s.rank[j] = static_cast<int>(base + local);
+        s.rank[j] = static_cast<int>(rank);
         s.prob[j] = c.weights[i];
       }
     }
@@ -90,18 +98,11 @@ __device__ inline SlotInputs load_slot_inputs(const DispatchCall& c, long long t
 __device__ inline TokenSlots token_slots_from_bits(const SlotInputs& in, const std::uint32_t* bits, int experts,
                                                    long long t) {
   TokenSlots s;
-  const int w = plan_word(static_cast<int>(t));
 #pragma unroll
   for (int j = 0; j < kRegisterSlots; ++j) {
-    s.expert[j] = -1;
-    s.rank[j] = -1;
-    s.prob[j] = 0.0f;
-    if (in.id[j] >= 0 && in.id[j] < experts) {
-      const int e = static_cast<int>(in.id[j]);
-      s.expert[j] = e;
-      s.rank[j] = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, static_cast<int>(t));
-      s.prob[j] = in.weight[j];
-    }
+    s.rank[j] = chunk_slot_rank(bits, in.id[j], experts, static_cast<int>(t));
+    s.expert[j] = s.rank[j] >= 0 ? static_cast<int>(in.id[j]) : -1;
+    s.prob[j] = s.rank[j] >= 0 ? in.weight[j] : 0.0f;
   }
   return s;
 }
@@ -125,11 +126,10 @@ struct TokenRows {
 
   // Slot i of token t, from the plan's results in device memory (-1 also for no or an invalid expert).
   __device__ long long row(long long t, long long i, int& dest) const {
-    const int local = abort ? -1 : c.plan_slot_rows[i];
-    if (local < 0) return -1;
-    const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-    const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
-    return row_of(e, base + local, dest);
+    if (abort) return -1;
+    int e = -1;
+    const long long rank = plan_slot_rank(c, experts, t, i, e);
+    return rank < 0 ? -1 : row_of(e, rank, dest);
   }
 };
 
