@@ -68,6 +68,28 @@ TEST(HybridEpParts, EveryPipelineSendsWhenThereAreAtLeastAsManyPartsAsPipelines)
     }
 }
 
+// The fused kernel's grid: the largest within the SMs given whose every pipeline sends a part.
+TEST(HybridEpParts, FusedGridIsTheLargestWhoseEveryPipelineSends) {
+  // Decode (128 tokens) at 2 pipelines per CTA: 8, 16 and 32 SMs as given; 24 -> 16 (32 parts of 4),
+  // 48 and 64 -> 32 (64 parts of 2).
+  EXPECT_EQ(fused_grid(128, 8, 2), 8);
+  EXPECT_EQ(fused_grid(128, 16, 2), 16);
+  EXPECT_EQ(fused_grid(128, 24, 2), 16);
+  EXPECT_EQ(fused_grid(128, 32, 2), 32);
+  EXPECT_EQ(fused_grid(128, 48, 2), 32);
+  EXPECT_EQ(fused_grid(128, 64, 2), 32);
+  EXPECT_EQ(fused_grid(128, 64, 2, 32), 2);  // forced whole chunks: 4 parts
+  EXPECT_EQ(fused_grid(128, 0, 2), 0);
+  for (long long T : {0LL, 1LL, 33LL, 200LL, 256LL})
+    for (int max_grid : {1, 8, 20, 24, 48, 132}) {
+      const int g = fused_grid(T, max_grid, 2);
+      ASSERT_GE(g, 1) << T << " tokens, " << max_grid << " CTAs";  // one CTA always works: 2 pipelines
+      EXPECT_LE(g, max_grid);
+      EXPECT_TRUE(every_pipeline_sends(T, 2 * g));
+      for (int larger = g + 1; larger <= max_grid; ++larger) EXPECT_FALSE(every_pipeline_sends(T, 2 * larger));
+    }
+}
+
 // HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid
 // sizes leave the choice to the split (the dispatcher rejects invalid ones before a kernel runs).
 TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {

@@ -61,6 +61,16 @@ FLEXEP_HD bool every_pipeline_sends(long long tokens, int pipelines, int forced 
   return chunks * part_split(chunks, pipelines, forced).per_chunk >= pipelines;
 }
 
+// The largest grid of at most `max_grid` CTAs of `per_cta` pipelines in which every pipeline has a
+// send part of its own (every_pipeline_sends), or 0 if none: the fused small-call kernel's grid. A
+// call given more SMs than its parts fill runs that kernel on fewer CTAs rather than taking the two
+// kernels (decode at 48 or 64 SMs: 32 CTAs; at 24: 16).
+FLEXEP_HD int fused_grid(long long tokens, int max_grid, int per_cta, int forced = 0) {
+  for (int g = max_grid; g > 0; --g)
+    if (every_pipeline_sends(tokens, g * per_cta, forced)) return g;
+  return 0;
+}
+
 struct Part {
   int source = 0;  // the rank whose tokens these are
   int chunk = 0;
