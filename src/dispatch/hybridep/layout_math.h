@@ -207,6 +207,10 @@ constexpr int fp8 = call_signature::kWords;  // 1: rows travel as e4m3 with fp32
 constexpr int count = fp8 + 1;
 }  // namespace word
 
+// Words (8 bytes) of one rank's slot in a count region as written (count_words.cuh): each header
+// value as two words (low and high half), then one word per expert, each with the call's epoch.
+FLEXEP_HD int ll_slot_words(int experts) { return 2 * word::count + experts; }
+
 // FP8 rows: one fp32 scale per this many elements travels with each row.
 constexpr int kFp8ScaleBlock = 128;
 

@@ -9,23 +9,13 @@
 #include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/chunk_plan.cuh"
 #include "dispatch/hybridep/chunk_plan_math.h"
+#include "dispatch/hybridep/count_words.cuh"
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/phase_trace.cuh"
 #include "dispatch/hybridep/warp_layout.cuh"
 
 namespace flexep::hybridep::preprocess_steps {
-
-// counts(s, e), read from this rank's count region (written by rank s, acquired in step 2; read
-// through L2 because a peer wrote it).
-struct WindowCounts {
-  const unsigned char* base;
-  unsigned long long slot_bytes;
-  __device__ long long operator()(int s, int e) const {
-    return __ldcg(reinterpret_cast<const long long*>(base + static_cast<unsigned long long>(s) * slot_bytes) +
-                  word::count + e);
-  }
-};
 
 // Tokens with at most this many slots build their records in registers and store them once.
 constexpr int kRegisterSlots = 8;
@@ -368,8 +358,9 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
   if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
 
-  // 1. This rank's slot into every rank's count region. Identical in every CTA (device_error says
-  //    why for the device_* words), so a peer may read it after any CTA's flag.
+  // 1. This rank's slot into every rank's count region, as LL words (count_words.cuh): plain
+  //    stores with the epoch in every word, no fence and no flag. Identical in every CTA
+  //    (device_error says why for the device_* words), so a peer may read any CTA's.
   const int W = word::count + E;
   const DeviceError err = device_error(c, bad, E);
   for (int i = tid; i < R * W; i += blockDim.x) {
@@ -389,22 +380,54 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
       value = err.limit;
     else
       value = c.header[w];
-    count_slot(v, d, me)[w] = value;
+    unsigned long long* slot = count_slot(v, d, me);
+    const auto bits = static_cast<unsigned long long>(value);
+    if (w < word::count) {
+      ll_store(slot + 2 * w, epoch, static_cast<unsigned>(bits));
+      ll_store(slot + 2 * w + 1, epoch, static_cast<unsigned>(bits >> 32));
+    } else {
+      ll_store(slot + word::count + w, epoch, static_cast<unsigned>(bits));  // word 2 * count + expert
+    }
   }
-  fence_sys();      // each thread's slot stores are ordered before the barrier...
-  __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
-  if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
-  if (stamp) trace_stamp(c.trace, kTraceCountsSent);
-  // The plan's bits stay in place until step 3 (after step 2's barriers).
+  if (stamp) trace_stamp(c.trace, kTraceCountsSent);  // stores issued
   if (c.inline_plan) {
+    // The plan's bits stay in place until every thread is past this (the barrier below).
     const auto* bits = reinterpret_cast<const std::uint32_t*>(smem);
     write_inline_slot_ranks(c, bits, E, every_token);
     while_counts_travel(bits);
   }
+  __syncthreads();  // the plan's counts and bits are read; step 2 writes over them
 
-  // 2. Every rank's slot has arrived here.
+  // 2. Every rank's slot has arrived here: each thread polls its words (all loads in flight) until
+  //    every one carries this call's epoch. It keeps the header values in s_head, and for each of
+  //    its experts the pairs from all sources (s_pairs) and from the sources before this rank
+  //    (s_src, completed to source_begin once the group starts are known). Then an acquire fence:
+  //    what this rank writes into the peers' windows next comes after their counts of this call.
+  const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
   bool ok = true;
-  if (tid < R) ok = wait_flag_at_least(count_flag(v, me, tid), epoch, wait, tid);
+  for (int i = tid; ok && i < R * word::count; i += blockDim.x) {
+    const int s = i / word::count, w = i % word::count;
+    const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
+    unsigned half[kLlBatch];
+    ok = ll_wait([&](int h) { return slot + 2 * w + h; }, 2, epoch, wait, [s](int) { return s; }, half);
+    s_head[s][w] = static_cast<long long>((static_cast<unsigned long long>(half[1]) << 32) | half[0]);
+  }
+  for (int e = tid; ok && e < E; e += blockDim.x) {
+    long long all = 0, before = 0;
+    for (int s0 = 0; ok && s0 < R; s0 += kLlBatch) {
+      const int n = R - s0 < kLlBatch ? R - s0 : kLlBatch;
+      unsigned count[kLlBatch];
+      ok = ll_wait([&](int i) { return ll_slot(region, v.slot_bytes, s0 + i) + 2 * word::count + e; }, n, epoch, wait,
+                   [s0](int i) { return s0 + i; }, count);
+      for (int i = 0; i < n; ++i) {
+        all += count[i];
+        if (s0 + i < me) before += count[i];
+      }
+    }
+    s_pairs[e] = all;
+    s_src[e] = before;
+  }
+  fence_acq_rel_sys();
   if (!__syncthreads_and(ok)) {
     // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
     if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
@@ -412,15 +435,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     return CtaLayout{};  // ok = false
   }
   if (stamp) trace_stamp(c.trace, kTraceCountsArrived);
-  const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
-  for (int i = tid; i < R * word::count; i += blockDim.x)
-    s_head[i / word::count][i % word::count] = __ldcg(count_slot(v, me, i / word::count) + i % word::count);
-  __syncthreads();
   for (int s = tid; s < R; s += blockDim.x) s_tokens[s] = clamp_ll(s_head[s][word::tokens], 0, v.max_tokens);
-  // Every group's pairs, an expert per thread: the count matrix is read with all loads in flight,
-  // not one after another in the per-receiver loop below (ncu: that loop reading the window itself
-  // was three quarters of this kernel's 45 us).
-  for (int e = tid; e < E; e += blockDim.x) s_pairs[e] = group_pairs(counts, e, R);
   __syncthreads();
 
   // 3 + 4. Every receiver's layout (warp w: receivers w, w + warps, ...), this rank's rows as a source.
@@ -444,7 +459,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     for (int d = 0; d < R; ++d) abort |= s_bad[d];
     s_abort = abort;
   }
-  for (int e = tid; e < E; e += blockDim.x) s_src[e] = source_begin(counts, e, me, s_begin[e]);
+  for (int e = tid; e < E; e += blockDim.x) s_src[e] += s_begin[e];  // source_begin: the pairs before, from step 2
   __syncthreads();
   const bool abort = s_abort != 0;
   if (stamp) trace_stamp(c.trace, kTraceLayoutDone);
@@ -472,9 +487,23 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     }
     __syncthreads();
     if (s_claimed) {
-      const long long words = static_cast<long long>(R) * (v.slot_bytes / 8);
-      const long long* src = count_slot(v, me, 0);
-      for (long long i = tid; i < words; i += blockDim.x) v.snapshot[i] = __ldcg(src + i);
+      // The values of every slot (header, then the counts), each slot slot_bytes apart as the host
+      // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now.
+      const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
+      const long long stride = static_cast<long long>(v.slot_bytes / 8);
+      for (int i = tid; i < R * W; i += blockDim.x) {
+        const int s = i / W, w = i - s * W;
+        long long value = 0;
+        if (w < word::count) {
+          value = s_head[s][w];
+        } else {
+          unsigned count[kLlBatch];
+          const unsigned long long* word = ll_slot(region, v.slot_bytes, s) + word::count + w;
+          ll_wait([word](int) { return word; }, 1, epoch, wait, [s](int) { return s; }, count);
+          value = count[0];
+        }
+        v.snapshot[s * stride + w] = value;
+      }
       __syncthreads();
       if (tid == 0) {
         v.status->phase = static_cast<int>(Phase::dispatch_counts);
