@@ -268,10 +268,11 @@ struct DeviceError {
 };
 
 // With the plan kernel before (final by now) it is the error record. With the inline plan, CTA 0
-// also reports the chunk's lowest bad slot there, while other CTAs may read the record: a record
-// read with an acquire either holds an earlier kernel's error (multihot routing, final), or CTA 0's
-// report (the same bad slot as this CTA's `bad`), or nothing yet - so every CTA uses the same one.
-__device__ inline DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts) {
+// also reports the chunk's lowest bad slot there. `prior_arg` is the record's arg as read at the
+// start of this kernel's steps, before any CTA of it reported: an earlier kernel's error (multihot
+// routing, final) or none - so every CTA uses the same one. (Read there so that its round trip
+// overlaps the inline plan instead of delaying the count stores.)
+__device__ inline DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts, int prior_arg) {
   DeviceError found;  // by the inline plan
   if (c.inline_plan && bad != ~0ull) {
     const long long i = static_cast<long long>(bad);
@@ -281,9 +282,9 @@ __device__ inline DeviceError device_error(const DispatchCall& c, unsigned long 
       cuda::report_device_error(c.errors, cuda::DeviceArg::indices, found.row, static_cast<int>(found.column),
                                 found.value, found.limit);
   }
-  const int arg = static_cast<int>(ld_acquire_sys(reinterpret_cast<const unsigned*>(&c.errors->arg)));
-  if (arg <= 0) return found;
-  return DeviceError{arg, __ldcg(&c.errors->row), __ldcg(&c.errors->column), __ldcg(&c.errors->value),
+  if (prior_arg <= 0) return found;
+  fence_acq_rel_sys();  // with the relaxed read of prior_arg: an acquire of the record's fields
+  return DeviceError{prior_arg, __ldcg(&c.errors->row), __ldcg(&c.errors->column), __ldcg(&c.errors->value),
                      __ldcg(&c.errors->limit)};
 }
 
@@ -349,6 +350,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
 
   const unsigned epoch = op_epoch(&v.control->op);
   const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
+  const int prior_arg = ld_volatile(&c.errors->arg);  // device_error
 
   // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
   //    after the barriers of step 1), its bits where the layout arrays will.
@@ -362,7 +364,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   //    stores with the epoch in every word, no fence and no flag. Identical in every CTA
   //    (device_error says why for the device_* words), so a peer may read any CTA's.
   const int W = word::count + E;
-  const DeviceError err = device_error(c, bad, E);
+  const DeviceError err = device_error(c, bad, E, prior_arg);
   for (int i = tid; i < R * W; i += blockDim.x) {
     const int d = i / W, w = i - d * W;
     long long value = 0;
