@@ -35,8 +35,10 @@ __device__ __forceinline__ const unsigned long long* ll_slot(const unsigned char
 
 // Polls the n <= kLlBatch words at `word(0..n-1)` (all loads in flight) until each carries `epoch`,
 // then returns their values. False on the deadline (the status then names phase and `peer(i)` of
-// the first stale word) or when another wait already timed out.
-constexpr int kLlBatch = 8;
+// the first stale word) or when another wait already timed out. 16 words: an expert's counts from
+// up to 16 ranks in one round trip (two at 32), as the reads that summed them before (8 in flight
+// made it four at 32 ranks; the preprocess kernel then needs 124 registers instead of 64).
+constexpr int kLlBatch = 16;
 
 template <class Word, class Peer>
 __device__ bool ll_wait(Word word, int n, unsigned epoch, const WaitContext& w, Peer peer,
