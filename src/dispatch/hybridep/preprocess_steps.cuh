@@ -399,6 +399,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     while_counts_travel(bits);
   }
   __syncthreads();  // the plan's counts and bits are read; step 2 writes over them
+  if (stamp && c.inline_plan) trace_stamp(c.trace, kTraceSlotsRanked);
 
   // 2. Every rank's slot has arrived here: each thread polls its words (all loads in flight) until
   //    every one carries this call's epoch. It keeps the header values in s_head, and for each of
