@@ -664,6 +664,10 @@ TEST(HybridEpLayout, BufferConfigAndGeometry) {
   const DispatchGeometry g = dispatch_geometry(c);
   EXPECT_EQ(g.window_bytes % 4096, 0u);
   EXPECT_LE(g.off_counts + 2 * g.slot_bytes, g.off_records);
+  // A slot as written: the header's values in two words each, then a word per expert (LL words); the
+  // abort snapshot keeps the values in the same stride.
+  EXPECT_GE(g.slot_bytes, static_cast<std::size_t>(2 * word::count + c.experts) * 8);
+  EXPECT_GE(g.slot_bytes, g.slot_words * 8);
   EXPECT_LE(g.off_records + 2 * 4096 * static_cast<std::size_t>(g.record_bytes), g.off_probs);
   EXPECT_LE(g.off_probs + static_cast<std::size_t>(c.capacity_rows) * 4, g.off_tokens);
   EXPECT_LE(g.off_tokens + static_cast<std::size_t>(c.capacity_rows) * 7168 * 2, g.window_bytes);
@@ -671,8 +675,8 @@ TEST(HybridEpLayout, BufferConfigAndGeometry) {
   EXPECT_EQ(g.off_tpe, g.off_control + sizeof(DispatchControl));  // one copy reads both
   EXPECT_GE(g.local_bytes, g.off_plan_done + 4);
   EXPECT_GE(g.off_plan_chunk_base, g.off_plan_slot_rows + 4096 * 8 * 4);  // T * slots int32 ranks
-  EXPECT_EQ(g.flag_chunks, 2u);
-  EXPECT_GE(g.flag_bytes, (2 + 2 * static_cast<std::size_t>(g.max_chunks)) * 4);
+  EXPECT_EQ(g.flag_chunks, 0u);  // the counts carry their own epochs: no count flags
+  EXPECT_GE(g.flag_bytes, 2 * static_cast<std::size_t>(g.max_chunks) * 4);
   EXPECT_EQ(g.off_scales, g.off_tokens + static_cast<std::size_t>(c.capacity_rows) * 7168 * 2);  // none: bf16 only
   const BufferConfig c8 = make_buffer_config(2, 64, 4096, 7168, 8, 0, 128, true);
   const DispatchGeometry g8 = dispatch_geometry(c8);

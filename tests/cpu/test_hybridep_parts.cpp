@@ -68,6 +68,38 @@ TEST(HybridEpParts, EveryPipelineSendsWhenThereAreAtLeastAsManyPartsAsPipelines)
     }
 }
 
+// The fused kernel's grid: the largest within the SMs given (down to half of them) whose every
+// pipeline sends a part; a forced part size keeps the grid as given.
+TEST(HybridEpParts, FusedGridIsTheLargestWhoseEveryPipelineSends) {
+  // Decode (128 tokens) at 2 pipelines per CTA: 8, 16 and 32 SMs as given; 24 -> 16 (32 parts of 4),
+  // 48 and 64 -> 32 (64 parts of 2); 80 SMs would need 40, and 32 is below half: none.
+  EXPECT_EQ(fused_grid(128, 8, 2), 8);
+  EXPECT_EQ(fused_grid(128, 16, 2), 16);
+  EXPECT_EQ(fused_grid(128, 24, 2), 16);
+  EXPECT_EQ(fused_grid(128, 32, 2), 32);
+  EXPECT_EQ(fused_grid(128, 48, 2), 32);
+  EXPECT_EQ(fused_grid(128, 64, 2), 32);
+  EXPECT_EQ(fused_grid(128, 80, 2), 0);
+  EXPECT_EQ(fused_grid(128, 0, 2), 0);
+  EXPECT_EQ(fused_grid(128, 64, 2, 32), 0);  // forced whole chunks: 4 parts for 128 pipelines
+  EXPECT_EQ(fused_grid(128, 2, 2, 32), 2);   // 4 parts for 4 pipelines
+  EXPECT_EQ(fused_grid(128, 24, 2, 4), 0);   // forced 4-token parts: 32 parts for 48 pipelines
+  for (long long T : {0LL, 1LL, 33LL, 200LL, 256LL})
+    for (int max_grid : {1, 8, 20, 24, 48, 132}) {
+      const int g = fused_grid(T, max_grid, 2);
+      int want = 0;
+      for (int h = max_grid; h > 0 && 2 * h >= max_grid && want == 0; --h)
+        if (every_pipeline_sends(T, 2 * h)) want = h;
+      EXPECT_EQ(g, want) << T << " tokens, " << max_grid << " CTAs";
+      if (g > 0) {
+        EXPECT_LE(g, max_grid);
+        EXPECT_GE(2 * g, max_grid);
+        EXPECT_TRUE(every_pipeline_sends(T, 2 * g));
+      }
+    }
+  EXPECT_EQ(fused_grid(1, 8, 2), 8);  // one token: one chunk of 16 parts
+}
+
 // HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid
 // sizes leave the choice to the split (the dispatcher rejects invalid ones before a kernel runs).
 TEST(HybridEpParts, AForcedSizeIsTakenAndOnlyValidSizesAre) {

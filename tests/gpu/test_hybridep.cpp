@@ -578,8 +578,8 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
     const bool fused = times[static_cast<std::size_t>(r)].one_kernel;
     EXPECT_TRUE(v2 || !fused);
     const bool tokens = c.tokens[static_cast<std::size_t>(r)] > 0;  // else no token is staged or sent
-    std::vector<std::string> steps = {"preprocess_start", "planned", "counts_sent", "counts_arrived", "layout_done",
-                                      "published"};
+    std::vector<std::string> steps = {"preprocess_start", "planned",     "counts_sent", "slots_ranked",
+                                      "counts_arrived",   "layout_done", "published"};
     if (tokens) steps.insert(steps.end(), {"staging_loaded", "staging_stored"});
     if (!fused) steps.emplace_back("staged");
     if (v2) {

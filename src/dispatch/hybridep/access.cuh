@@ -11,10 +11,10 @@ namespace flexep::hybridep {
 
 // ---- dispatch buffer ----------------------------------------------------------------------------------
 
-// Slot of rank `s` in the count region of rank `owner`'s window.
-__device__ __forceinline__ long long* count_slot(const DispatchView& v, int owner, int s) {
-  return reinterpret_cast<long long*>(v.peers.window[owner] + v.off_counts +
-                                      static_cast<unsigned long long>(s) * v.slot_bytes);
+// Slot of rank `s` in the count region of rank `owner`'s window (LL words: count_words.cuh).
+__device__ __forceinline__ unsigned long long* count_slot(const DispatchView& v, int owner, int s) {
+  return reinterpret_cast<unsigned long long*>(v.peers.window[owner] + v.off_counts +
+                                               static_cast<unsigned long long>(s) * v.slot_bytes);
 }
 
 // Record of source `s`'s token `t` in a records region [R][max_tokens].
@@ -51,10 +51,8 @@ __device__ __forceinline__ float* prob_at(const DispatchView& v, int owner, long
   return reinterpret_cast<float*>(v.peers.window[owner] + v.off_probs) + row;
 }
 
-// Flags (uint32) of rank `owner`: count flag of source s, chunk flag of (source s, chunk c).
-__device__ __forceinline__ unsigned* count_flag(const DispatchView& v, int owner, int s) {
-  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_counts + s;
-}
+// Flags (uint32) of rank `owner`: chunk flag of (source s, chunk c). (The counts carry their own
+// epochs: count_words.cuh.)
 __device__ __forceinline__ unsigned* chunk_flag(const DispatchView& v, int owner, int s, int c) {
   return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_chunks + static_cast<long long>(s) * v.max_chunks +
          c;

@@ -39,20 +39,18 @@ __device__ void set_token_bits(std::uint32_t* bits, const PlanIds& p, long long 
   }
 }
 
-// Each slot's rank among the chunk's pairs of its expert into slot_rank[t * slots + j]; -1 for no
+// The rank of chunk token i's slot of expert `id` among the chunk's pairs of that expert; -1 for no
 // or an invalid expert. After every token's bits are set (a barrier).
+__device__ inline int chunk_slot_rank(const std::uint32_t* bits, long long id, int experts, int i) {
+  if (id < 0 || id >= experts) return -1;
+  const int e = static_cast<int>(id);
+  return plan_rank_in_chunk(bits, plan_word_prefix(bits, e, plan_word(i)), e, i);
+}
+
+// Each slot's rank (chunk_slot_rank) into slot_rank[t * slots + j].
 __device__ inline void write_slot_ranks(const std::uint32_t* bits, const PlanIds& p, long long t, int i,
                                         int* slot_rank) {
-  const int w = plan_word(i);
-  for (int j = 0; j < p.slots; ++j) {
-    const long long id = p.at(t, j);
-    int rank = -1;
-    if (id >= 0 && id < p.experts) {
-      const int e = static_cast<int>(id);
-      rank = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, i);
-    }
-    slot_rank[t * p.slots + j] = rank;
-  }
+  for (int j = 0; j < p.slots; ++j) slot_rank[t * p.slots + j] = chunk_slot_rank(bits, p.at(t, j), p.experts, i);
 }
 
 }  // namespace flexep::hybridep

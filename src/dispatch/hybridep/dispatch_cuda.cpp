@@ -196,19 +196,21 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
   //    dependencies they had before.
   //    A call whose tokens fit one plan chunk (decode) takes ONE kernel instead: the preprocess
-  //    steps in every CTA of the dispatch grid, then its roles (dispatch_small_kernel), when every
-  //    pipeline of that grid sends a part of it (dispatch_small_supported says why).
+  //    steps in every CTA of the dispatch grid, then its roles (dispatch_small_kernel), on the
+  //    largest grid within the dispatch SMs whose every pipeline sends a part of it
+  //    (dispatch_small_grid says why): fewer SMs in one kernel beat more in two for such a call.
   DispatchView view = st.view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
-  const bool fused = v2 && c.inline_plan &&
-                     dispatch_small_supported(c.row_bytes, c.scale_bytes, E, c.slots, c.tokens, sms.dispatch,
-                                              options_.part_tokens);
+  const int fused_grid = v2 && c.inline_plan ? dispatch_small_grid(c.row_bytes, c.scale_bytes, E, c.slots, c.tokens,
+                                                                   sms.dispatch, options_.part_tokens)
+                                             : 0;
+  const bool fused = fused_grid > 0;
   one_kernel_ = fused;
   record(ev_preprocess, s);
   if (!fused) launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);
   if (fused)
-    launch_dispatch_small(view, c, sms.dispatch, s);
+    launch_dispatch_small(view, c, fused_grid, s);
   else
     (v2 ? launch_dispatch_v2 : launch_dispatch)(view, c, sms.dispatch, s, overlap);
   record(ev_dispatch_end, s);

@@ -40,7 +40,7 @@
 // from the CTA's shared memory (Env), and each producer stages the tokens of the parts it takes
 // before sending them. Same protocol with the peers, so ranks on either path work together. With
 // no grid boundary after the count reads, the count slots' reuse rests on every CTA having a send
-// part (dispatch_small_supported, parts.h every_pipeline_sends). A CTA whose count wait times out
+// part (dispatch_small_grid, parts.h every_pipeline_sends). A CTA whose count wait times out
 // skips its roles while the others may go on: its parts are never published, so the peers time out
 // in dispatch:tokens rather than in the count exchange (an error either way, not a hang).
 #include <cuda_runtime.h>
@@ -235,7 +235,7 @@ __device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall&
 // words), read with all its loads in flight: one round trip instead of three dependent ones (the
 // header, then the rows to check, then the probs to write).
 struct ReceivedRecord {
-  static constexpr int kWords = (8 + 8 * preprocess_steps::kRegisterSlots + 15) / 16;
+  static constexpr int kWords = record_bytes(preprocess_steps::kRegisterSlots) / 16;
   uint4 w[kWords];
 
   // Written by the source rank over NVLink: read through L2.
@@ -614,7 +614,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   finish_dispatch(v, c, epoch);
 }
 
-// A small call in one kernel (dispatch_small_supported): every CTA first runs the preprocess steps
+// A small call in one kernel (dispatch_small_grid): every CTA first runs the preprocess steps
 // itself (count exchange, every receiver's layout, the decision; CTA 0 publishes them), then its
 // roles read the layout from its own shared memory and each producer stages the tokens of the parts
 // it takes. No CTA waits for another CTA of this grid, and there is no kernel boundary between
@@ -698,17 +698,18 @@ void prepare_dispatch_v2() {
   raise_smem_limit(dispatch_small_kernel);
 }
 
-bool dispatch_small_supported(long long row_bytes, long long scale_bytes, int experts, int slots, long long tokens,
-                              int grid, int part_tokens) {
-  return slots <= preprocess_steps::kRegisterSlots && every_pipeline_sends(tokens, grid * kPipes, part_tokens) &&
-         small_layout_for(row_bytes, scale_bytes, experts).stages >= kMinStages;
+int dispatch_small_grid(long long row_bytes, long long scale_bytes, int experts, int slots, long long tokens,
+                        int max_grid, int part_tokens) {
+  if (slots > preprocess_steps::kRegisterSlots || small_layout_for(row_bytes, scale_bytes, experts).stages < kMinStages)
+    return 0;
+  return fused_grid(tokens, max_grid, kPipes, part_tokens);
 }
 
 void launch_dispatch_small(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream) {
   const RingLayout layout = small_layout_for(c.row_bytes, c.scale_bytes, v.experts);
   FLEXEP_CHECK(layout.stages >= kMinStages && c.inline_plan &&
                    every_pipeline_sends(c.tokens, grid * kPipes, v.part_tokens),
-               "hybridep fused dispatch: not for this call (internal error: dispatch_small_supported decides)");
+               "hybridep fused dispatch: not for this call (internal error: dispatch_small_grid decides)");
   launch_kernel(dispatch_small_kernel, grid, kThreadsV2, layout.total_bytes(), stream, false, v, c, layout);
 }
 

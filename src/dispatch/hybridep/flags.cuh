@@ -10,6 +10,7 @@
 //
 // Flags only grow: operation n of a buffer writes n, and waiting means "flag - n >= 0" in 32-bit
 // modular arithmetic, so nothing is ever reset and replays of a captured graph keep working.
+// (The count exchange carries the epoch in every word instead of a flag: count_words.cuh.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,6 +43,10 @@ __device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
 // Orders this thread's earlier stores (local or remote) before its later memory operations, for
 // observers on any GPU.
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+
+// After relaxed reads that observed a peer's writes (the count exchange's words): orders them
+// before this thread's later memory operations (an acquire made of a fence).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ int ld_volatile(const int* p) { return *static_cast<const volatile int*>(p); }
 __device__ __forceinline__ unsigned ld_volatile(const unsigned* p) { return *static_cast<const volatile unsigned*>(p); }

@@ -31,7 +31,7 @@ struct DispatchView {
   int width = 1, record_bytes = 16, max_chunks = 1;
   long long max_tokens = 0, hidden = 0, capacity_rows = 0;
   unsigned long long off_counts = 0, slot_bytes = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0;
-  int flag_counts = 0, flag_chunks = 0;  // uint32 index of the first count flag / chunk flag
+  int flag_chunks = 0;  // uint32 index of the first chunk flag
   // Plain device memory of this rank.
   DispatchControl* control = nullptr;
   long long* tpe = nullptr;          // [L] tokens_per_expert of this rank (follows control)
@@ -180,12 +180,13 @@ void launch_dispatch_v2(const DispatchView& v, const DispatchCall& c, int grid, 
 void prepare_dispatch_v2();
 // A call whose tokens fit one plan chunk (DispatchCall::inline_plan) as ONE kernel: the preprocess
 // steps in every CTA, then the v2 roles (same protocol, records, flags and output bytes), no
-// preprocess kernel. False when the call cannot take it: more than 8 slots per token, the
-// preprocess arrays of E experts leave too little shared memory for the rings, or some pipeline of
-// a `grid`-CTA launch would send no part of the call's `tokens` (parts.h, every_pipeline_sends:
-// what makes the count slots safe to reuse without the preprocess kernel's grid boundary).
-bool dispatch_small_supported(long long row_bytes, long long scale_bytes, int experts, int slots, long long tokens,
-                              int grid, int part_tokens);
+// preprocess kernel. Returns its grid: the largest of at most `max_grid` CTAs in which every
+// pipeline sends a part of the call's `tokens` (parts.h, fused_grid; what makes the count slots
+// safe to reuse without the preprocess kernel's grid boundary), or 0 when the call cannot take it:
+// more than 8 slots per token, or the preprocess arrays of E experts leave too little shared memory
+// for the rings.
+int dispatch_small_grid(long long row_bytes, long long scale_bytes, int experts, int slots, long long tokens,
+                        int max_grid, int part_tokens);
 void launch_dispatch_small(const DispatchView& v, const DispatchCall& c, int grid, cudaStream_t stream);
 
 // --- combine_kernel.cu -----------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c) {
   const auto rec = static_cast<std::size_t>(g.record_bytes);
   const auto cap = static_cast<std::size_t>(c.capacity_rows);
 
-  g.slot_words = static_cast<std::size_t>(word::count) + E;
-  g.slot_bytes = align_up(g.slot_words * 8, 128);
+  g.slot_words = static_cast<std::size_t>(word::count) + E;  // the values (the abort snapshot's stride: slot_bytes)
+  g.slot_bytes = align_up(static_cast<std::size_t>(ll_slot_words(static_cast<int>(E))) * 8, 128);  // as written
   g.off_counts = 0;
   g.off_records = align_up(g.off_counts + R * g.slot_bytes);
   g.off_probs = align_up(g.off_records + R * T * rec);
@@ -96,9 +96,8 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c) {
   const std::size_t scale_bytes = c.fp8 ? cap * static_cast<std::size_t>(c.hidden / kFp8ScaleBlock) * 4 : 0;
   g.window_bytes = align_up(g.off_scales + scale_bytes, 4096);
 
-  g.flag_counts = 0;
-  g.flag_chunks = R;
-  g.flag_bytes = align_up((R + R * static_cast<std::size_t>(g.max_chunks)) * 4, 128);
+  g.flag_chunks = 0;
+  g.flag_bytes = align_up(R * static_cast<std::size_t>(g.max_chunks) * 4, 128);
 
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {

@@ -69,7 +69,7 @@ struct DispatchGeometry {
   std::int64_t max_pairs = 0;  // max_tokens * slots
   std::size_t slot_words = 0, slot_bytes = 0;
   std::size_t off_counts = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0, window_bytes = 0;
-  std::size_t flag_counts = 0, flag_chunks = 0, flag_bytes = 0;  // uint32 indices, then bytes
+  std::size_t flag_chunks = 0, flag_bytes = 0;  // uint32 index, then bytes
   std::size_t off_control = 0, off_tpe = 0, off_begin = 0, off_kept = 0, off_snapshot = 0, off_staging = 0,
               off_slot_entry = 0, off_slot_expert = 0, off_slot_weight = 0, off_work = 0;
   // The chunk plan (chunk_plan.cu): counts [E] int64, slot ranks [T * slots] int32, chunk bases

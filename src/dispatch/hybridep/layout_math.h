@@ -36,7 +36,7 @@ constexpr int kMaxExperts = 4096;
 constexpr int kChunkTokens = 32;
 
 // m == 1 (no padding, the common case) skips the 64-bit division, a ~70-instruction routine on the GPU.
-FLEXEP_HD long long round_up(long long x, long long m) { return m == 1 ? x : (x + m - 1) / m * m; }
+FLEXEP_HD constexpr long long round_up(long long x, long long m) { return m == 1 ? x : (x + m - 1) / m * m; }
 FLEXEP_HD long long clamp_ll(long long x, long long lo, long long hi) { return x < lo ? lo : (x > hi ? hi : x); }
 // Chunks of a rank with `tokens` tokens: at least one, so that every (source, receiver) pair
 // exchanges at least one flag per call even when the source has no token (see docs/hybridep.md,
@@ -148,7 +148,7 @@ struct RecordHeader {
   unsigned n;
 };
 
-FLEXEP_HD int record_bytes(int width) { return static_cast<int>(round_up(8 + 8LL * width, 16)); }
+FLEXEP_HD constexpr int record_bytes(int width) { return static_cast<int>(round_up(8 + 8LL * width, 16)); }
 // 16-byte words a record of n entries occupies.
 FLEXEP_HD int record_words(unsigned n) { return static_cast<int>((8 + 8 * static_cast<long long>(n) + 15) / 16); }
 
@@ -206,6 +206,10 @@ using namespace call_signature::word;  // status, argument, device_*, experts ..
 constexpr int fp8 = call_signature::kWords;  // 1: rows travel as e4m3 with fp32 scales per 128 elements (dispatch_fp8)
 constexpr int count = fp8 + 1;
 }  // namespace word
+
+// Words (8 bytes) of one rank's slot in a count region as written (count_words.cuh): each header
+// value as two words (low and high half), then one word per expert, each with the call's epoch.
+FLEXEP_HD int ll_slot_words(int experts) { return 2 * word::count + experts; }
 
 // FP8 rows: one fp32 scale per this many elements travels with each row.
 constexpr int kFp8ScaleBlock = 128;

@@ -16,6 +16,8 @@ enum TracePoint : int {
   kTracePreprocessStart,  // after the wait for the plan kernel
   kTracePlanned,          // the inline plan of a one-chunk call done
   kTraceCountsSent,       // this rank's counts released to every rank
+  kTraceSlotsRanked,      // inline plan: the slot ranks written (fused: the first part's too), before
+                          // the wait for the peers' counts
   kTraceCountsArrived,    // every rank's counts here
   kTraceLayoutDone,       // every receiver's layout and the abort decision
   kTracePublished,        // CTA 0: the layout and the decision published (to the host too, blocking)
@@ -44,11 +46,11 @@ enum TracePoint : int {
 
 // The steps' names, in the order of TracePoint (kernel_times().dispatch_phases, bench `step.*`).
 inline constexpr const char* kTracePointNames[] = {
-    "preprocess_start", "planned",        "counts_sent",    "counts_arrived", "layout_done",
-    "published",        "staging_loaded", "staging_stored", "staged",         "dispatch_start",
-    "producer_start",   "probs_written",  "loads_posted",   "records_copied", "first_job",
-    "first_stores",     "sends_posted",   "chunk_released", "flag_arrived",   "fan_out_posted",
-    "stores_done",      "zeroed",         "dispatch_end",
+    "preprocess_start", "planned",        "counts_sent",    "slots_ranked",   "counts_arrived",
+    "layout_done",      "published",      "staging_loaded", "staging_stored", "staged",
+    "dispatch_start",   "producer_start", "probs_written",  "loads_posted",   "records_copied",
+    "first_job",        "first_stores",   "sends_posted",   "chunk_released", "flag_arrived",
+    "fan_out_posted",   "stores_done",    "zeroed",         "dispatch_end",
 };
 static_assert(sizeof(kTracePointNames) / sizeof(kTracePointNames[0]) == kTracePoints, "a name per trace point");
 

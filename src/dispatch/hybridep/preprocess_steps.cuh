@@ -9,23 +9,13 @@
 #include "dispatch/hybridep/access.cuh"
 #include "dispatch/hybridep/chunk_plan.cuh"
 #include "dispatch/hybridep/chunk_plan_math.h"
+#include "dispatch/hybridep/count_words.cuh"
 #include "dispatch/hybridep/flags.cuh"
 #include "dispatch/hybridep/kernels.h"
 #include "dispatch/hybridep/phase_trace.cuh"
 #include "dispatch/hybridep/warp_layout.cuh"
 
 namespace flexep::hybridep::preprocess_steps {
-
-// counts(s, e), read from this rank's count region (written by rank s, acquired in step 2; read
-// through L2 because a peer wrote it).
-struct WindowCounts {
-  const unsigned char* base;
-  unsigned long long slot_bytes;
-  __device__ long long operator()(int s, int e) const {
-    return __ldcg(reinterpret_cast<const long long*>(base + static_cast<unsigned long long>(s) * slot_bytes) +
-                  word::count + e);
-  }
-};
 
 // Tokens with at most this many slots build their records in registers and store them once.
 constexpr int kRegisterSlots = 8;
@@ -39,7 +29,16 @@ struct TokenSlots {
   float prob[kRegisterSlots];
 };
 
-// From the plan's results in device memory (the plan kernel's, or the inline plan's slot ranks).
+// Slot i of token t from the plan's results in device memory (the plan kernel's, or the inline
+// plan's slot ranks): its rank among this rank's pairs of its expert, which goes to `expert`; -1 for
+// no or an invalid expert.
+__device__ inline long long plan_slot_rank(const DispatchCall& c, int experts, long long t, long long i, int& expert) {
+  const int local = c.plan_slot_rows[i];
+  if (local < 0) return -1;
+  expert = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
+  return (c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + expert]) + local;
+}
+
 __device__ inline TokenSlots load_token_slots(const DispatchCall& c, int experts, long long t) {
   TokenSlots s;
 #pragma unroll
@@ -49,12 +48,11 @@ __device__ inline TokenSlots load_token_slots(const DispatchCall& c, int experts
     s.prob[j] = 0.0f;
     if (j < c.slots) {
       const long long i = t * c.slots + j;
-      const int local = c.plan_slot_rows[i];
-      if (local >= 0) {
-        const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-        const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
+      int e = -1;
+      const long long rank = plan_slot_rank(c, experts, t, i, e);
+      if (rank >= 0) {
         s.expert[j] = e;
-        s.rank[j] = static_cast<int>(base + local);
+        s.rank[j] = static_cast<int>(rank);
         s.prob[j] = c.weights[i];
       }
     }
@@ -90,18 +88,11 @@ __device__ inline SlotInputs load_slot_inputs(const DispatchCall& c, long long t
 __device__ inline TokenSlots token_slots_from_bits(const SlotInputs& in, const std::uint32_t* bits, int experts,
                                                    long long t) {
   TokenSlots s;
-  const int w = plan_word(static_cast<int>(t));
 #pragma unroll
   for (int j = 0; j < kRegisterSlots; ++j) {
-    s.expert[j] = -1;
-    s.rank[j] = -1;
-    s.prob[j] = 0.0f;
-    if (in.id[j] >= 0 && in.id[j] < experts) {
-      const int e = static_cast<int>(in.id[j]);
-      s.expert[j] = e;
-      s.rank[j] = plan_rank_in_chunk(bits, plan_word_prefix(bits, e, w), e, static_cast<int>(t));
-      s.prob[j] = in.weight[j];
-    }
+    s.rank[j] = chunk_slot_rank(bits, in.id[j], experts, static_cast<int>(t));
+    s.expert[j] = s.rank[j] >= 0 ? static_cast<int>(in.id[j]) : -1;
+    s.prob[j] = s.rank[j] >= 0 ? in.weight[j] : 0.0f;
   }
   return s;
 }
@@ -125,11 +116,10 @@ struct TokenRows {
 
   // Slot i of token t, from the plan's results in device memory (-1 also for no or an invalid expert).
   __device__ long long row(long long t, long long i, int& dest) const {
-    const int local = abort ? -1 : c.plan_slot_rows[i];
-    if (local < 0) return -1;
-    const int e = static_cast<int>(plan_id_at(c.indices, c.indices_i64, i));  // valid: the plan ranked it
-    const long long base = c.inline_plan ? 0 : c.plan_chunk_base[(t / kPlanChunkTokens) * experts + e];
-    return row_of(e, base + local, dest);
+    if (abort) return -1;
+    int e = -1;
+    const long long rank = plan_slot_rank(c, experts, t, i, e);
+    return rank < 0 ? -1 : row_of(e, rank, dest);
   }
 };
 
@@ -278,10 +268,11 @@ struct DeviceError {
 };
 
 // With the plan kernel before (final by now) it is the error record. With the inline plan, CTA 0
-// also reports the chunk's lowest bad slot there, while other CTAs may read the record: a record
-// read with an acquire either holds an earlier kernel's error (multihot routing, final), or CTA 0's
-// report (the same bad slot as this CTA's `bad`), or nothing yet - so every CTA uses the same one.
-__device__ inline DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts) {
+// also reports the chunk's lowest bad slot there. `prior_arg` is the record's arg as read at the
+// start of this kernel's steps, before any CTA of it reported: an earlier kernel's error (multihot
+// routing, final) or none - so every CTA uses the same one. (Read there so that its round trip
+// overlaps the inline plan instead of delaying the count stores.)
+__device__ inline DeviceError device_error(const DispatchCall& c, unsigned long long bad, int experts, int prior_arg) {
   DeviceError found;  // by the inline plan
   if (c.inline_plan && bad != ~0ull) {
     const long long i = static_cast<long long>(bad);
@@ -291,9 +282,9 @@ __device__ inline DeviceError device_error(const DispatchCall& c, unsigned long 
       cuda::report_device_error(c.errors, cuda::DeviceArg::indices, found.row, static_cast<int>(found.column),
                                 found.value, found.limit);
   }
-  const int arg = static_cast<int>(ld_acquire_sys(reinterpret_cast<const unsigned*>(&c.errors->arg)));
-  if (arg <= 0) return found;
-  return DeviceError{arg, __ldcg(&c.errors->row), __ldcg(&c.errors->column), __ldcg(&c.errors->value),
+  if (prior_arg <= 0) return found;
+  fence_acq_rel_sys();  // with the relaxed read of prior_arg: an acquire of the record's fields
+  return DeviceError{prior_arg, __ldcg(&c.errors->row), __ldcg(&c.errors->column), __ldcg(&c.errors->value),
                      __ldcg(&c.errors->limit)};
 }
 
@@ -359,6 +350,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
 
   const unsigned epoch = op_epoch(&v.control->op);
   const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
+  const int prior_arg = ld_volatile(&c.errors->arg);  // device_error
 
   // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
   //    after the barriers of step 1), its bits where the layout arrays will.
@@ -368,10 +360,11 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
   if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
 
-  // 1. This rank's slot into every rank's count region. Identical in every CTA (device_error says
-  //    why for the device_* words), so a peer may read it after any CTA's flag.
+  // 1. This rank's slot into every rank's count region, as LL words (count_words.cuh): plain
+  //    stores with the epoch in every word, no fence and no flag. Identical in every CTA
+  //    (device_error says why for the device_* words), so a peer may read any CTA's.
   const int W = word::count + E;
-  const DeviceError err = device_error(c, bad, E);
+  const DeviceError err = device_error(c, bad, E, prior_arg);
   for (int i = tid; i < R * W; i += blockDim.x) {
     const int d = i / W, w = i - d * W;
     long long value = 0;
@@ -389,22 +382,55 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
       value = err.limit;
     else
       value = c.header[w];
-    count_slot(v, d, me)[w] = value;
+    unsigned long long* slot = count_slot(v, d, me);
+    const auto bits = static_cast<unsigned long long>(value);
+    if (w < word::count) {
+      ll_store(slot + 2 * w, epoch, static_cast<unsigned>(bits));
+      ll_store(slot + 2 * w + 1, epoch, static_cast<unsigned>(bits >> 32));
+    } else {
+      ll_store(slot + word::count + w, epoch, static_cast<unsigned>(bits));  // word 2 * count + expert
+    }
   }
-  fence_sys();      // each thread's slot stores are ordered before the barrier...
-  __syncthreads();  // ...and the barrier before the release below: the flag publishes all of them
-  if (tid < R) st_release_sys(count_flag(v, tid, me), epoch);
-  if (stamp) trace_stamp(c.trace, kTraceCountsSent);
-  // The plan's bits stay in place until step 3 (after step 2's barriers).
+  if (stamp) trace_stamp(c.trace, kTraceCountsSent);  // stores issued
   if (c.inline_plan) {
+    // The plan's bits stay in place until every thread is past this (the barrier below).
     const auto* bits = reinterpret_cast<const std::uint32_t*>(smem);
     write_inline_slot_ranks(c, bits, E, every_token);
     while_counts_travel(bits);
   }
+  __syncthreads();  // the plan's counts and bits are read; step 2 writes over them
+  if (stamp && c.inline_plan) trace_stamp(c.trace, kTraceSlotsRanked);
 
-  // 2. Every rank's slot has arrived here.
+  // 2. Every rank's slot has arrived here: each thread polls its words (all loads in flight) until
+  //    every one carries this call's epoch. It keeps the header values in s_head, and for each of
+  //    its experts the pairs from all sources (s_pairs) and from the sources before this rank
+  //    (s_src, completed to source_begin once the group starts are known). Then an acquire fence:
+  //    what this rank writes into the peers' windows next comes after their counts of this call.
+  const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
   bool ok = true;
-  if (tid < R) ok = wait_flag_at_least(count_flag(v, me, tid), epoch, wait, tid);
+  for (int i = tid; ok && i < R * word::count; i += blockDim.x) {
+    const int s = i / word::count, w = i % word::count;
+    const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
+    unsigned half[kLlBatch];
+    ok = ll_wait([&](int h) { return slot + 2 * w + h; }, 2, epoch, wait, [s](int) { return s; }, half);
+    s_head[s][w] = static_cast<long long>((static_cast<unsigned long long>(half[1]) << 32) | half[0]);
+  }
+  for (int e = tid; ok && e < E; e += blockDim.x) {
+    long long all = 0, before = 0;
+    for (int s0 = 0; ok && s0 < R; s0 += kLlBatch) {
+      const int n = R - s0 < kLlBatch ? R - s0 : kLlBatch;
+      unsigned count[kLlBatch];
+      ok = ll_wait([&](int i) { return ll_slot(region, v.slot_bytes, s0 + i) + 2 * word::count + e; }, n, epoch, wait,
+                   [s0](int i) { return s0 + i; }, count);
+      for (int i = 0; i < n; ++i) {
+        all += count[i];
+        if (s0 + i < me) before += count[i];
+      }
+    }
+    s_pairs[e] = all;
+    s_src[e] = before;
+  }
+  fence_acq_rel_sys();
   if (!__syncthreads_and(ok)) {
     // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
     if (blockIdx.x == 0 && tid == 0) v.control->abort = 1;
@@ -412,15 +438,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     return CtaLayout{};  // ok = false
   }
   if (stamp) trace_stamp(c.trace, kTraceCountsArrived);
-  const WindowCounts counts{reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts), v.slot_bytes};
-  for (int i = tid; i < R * word::count; i += blockDim.x)
-    s_head[i / word::count][i % word::count] = __ldcg(count_slot(v, me, i / word::count) + i % word::count);
-  __syncthreads();
   for (int s = tid; s < R; s += blockDim.x) s_tokens[s] = clamp_ll(s_head[s][word::tokens], 0, v.max_tokens);
-  // Every group's pairs, an expert per thread: the count matrix is read with all loads in flight,
-  // not one after another in the per-receiver loop below (ncu: that loop reading the window itself
-  // was three quarters of this kernel's 45 us).
-  for (int e = tid; e < E; e += blockDim.x) s_pairs[e] = group_pairs(counts, e, R);
   __syncthreads();
 
   // 3 + 4. Every receiver's layout (warp w: receivers w, w + warps, ...), this rank's rows as a source.
@@ -444,7 +462,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     for (int d = 0; d < R; ++d) abort |= s_bad[d];
     s_abort = abort;
   }
-  for (int e = tid; e < E; e += blockDim.x) s_src[e] = source_begin(counts, e, me, s_begin[e]);
+  for (int e = tid; e < E; e += blockDim.x) s_src[e] += s_begin[e];  // source_begin: the pairs before, from step 2
   __syncthreads();
   const bool abort = s_abort != 0;
   if (stamp) trace_stamp(c.trace, kTraceLayoutDone);
@@ -472,9 +490,23 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     }
     __syncthreads();
     if (s_claimed) {
-      const long long words = static_cast<long long>(R) * (v.slot_bytes / 8);
-      const long long* src = count_slot(v, me, 0);
-      for (long long i = tid; i < words; i += blockDim.x) v.snapshot[i] = __ldcg(src + i);
+      // The values of every slot (header, then the counts), each slot slot_bytes apart as the host
+      // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now.
+      const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
+      const long long stride = static_cast<long long>(v.slot_bytes / 8);
+      for (int i = tid; i < R * W; i += blockDim.x) {
+        const int s = i / W, w = i - s * W;
+        long long value = 0;
+        if (w < word::count) {
+          value = s_head[s][w];
+        } else {
+          unsigned count[kLlBatch];
+          const unsigned long long* word = ll_slot(region, v.slot_bytes, s) + word::count + w;
+          ll_wait([word](int) { return word; }, 1, epoch, wait, [s](int) { return s; }, count);
+          value = count[0];
+        }
+        v.snapshot[s * stride + w] = value;
+      }
       __syncthreads();
       if (tid == 0) {
         v.status->phase = static_cast<int>(Phase::dispatch_counts);
