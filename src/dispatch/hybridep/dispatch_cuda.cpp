@@ -201,16 +201,16 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    (dispatch_small_grid says why): fewer SMs in one kernel beat more in two for such a call.
   DispatchView view = st.view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
-  const int fused_grid = v2 && c.inline_plan ? dispatch_small_grid(c.row_bytes, c.scale_bytes, E, c.slots, c.tokens,
+  const int small_grid = v2 && c.inline_plan ? dispatch_small_grid(c.row_bytes, c.scale_bytes, E, c.slots, c.tokens,
                                                                    sms.dispatch, options_.part_tokens)
                                              : 0;
-  const bool fused = fused_grid > 0;
+  const bool fused = small_grid > 0;
   one_kernel_ = fused;
   record(ev_preprocess, s);
   if (!fused) launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);
   if (fused)
-    launch_dispatch_small(view, c, fused_grid, s);
+    launch_dispatch_small(view, c, small_grid, s);
   else
     (v2 ? launch_dispatch_v2 : launch_dispatch)(view, c, sms.dispatch, s, overlap);
   record(ev_dispatch_end, s);
