@@ -341,8 +341,9 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
       const long long t = p.t0 + lane;
       if (t < p.t1) {
         const bool first = i == pipe && env.first_slots != nullptr;  // loaded while the counts travelled
-        any = stage_and_write_probs(v, env, t, first ? *env.first_slots : preprocess_steps::load_token_slots(c, v.experts, t),
-                                    c.trace != nullptr && lane == 0);
+        const preprocess_steps::TokenSlots slots =
+            first ? *env.first_slots : preprocess_steps::load_token_slots(c, v.experts, t);
+        any = stage_and_write_probs(v, env, t, slots, c.trace != nullptr && lane == 0);
       }
       __syncwarp();  // the warp's other lanes read the records after it, the consumer after the job post
     } else if (env.move) {

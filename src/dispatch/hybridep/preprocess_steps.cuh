@@ -385,10 +385,10 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     unsigned long long* slot = count_slot(v, d, me);
     const auto bits = static_cast<unsigned long long>(value);
     if (w < word::count) {
-      ll_store(slot + 2 * w, epoch, static_cast<unsigned>(bits));
-      ll_store(slot + 2 * w + 1, epoch, static_cast<unsigned>(bits >> 32));
+      ll_store(ll_header_word(slot, w, 0), epoch, static_cast<unsigned>(bits));
+      ll_store(ll_header_word(slot, w, 1), epoch, static_cast<unsigned>(bits >> 32));
     } else {
-      ll_store(slot + word::count + w, epoch, static_cast<unsigned>(bits));  // word 2 * count + expert
+      ll_store(ll_count_word(slot, w - word::count), epoch, static_cast<unsigned>(bits));
     }
   }
   if (stamp) trace_stamp(c.trace, kTraceCountsSent);  // stores issued
@@ -412,7 +412,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     const int s = i / word::count, w = i % word::count;
     const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
     unsigned half[kLlBatch];
-    ok = ll_wait([&](int h) { return slot + 2 * w + h; }, 2, epoch, wait, [s](int) { return s; }, half);
+    ok = ll_wait([&](int h) { return ll_header_word(slot, w, h); }, 2, epoch, wait, [s](int) { return s; }, half);
     s_head[s][w] = static_cast<long long>((static_cast<unsigned long long>(half[1]) << 32) | half[0]);
   }
   for (int e = tid; ok && e < E; e += blockDim.x) {
@@ -420,7 +420,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     for (int s0 = 0; ok && s0 < R; s0 += kLlBatch) {
       const int n = R - s0 < kLlBatch ? R - s0 : kLlBatch;
       unsigned count[kLlBatch];
-      ok = ll_wait([&](int i) { return ll_slot(region, v.slot_bytes, s0 + i) + 2 * word::count + e; }, n, epoch, wait,
+      ok = ll_wait([&](int i) { return ll_count_word(ll_slot(region, v.slot_bytes, s0 + i), e); }, n, epoch, wait,
                    [s0](int i) { return s0 + i; }, count);
       for (int i = 0; i < n; ++i) {
         all += count[i];
@@ -491,21 +491,14 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     __syncthreads();
     if (s_claimed) {
       // The values of every slot (header, then the counts), each slot slot_bytes apart as the host
-      // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now.
-      const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
+      // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now (step 2
+      // waited for all of them), so each count is the low half of its word.
       const long long stride = static_cast<long long>(v.slot_bytes / 8);
       for (int i = tid; i < R * W; i += blockDim.x) {
         const int s = i / W, w = i - s * W;
-        long long value = 0;
-        if (w < word::count) {
-          value = s_head[s][w];
-        } else {
-          unsigned count[kLlBatch];
-          const unsigned long long* word = ll_slot(region, v.slot_bytes, s) + word::count + w;
-          ll_wait([word](int) { return word; }, 1, epoch, wait, [s](int) { return s; }, count);
-          value = count[0];
-        }
-        v.snapshot[s * stride + w] = value;
+        const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
+        v.snapshot[s * stride + w] =
+            w < word::count ? s_head[s][w] : static_cast<unsigned>(ll_load(ll_count_word(slot, w - word::count)));
       }
       __syncthreads();
       if (tid == 0) {
