@@ -227,7 +227,8 @@ __device__ inline StagingShare staging_share(bool one_chunk) {
 // Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
 // chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
 // bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA;
-// the slot ranks follow once the counts are sent, write_inline_slot_ranks). The lowest bad slot
+// the preprocess kernel's slot ranks follow once the counts are sent, write_inline_slot_ranks; the
+// fused kernel ranks from the bits). The lowest bad slot
 // (t * k + j) of the chunk is the same in every CTA; ~0 if none.
 __device__ inline unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits,
                                                  long long* counts) {
