@@ -29,6 +29,9 @@ namespace flexep::hybridep {
 constexpr int kPlanChunkTokens = 256;  // one CTA of kThreads: a token per thread
 constexpr int kPlanChunkWords = kPlanChunkTokens / 32;
 
+// Bytes of one chunk's bits: kPlanChunkWords 32-bit words per expert.
+constexpr long long plan_bits_bytes(int experts) { return static_cast<long long>(experts) * kPlanChunkWords * 4; }
+
 FLEXEP_HD int popc32(std::uint32_t x) {
 #if defined(__CUDA_ARCH__)
   return __popc(x);

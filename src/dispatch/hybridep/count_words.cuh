@@ -33,6 +33,17 @@ __device__ __forceinline__ const unsigned long long* ll_slot(const unsigned char
   return reinterpret_cast<const unsigned long long*>(region + static_cast<unsigned long long>(s) * slot_bytes);
 }
 
+// The words of a slot (the one place that knows their order): header value w's low and high half,
+// and expert e's count.
+template <class Word>
+__device__ __forceinline__ Word* ll_header_word(Word* slot, int w, int half) {
+  return slot + 2 * w + half;
+}
+template <class Word>
+__device__ __forceinline__ Word* ll_count_word(Word* slot, int e) {
+  return slot + 2 * word::count + e;
+}
+
 // Polls the n <= kLlBatch words at `word(0..n-1)` (all loads in flight) until each carries `epoch`,
 // then returns their values. False on the deadline (the status then names phase and `peer(i)` of
 // the first stale word) or when another wait already timed out. 16 words: an expert's counts from

@@ -91,6 +91,9 @@ struct Env {
   // The fused kernel's producer lanes: the slots of their token of the pipeline's first send part,
   // loaded while the counts travelled (first_send_part).
   const preprocess_steps::TokenSlots* first_slots = nullptr;
+  // The fused kernel: the inline plan's bits, kept in shared memory, from which the producers rank
+  // the slots of their later parts (no slot ranks in device memory).
+  const std::uint32_t* plan_bits = nullptr;
 };
 
 // A pipeline's first send part: the item with its own index (work_items.cuh).
@@ -341,8 +344,11 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
       const long long t = p.t0 + lane;
       if (t < p.t1) {
         const bool first = i == pipe && env.first_slots != nullptr;  // loaded while the counts travelled
-        any = stage_and_write_probs(v, env, t, first ? *env.first_slots : preprocess_steps::load_token_slots(c, v.experts, t),
-                                    c.trace != nullptr && lane == 0);
+        const preprocess_steps::TokenSlots slots =
+            first ? *env.first_slots
+                  : preprocess_steps::token_slots_from_bits(preprocess_steps::load_slot_inputs(c, t), env.plan_bits,
+                                                            v.experts, t);
+        any = stage_and_write_probs(v, env, t, slots, c.trace != nullptr && lane == 0);
       }
       __syncwarp();  // the warp's other lanes read the records after it, the consumer after the job post
     } else if (env.move) {
@@ -627,6 +633,8 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   const unsigned epoch = op_epoch(&v.control->op);
   if (threadIdx.x == 0) init_rings(smem, layout);  // ordered before the roles by lay_out_call's barriers
   auto* steps_smem = reinterpret_cast<long long*>(smem + layout.off_extra() + kZeroBytes);
+  auto* plan_bits = reinterpret_cast<std::uint32_t*>(smem + layout.off_extra() + kZeroBytes +
+                                                     preprocess_smem_bytes(v.experts));
   // Each producer lane loads the ids and weights of its token of the pipeline's first part now (they
   // arrive during the inline plan) and ranks its slots while the counts travel: only the rows wait
   // for the layout (the step trace had ~4 us from a producer's start to its rows known, after the
@@ -642,7 +650,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     if (stages_first)
       first_slots = preprocess_steps::token_slots_from_bits(first_inputs, bits, v.experts, first.t0 + lane);
   };
-  const preprocess_steps::CtaLayout l = preprocess_steps::lay_out_call(v, c, steps_smem, true, load_first_slots);
+  const preprocess_steps::CtaLayout l = preprocess_steps::lay_out_call(v, c, steps_smem, plan_bits, load_first_slots);
   __shared__ int s_broken;
   if (threadIdx.x == 0) {
     s_broken = !l.ok || timed_out(v.status);  // a timeout: move nothing, wait for nothing
@@ -662,7 +670,8 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
                   .tpe = l.tpe + me * L,
                   .tokens = l.tokens,
                   .token_rows = &rows,
-                  .first_slots = &first_slots};
+                  .first_slots = &first_slots,
+                  .plan_bits = plan_bits};
     run_roles(v, c, layout, smem, env);
   }
   finish_dispatch(v, c, epoch);
@@ -677,13 +686,15 @@ RingLayout layout_for(long long row_bytes, long long scale_bytes) {
                    smem_budget.get(dispatch_kernel_v2));
 }
 
-// The fused kernel: its extra region holds the zero block and then the preprocess steps' arrays.
+// The fused kernel: its extra region holds the zero block, the preprocess steps' arrays and the
+// inline plan's bits.
 SmemBudget small_smem_budget;
 
 RingLayout small_layout_for(long long row_bytes, long long scale_bytes, int experts) {
   if (row_bytes + scale_bytes > kMaxStageBytes) return RingLayout{1, 0, 128, 0};
   return fit_rings(kPipes, static_cast<std::size_t>(row_bytes + scale_bytes),
-                   kZeroBytes + preprocess_smem_bytes(experts), kMinStages, kMaxStages,
+                   kZeroBytes + preprocess_smem_bytes(experts) + static_cast<std::size_t>(plan_bits_bytes(experts)),
+                   kMinStages, kMaxStages,
                    small_smem_budget.get(dispatch_small_kernel));
 }
 

@@ -153,7 +153,10 @@ void launch_multihot_slots(const unsigned char* routing_map, const float* probs,
                            cudaStream_t stream);
 // Count exchange, layout of every rank, the abort decision, staging records and slot entries.
 // `grid` CTAs of kThreads; dynamic shared memory preprocess_smem_bytes(E).
-std::size_t preprocess_smem_bytes(int experts);
+// Five arrays of E 64-bit values (lay_out_call); the fused kernel puts them beside its rings.
+__host__ __device__ constexpr std::size_t preprocess_smem_bytes(int experts) {
+  return static_cast<std::size_t>(experts) * 5 * sizeof(long long);
+}
 // `after_plan`: the launch directly follows launch_chunk_plan on `stream`, so it may be scheduled
 // while the plan runs (programmatic dependent launch; the kernel waits for the plan grid's
 // completion before it reads anything).

@@ -16,8 +16,8 @@ enum TracePoint : int {
   kTracePreprocessStart,  // after the wait for the plan kernel
   kTracePlanned,          // the inline plan of a one-chunk call done
   kTraceCountsSent,       // this rank's counts released to every rank
-  kTraceSlotsRanked,      // inline plan: the slot ranks written (fused: the first part's too), before
-                          // the wait for the peers' counts
+  kTraceSlotsRanked,      // inline plan: the staged tokens' slot ranks written (fused: none, the
+                          // producers' first part ranked), before the wait for the peers' counts
   kTraceCountsArrived,    // every rank's counts here
   kTraceLayoutDone,       // every receiver's layout and the abort decision
   kTracePublished,        // CTA 0: the layout and the decision published (to the host too, blocking)

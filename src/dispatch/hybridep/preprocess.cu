@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
   tma::allow_dependent_launch();
   // Launched as a dependent of the plan kernel: nothing of the plan may be read before it completed.
   tma::grid_dependency_wait();
-  const CtaLayout l = lay_out_call(v, c, smem, false);
+  const CtaLayout l = lay_out_call(v, c, smem, nullptr);
   if (!l.ok) return;  // timed out: the dispatch kernel sees the status and neither moves nor waits
 
   // 5. Staging records and slot entries, one thread per token of this rank.
@@ -86,8 +86,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 }  // namespace
-
-std::size_t preprocess_smem_bytes(int experts) { return static_cast<std::size_t>(experts) * 5 * sizeof(long long); }
 
 void prepare_preprocess(int experts) {
   const std::size_t bytes = preprocess_smem_bytes(experts);

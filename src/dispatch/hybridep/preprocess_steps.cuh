@@ -83,8 +83,9 @@ __device__ inline SlotInputs load_slot_inputs(const DispatchCall& c, long long t
 }
 
 // From the inline plan's bits in shared memory (a one-chunk call: token t is chunk token t), the
-// same ranks write_slot_ranks writes. The fused kernel's producers rank their first part's tokens
-// so while the counts travel: only the rows need the layout. Reads shared memory only.
+// same ranks write_slot_ranks writes. The fused kernel's producers rank all their tokens so (it
+// keeps the bits): their first part's while the counts travel, so that only the rows wait for the
+// layout, and every later part's as they take it. Reads shared memory only.
 __device__ inline TokenSlots token_slots_from_bits(const SlotInputs& in, const std::uint32_t* bits, int experts,
                                                    long long t) {
   TokenSlots s;
@@ -226,7 +227,8 @@ __device__ inline StagingShare staging_share(bool one_chunk) {
 // Step 0, a call whose T tokens fit one plan chunk (decode): the chunk plan kernel's work for that
 // chunk, here, which saves the call a kernel and a dependent launch. Every CTA sets the chunk's
 // bits and counts every expert's pairs into `counts` (the count exchange needs them in every CTA;
-// the slot ranks follow once the counts are sent, write_inline_slot_ranks). The lowest bad slot
+// the preprocess kernel's slot ranks follow once the counts are sent, write_inline_slot_ranks; the
+// fused kernel ranks from the bits). The lowest bad slot
 // (t * k + j) of the chunk is the same in every CTA; ~0 if none.
 __device__ inline unsigned long long plan_inline(const DispatchCall& c, int experts, std::uint32_t* bits,
                                                  long long* counts) {
@@ -246,20 +248,14 @@ __device__ inline unsigned long long plan_inline(const DispatchCall& c, int expe
   return s_bad;
 }
 
-// The slot ranks of the tokens this CTA stages (staging_share), or of every token (`every_token`:
-// the fused small-call kernel, whose producers stage whichever part they get; the CTAs write
-// identical values). Run while the counts travel: nothing before the layout needs them, and a
-// system fence before the count release would wait for these stores too.
-__device__ inline void write_inline_slot_ranks(const DispatchCall& c, const std::uint32_t* bits, int experts,
-                                               bool every_token) {
+// The slot ranks of the tokens this CTA stages (staging_share), for its staging threads to read
+// back. Run while the counts travel: nothing before the layout needs them, and a system fence
+// before the count release would wait for these stores too. (The fused small-call kernel writes
+// none: its producers rank their tokens from the plan's bits, which it keeps.)
+__device__ inline void write_inline_slot_ranks(const DispatchCall& c, const std::uint32_t* bits, int experts) {
   const PlanIds ids{c.indices, c.indices_i64, c.slots, experts};
-  if (every_token) {
-    for (long long t = threadIdx.x; t < c.tokens; t += blockDim.x)
-      write_slot_ranks(bits, ids, t, static_cast<int>(t), c.plan_slot_rows);
-  } else {
-    const long long mine = staging_share(true).token(threadIdx.x);
-    if (mine < c.tokens) write_slot_ranks(bits, ids, mine, static_cast<int>(mine), c.plan_slot_rows);
-  }
+  const long long mine = staging_share(true).token(threadIdx.x);
+  if (mine < c.tokens) write_slot_ranks(bits, ids, mine, static_cast<int>(mine), c.plan_slot_rows);
 }
 
 // The header's device_* words: the call's first device error on this rank, identical in every CTA.
@@ -328,12 +324,15 @@ struct NoBitsHook {
 
 // Steps 0-4 in every CTA of the calling grid, then CTA 0 publishes this rank's receiver layout and
 // the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `smem`:
-// preprocess_smem_bytes(E) of dynamic shared memory; `every_token`: see write_inline_slot_ranks.
+// preprocess_smem_bytes(E) of dynamic shared memory. The inline plan's bits (plan_bits_bytes(E)):
+// with `kept_bits` null they live where the layout arrays will, and the CTA writes the slot ranks
+// of the tokens it stages (write_inline_slot_ranks); else they go to `kept_bits`, stay there after
+// the layout, and no slot rank is written (the caller ranks from the bits: token_slots_from_bits).
 // With the inline plan, every thread calls `while_counts_travel(bits)` between the count release
-// and the wait for the peers' counts, with the plan's bits in shared memory (token_slots_from_bits).
+// and the wait for the peers' counts.
 template <class WhileCountsTravel = NoBitsHook>
 __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, long long* smem,
-                                         bool every_token, WhileCountsTravel while_counts_travel = {}) {
+                                         std::uint32_t* kept_bits, WhileCountsTravel while_counts_travel = {}) {
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
   const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
   if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
@@ -353,10 +352,10 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   const int prior_arg = ld_volatile(&c.errors->arg);  // device_error
 
   // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
-  //    after the barriers of step 1), its bits where the layout arrays will.
+  //    after the barriers of step 1), its bits in `kept_bits` or where the layout arrays will.
   long long* s_counts = s_pairs;
-  const unsigned long long bad =
-      c.inline_plan ? plan_inline(c, E, reinterpret_cast<std::uint32_t*>(smem), s_counts) : ~0ull;
+  std::uint32_t* bits = kept_bits != nullptr ? kept_bits : reinterpret_cast<std::uint32_t*>(smem);
+  const unsigned long long bad = c.inline_plan ? plan_inline(c, E, bits, s_counts) : ~0ull;
   const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
   if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
 
@@ -385,18 +384,17 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     unsigned long long* slot = count_slot(v, d, me);
     const auto bits = static_cast<unsigned long long>(value);
     if (w < word::count) {
-      ll_store(slot + 2 * w, epoch, static_cast<unsigned>(bits));
-      ll_store(slot + 2 * w + 1, epoch, static_cast<unsigned>(bits >> 32));
+      ll_store(ll_header_word(slot, w, 0), epoch, static_cast<unsigned>(bits));
+      ll_store(ll_header_word(slot, w, 1), epoch, static_cast<unsigned>(bits >> 32));
     } else {
-      ll_store(slot + word::count + w, epoch, static_cast<unsigned>(bits));  // word 2 * count + expert
+      ll_store(ll_count_word(slot, w - word::count), epoch, static_cast<unsigned>(bits));
     }
   }
   if (stamp) trace_stamp(c.trace, kTraceCountsSent);  // stores issued
   if (c.inline_plan) {
-    // The plan's bits stay in place until every thread is past this (the barrier below).
-    const auto* bits = reinterpret_cast<const std::uint32_t*>(smem);
-    write_inline_slot_ranks(c, bits, E, every_token);
-    while_counts_travel(bits);
+    // Bits in the layout's place stay there until every thread is past this (the barrier below).
+    if (kept_bits == nullptr) write_inline_slot_ranks(c, bits, E);
+    while_counts_travel(static_cast<const std::uint32_t*>(bits));
   }
   __syncthreads();  // the plan's counts and bits are read; step 2 writes over them
   if (stamp && c.inline_plan) trace_stamp(c.trace, kTraceSlotsRanked);
@@ -412,7 +410,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     const int s = i / word::count, w = i % word::count;
     const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
     unsigned half[kLlBatch];
-    ok = ll_wait([&](int h) { return slot + 2 * w + h; }, 2, epoch, wait, [s](int) { return s; }, half);
+    ok = ll_wait([&](int h) { return ll_header_word(slot, w, h); }, 2, epoch, wait, [s](int) { return s; }, half);
     s_head[s][w] = static_cast<long long>((static_cast<unsigned long long>(half[1]) << 32) | half[0]);
   }
   for (int e = tid; ok && e < E; e += blockDim.x) {
@@ -420,7 +418,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     for (int s0 = 0; ok && s0 < R; s0 += kLlBatch) {
       const int n = R - s0 < kLlBatch ? R - s0 : kLlBatch;
       unsigned count[kLlBatch];
-      ok = ll_wait([&](int i) { return ll_slot(region, v.slot_bytes, s0 + i) + 2 * word::count + e; }, n, epoch, wait,
+      ok = ll_wait([&](int i) { return ll_count_word(ll_slot(region, v.slot_bytes, s0 + i), e); }, n, epoch, wait,
                    [s0](int i) { return s0 + i; }, count);
       for (int i = 0; i < n; ++i) {
         all += count[i];
@@ -491,21 +489,14 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
     __syncthreads();
     if (s_claimed) {
       // The values of every slot (header, then the counts), each slot slot_bytes apart as the host
-      // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now.
-      const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
+      // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now (step 2
+      // waited for all of them), so each count is the low half of its word.
       const long long stride = static_cast<long long>(v.slot_bytes / 8);
       for (int i = tid; i < R * W; i += blockDim.x) {
         const int s = i / W, w = i - s * W;
-        long long value = 0;
-        if (w < word::count) {
-          value = s_head[s][w];
-        } else {
-          unsigned count[kLlBatch];
-          const unsigned long long* word = ll_slot(region, v.slot_bytes, s) + word::count + w;
-          ll_wait([word](int) { return word; }, 1, epoch, wait, [s](int) { return s; }, count);
-          value = count[0];
-        }
-        v.snapshot[s * stride + w] = value;
+        const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
+        v.snapshot[s * stride + w] =
+            w < word::count ? s_head[s][w] : static_cast<unsigned>(ll_load(ll_count_word(slot, w - word::count)));
       }
       __syncthreads();
       if (tid == 0) {
