@@ -305,10 +305,8 @@ __device__ unsigned produce_fused_part(const DispatchView& v, const DispatchCall
   }
   if (t < p.t1) stage_and_write_probs(v, c, env, t, e);
   __syncwarp();  // the warp's other lanes copy the records after it, the consumer after the part end
-  if (lane == 0) {
-    trace_stamp(c.trace, kTraceStagingStored);
-    trace_stamp(c.trace, kTraceProbsWritten);
-  }
+  if (lane == 0 && t < p.t1) trace_stamp(c.trace, kTraceStagingStored);  // as staging_loaded: parts with a token
+  if (lane == 0) trace_stamp(c.trace, kTraceProbsWritten);
   if (env.move) send_records(v, c, p, env, lane);
   return j;
 }
