@@ -43,22 +43,24 @@ TEST(HybridEpParts, SplitIsAPowerOfTwoDividingTheChunkAndGivesEveryPipelineEight
   // The two shapes of the benchmark cases at 16 SMs x 2 pipelines.
   EXPECT_EQ(part_split(num_chunks(4096), 32).tokens, 16);  // 128 chunks: 256 parts
   EXPECT_EQ(part_split(num_chunks(128), 32).tokens, 4);    // decode, 4 chunks: a part per pipeline
-  // Decode at 32 and 64 SMs: 2-token parts, so that 64 pipelines get one each.
+  // Decode at 32 SMs: 2-token parts, so that 64 pipelines get one each; at 64 SMs 1-token parts.
   EXPECT_EQ(part_split(num_chunks(128), 64).tokens, 2);
-  EXPECT_EQ(part_split(num_chunks(128), 128).tokens, 2);
+  EXPECT_EQ(part_split(num_chunks(128), 128).tokens, 1);
   // Decode at 24 SMs (48 pipelines): 32 parts of 4 tokens, not 64 of 2 (16 pipelines with two).
   EXPECT_EQ(part_split(num_chunks(128), 48).tokens, 4);
 }
 
 // The fused small-call kernel needs a send part for every pipeline (parts.h says why).
 TEST(HybridEpParts, EveryPipelineSendsWhenThereAreAtLeastAsManyPartsAsPipelines) {
-  // Decode (128 tokens, 4 chunks) at 2 pipelines per CTA: 8, 16, 32 SMs yes; 24, 48, 64 SMs no.
+  // Decode (128 tokens, 4 chunks) at 2 pipelines per CTA: 8, 16, 32, 64 SMs yes; 24, 48 SMs no.
   EXPECT_TRUE(every_pipeline_sends(128, 16));
   EXPECT_TRUE(every_pipeline_sends(128, 32));   // 32 parts of 4
   EXPECT_TRUE(every_pipeline_sends(128, 64));   // 64 parts of 2
+  EXPECT_TRUE(every_pipeline_sends(128, 128));  // 128 parts of 1
   EXPECT_FALSE(every_pipeline_sends(128, 48));  // 32 parts of 4
-  EXPECT_FALSE(every_pipeline_sends(128, 96));  // 64 parts of 2 (the floor)
-  EXPECT_FALSE(every_pipeline_sends(0, 40));    // one empty chunk: 16 parts of 2
+  EXPECT_FALSE(every_pipeline_sends(128, 96));  // 64 parts of 2 (1-token parts would give some two)
+  EXPECT_FALSE(every_pipeline_sends(128, 160)); // 128 parts of 1 (the floor)
+  EXPECT_FALSE(every_pipeline_sends(0, 40));    // one empty chunk: 32 parts of 1
   EXPECT_FALSE(every_pipeline_sends(128, 64, 32));  // forced whole chunks: 4 parts
   for (long long T : {0LL, 1LL, 33LL, 128LL, 200LL, 256LL})
     for (int pipelines : {1, 8, 40, 48, 64, 128}) {
@@ -71,15 +73,17 @@ TEST(HybridEpParts, EveryPipelineSendsWhenThereAreAtLeastAsManyPartsAsPipelines)
 // The fused kernel's grid: the largest within the SMs given (down to half of them) whose every
 // pipeline sends a part; a forced part size keeps the grid as given.
 TEST(HybridEpParts, FusedGridIsTheLargestWhoseEveryPipelineSends) {
-  // Decode (128 tokens) at 2 pipelines per CTA: 8, 16 and 32 SMs as given; 24 -> 16 (32 parts of 4),
-  // 48 and 64 -> 32 (64 parts of 2); 80 SMs would need 40, and 32 is below half: none.
+  // Decode (128 tokens) at 2 pipelines per CTA: 8, 16, 32 and 64 SMs as given; 24 -> 16 (32 parts of
+  // 4), 48 -> 32 (64 parts of 2), 80 -> 64 (128 parts of 1); 160 SMs would need 80, and 64 is below
+  // half: none.
   EXPECT_EQ(fused_grid(128, 8, 2), 8);
   EXPECT_EQ(fused_grid(128, 16, 2), 16);
   EXPECT_EQ(fused_grid(128, 24, 2), 16);
   EXPECT_EQ(fused_grid(128, 32, 2), 32);
   EXPECT_EQ(fused_grid(128, 48, 2), 32);
-  EXPECT_EQ(fused_grid(128, 64, 2), 32);
-  EXPECT_EQ(fused_grid(128, 80, 2), 0);
+  EXPECT_EQ(fused_grid(128, 64, 2), 64);
+  EXPECT_EQ(fused_grid(128, 80, 2), 64);
+  EXPECT_EQ(fused_grid(128, 160, 2), 0);
   EXPECT_EQ(fused_grid(128, 0, 2), 0);
   EXPECT_EQ(fused_grid(128, 64, 2, 32), 0);  // forced whole chunks: 4 parts for 128 pipelines
   EXPECT_EQ(fused_grid(128, 2, 2, 32), 2);   // 4 parts for 4 pipelines

@@ -76,6 +76,23 @@ enum Kind : int { kSendRow = 0, kFanOut = 1, kPartEnd = 2, kFlush = 3, kExit = 4
 // kSendRow: a = token.  kFanOut: a = source, b = token, c = n (rows), d = first row.
 // kPartEnd: a = chunk, b = parts per chunk.  kFlush, kExit: none.
 
+// Where the fused kernel's sent token goes, handed by its producer to its consumer next to the job:
+// slot q's rank (-1: no entry) and row. The consumer then reads no staged record and its stores
+// start once the rows are known, while the producer stages the records (the step trace: the
+// staging stores took ~3 us ahead of the first row's stores). Written and read by lane 0 only,
+// under the ring's handshake, like the job descriptor of the same stage.
+struct SendNote {
+  int dest[preprocess_steps::kRegisterSlots];
+  int row[preprocess_steps::kRegisterSlots];
+};
+constexpr std::size_t kSendNotesBytes = sizeof(SendNote) * kPipes * kMaxStages;
+
+// The notes' offset in the fused kernel's extra region, after the zero block: past the preprocess
+// steps' arrays and the plan's bits, 16-byte aligned.
+__host__ __device__ constexpr std::size_t notes_offset(int experts) {
+  return (preprocess_smem_bytes(experts) + static_cast<std::size_t>(plan_bits_bytes(experts)) + 15) / 16 * 16;
+}
+
 // What the roles read of the call's layout: from the preprocess kernel's results in device memory
 // (dispatch_kernel_v2), or from the CTA's own shared memory (dispatch_small_kernel).
 struct Env {
@@ -94,7 +111,14 @@ struct Env {
   // The fused kernel: the inline plan's bits, kept in shared memory, from which the producers rank
   // the slots of their later parts (no slot ranks in device memory).
   const std::uint32_t* plan_bits = nullptr;
+  // The fused kernel: each ring's send notes ([kPipes][kMaxStages] in shared memory, SendNote).
+  SendNote* notes = nullptr;
 };
+
+// Ring `ring`'s note for job j.
+__device__ SendNote* send_note(const Env& env, const Ring& ring, int ring_index, unsigned j) {
+  return env.notes + ring_index * kMaxStages + ring.slot(j);
+}
 
 // A pipeline's first send part: the item with its own index (work_items.cuh).
 __device__ Part first_send_part(const DispatchView& v, const DispatchCall& c, int pipelines, int pipe) {
@@ -187,50 +211,103 @@ __device__ bool write_staged_probs(const DispatchView& v, const Part& p, const E
   return any;
 }
 
-// The fused kernel's producer lane: stages its part's token t (records and slot entries; an aborted
-// call's get none and -1, as in the preprocess kernel) and writes the probs of the token's rows here
-// from the same registers, each entry tested against the output as it is built. Returns whether the
-// token goes anywhere.
-__device__ bool stage_and_write_probs(const DispatchView& v, const Env& env, long long t,
-                                      const preprocess_steps::TokenSlots& slots, bool stamp) {
-  bool any = false;
-  preprocess_steps::stage_token_in_registers(v, *env.token_rows, t, slots, stamp, [&](int d, int row, float prob) {
-    any = true;
+// The fused kernel's producer lane: stages its token t from its entries (records and slot entries;
+// an aborted call's get none and -1, as in the preprocess kernel) and writes the probs of the
+// token's rows here from the same registers, each entry tested against the output as it is built.
+__device__ void stage_and_write_probs(const DispatchView& v, const DispatchCall& c, const Env& env, long long t,
+                                      const preprocess_steps::TokenEntries& e) {
+  preprocess_steps::store_token_records(v, c, t, e, [&](int d, int row, float prob) {
     if (d != v.rank) return;
     if (row < env.out_rows)
       *prob_at(v, v.rank, row) = prob;
     else
       report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, v.rank, t, env.out_rows);
   });
-  return any;
 }
 
-// `any`: lane l's token t0 + l goes somewhere (its probs here are written).
-__device__ unsigned produce_send_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
-                                      const Part& p, const Env& env, bool any, int lane) {
-  if (c.trace) {
-    __syncwarp();
-    if (lane == 0) trace_stamp(c.trace, kTraceProbsWritten);
-  }
+// One job per token of the part that goes somewhere (`any`: lane l's token p.t0 + l), its row loaded
+// into the job's stage. `note(j, l)`, called by every lane, may hand lane l's token's note for job j
+// to lane 0 before the post.
+template <class Note>
+__device__ unsigned post_send_jobs(const DispatchCall& c, const Ring& ring, unsigned j, const Part& p, bool any,
+                                   int lane, Note note) {
   const auto* hidden = static_cast<const unsigned char*>(c.hidden);
   const auto* scales = static_cast<const unsigned char*>(c.scales);
   for (unsigned m = __ballot_sync(kFullMask, any); m != 0; m &= m - 1) {
-    const long long tt = p.t0 + (__ffs(m) - 1);
+    const int l = __ffs(m) - 1;
+    const long long tt = p.t0 + l;
     ring.acquire(j, lane);
+    note(j, l);
     if (lane == 0)
       post_row_job(ring, j, Job{kSendRow, static_cast<int>(tt), 0, 0, 0, 0, 0, 0}, c, hidden + tt * c.row_bytes,
                    scales ? scales + tt * c.scale_bytes : nullptr);
     ++j;
   }
   if (lane == 0) trace_stamp(c.trace, kTraceLoadsPosted);
-  // The records, while the consumer stores the rows. No fence here: the __syncwarp orders every
-  // lane's record stores before lane 0's "part end" post (an mbarrier arrive: release, CTA scope),
-  // and the consumer that observes it fences at system scope before it counts the part, which
-  // publishes them with the rows (fences are cumulative). A fence here waited 2-4 us per part for
-  // the records' NVLink acknowledgements, on the critical path of a decode call (the step trace).
+  return j;
+}
+
+// The part's staged records to every destination, while the consumer stores the rows. No fence
+// here: the __syncwarp orders every lane's record stores before lane 0's "part end" post (an
+// mbarrier arrive: release, CTA scope), and the consumer that observes it fences at system scope
+// before it counts the part, which publishes them with the rows (fences are cumulative). A fence
+// here waited 2-4 us per part for the records' NVLink acknowledgements, on the critical path of a
+// decode call (the step trace).
+__device__ void send_records(const DispatchView& v, const DispatchCall& c, const Part& p, const Env& env, int lane) {
   copy_records(v, p, env.epoch, lane);
   __syncwarp();
   if (lane == 0) trace_stamp(c.trace, kTraceRecordsCopied);
+}
+
+// A part of the two-kernel path: its records staged by the preprocess kernel.
+__device__ unsigned produce_staged_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, unsigned j,
+                                        const Part& p, const Env& env, int lane) {
+  if (!env.move) return j;
+  const bool any = write_staged_probs(v, p, env, lane);
+  if (c.trace) {
+    __syncwarp();
+    if (lane == 0) trace_stamp(c.trace, kTraceProbsWritten);
+  }
+  j = post_send_jobs(c, ring, j, p, any, lane, [](unsigned, int) {});
+  send_records(v, c, p, env, lane);
+  return j;
+}
+
+// A part of the fused kernel: lane l stages token p.t0 + l itself. Its rows go to the consumer in
+// the job's note first, so that the row stores need not wait for the staging; then the records and
+// probs, then the records to every destination.
+__device__ unsigned produce_fused_part(const DispatchView& v, const DispatchCall& c, const Ring& ring, int ring_index,
+                                       unsigned j, const Part& p, long long i, int pipe, const Env& env, int lane) {
+  namespace ps = preprocess_steps;
+  const long long t = p.t0 + lane;
+  ps::TokenEntries e = ps::TokenEntries::none();
+  bool any = false;
+  if (t < p.t1) {
+    const bool first = i == pipe && env.first_slots != nullptr;  // ranked while the counts travelled
+    const ps::TokenSlots slots =
+        first ? *env.first_slots
+              : ps::token_slots_from_bits(ps::load_slot_inputs(c, t), env.plan_bits, v.experts, t);
+    e = ps::token_entries(*env.token_rows, slots);
+#pragma unroll
+    for (int q = 0; q < ps::kRegisterSlots; ++q) any |= e.in_record(q, v.width);
+  }
+  if (c.trace && lane == 0 && t < p.t1) trace_stamp(c.trace, kTraceStagingLoaded);
+  if (env.move) {
+    j = post_send_jobs(c, ring, j, p, any, lane, [&](unsigned job, int l) {
+      SendNote n;
+#pragma unroll
+      for (int q = 0; q < ps::kRegisterSlots; ++q) {
+        n.dest[q] = __shfl_sync(kFullMask, e.in_record(q, v.width) ? e.dest[q] : -1, l);
+        n.row[q] = __shfl_sync(kFullMask, e.row[q], l);
+      }
+      if (lane == 0) *send_note(env, ring, ring_index, job) = n;
+    });
+  }
+  if (t < p.t1) stage_and_write_probs(v, c, env, t, e);
+  __syncwarp();  // the warp's other lanes copy the records after it, the consumer after the part end
+  if (lane == 0 && t < p.t1) trace_stamp(c.trace, kTraceStagingStored);  // as staging_loaded: parts with a token
+  if (lane == 0) trace_stamp(c.trace, kTraceProbsWritten);
+  if (env.move) send_records(v, c, p, env, lane);
   return j;
 }
 
@@ -325,8 +402,8 @@ __device__ unsigned produce_fan_out_part(const DispatchView& v, const DispatchCa
   return j;
 }
 
-__device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int pipe,
-                        int lane) {
+__device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring& ring, int ring_index,
+                        const Env& env, int pipe, int lane) {
   const int R = v.ranks, me = v.rank;
   unsigned j = 0;
   if (lane == 0) trace_stamp(c.trace, kTraceProducerStart);
@@ -339,22 +416,10 @@ __device__ void produce(const DispatchView& v, const DispatchCall& c, const Ring
   ItemQueue sends{&v.work[kWorkFirst], send_parts, pipe, env.pipelines};
   for (long long i = sends.next(lane); i < send_parts; i = sends.next(lane)) {
     const Part p = part_in_rank(i, send, c.tokens, me);
-    bool any = false;
-    if (env.token_rows != nullptr) {  // the fused kernel: the part's tokens staged here, a lane each
-      const long long t = p.t0 + lane;
-      if (t < p.t1) {
-        const bool first = i == pipe && env.first_slots != nullptr;  // loaded while the counts travelled
-        const preprocess_steps::TokenSlots slots =
-            first ? *env.first_slots
-                  : preprocess_steps::token_slots_from_bits(preprocess_steps::load_slot_inputs(c, t), env.plan_bits,
-                                                            v.experts, t);
-        any = stage_and_write_probs(v, env, t, slots, c.trace != nullptr && lane == 0);
-      }
-      __syncwarp();  // the warp's other lanes read the records after it, the consumer after the job post
-    } else if (env.move) {
-      any = write_staged_probs(v, p, env, lane);
-    }
-    if (env.move) j = produce_send_part(v, c, ring, j, p, env, any, lane);
+    if (env.token_rows != nullptr)
+      j = produce_fused_part(v, c, ring, ring_index, j, p, i, pipe, env, lane);
+    else
+      j = produce_staged_part(v, c, ring, j, p, env, lane);
     ring.acquire(j, lane);
     if (lane == 0) ring.post(j, Job{kPartEnd, p.chunk, send.per_chunk, 0, 0, 0, 0, 0});
     ++j;
@@ -451,6 +516,38 @@ __device__ void store_send_row(const DispatchView& v, const DispatchCall& c, con
   }
 }
 
+// Lane 0: a fused-kernel job's row, from the stage to the rows its note names: once to each remote
+// rank, into the token's lowest row there (the record's first entry, where the receiver's fan-out
+// reads it), and to every row here. The same bounds as store_send_row.
+__device__ void store_noted_row(const DispatchView& v, const DispatchCall& c, const unsigned char* stage,
+                                const SendNote& note, const Env& env) {
+  constexpr int kSlots = preprocess_steps::kRegisterSlots;
+  const int me = v.rank;
+  bool local_ok = true;
+#pragma unroll
+  for (int q = 0; q < kSlots; ++q) {
+    const int d = note.dest[q], row = note.row[q];
+    if (d == me) local_ok &= row < env.out_rows;  // else reported by the producer, which wrote no prob
+    if (d < 0 || d == me) continue;
+    bool lowest = true;
+#pragma unroll
+    for (int o = 0; o < kSlots; ++o) lowest &= !(note.dest[o] == d && note.row[o] < row);
+    if (!lowest) continue;
+    if (row >= v.capacity_rows) {
+      report_status(v.status, StatusCode::corrupt, Phase::dispatch_tokens, me, row, v.capacity_rows);
+      continue;
+    }
+    store_row(c, stage, token_row(v, d, row, c.row_bytes),
+              c.scale_bytes > 0 ? scale_row(v, d, row, c.scale_bytes) : nullptr);
+  }
+  if (!local_ok) return;
+#pragma unroll
+  for (int q = 0; q < kSlots; ++q)
+    if (note.dest[q] == me)
+      store_row(c, stage, token_row(v, me, note.row[q], c.row_bytes),
+                c.scale_bytes > 0 ? scale_row(v, me, note.row[q], c.scale_bytes) : nullptr);
+}
+
 __device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, const unsigned char* stage, const Job& job,
                               const Env& env, int lane) {
   const unsigned char* rec = record_at(records_of(v, v.rank), job.a, job.b, v.max_tokens, v.record_bytes);
@@ -477,7 +574,8 @@ __device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, in
   }
 }
 
-__device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, const Env& env, int lane) {
+__device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, int ring_index, const Env& env,
+                        int lane) {
   StoreLag lag;
   bool stamped_stores = false;  // kTraceFirstStores once per consumer
   auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env, c.trace); };
@@ -486,7 +584,10 @@ __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring
     if (j == 0 && lane == 0) trace_stamp(c.trace, kTraceFirstJob);
     if (job.kind == kExit) break;
     if (job.kind == kSendRow) {
-      store_send_row(v, c, ring.stage(j), job.a, env, lane);
+      if (env.notes == nullptr)
+        store_send_row(v, c, ring.stage(j), job.a, env, lane);
+      else if (lane == 0)
+        store_noted_row(v, c, ring.stage(j), *send_note(env, ring, ring_index, j), env);
       if (!stamped_stores && lane == 0) trace_stamp(c.trace, kTraceFirstStores);
       stamped_stores = true;
     }
@@ -564,11 +665,12 @@ __device__ void run_roles(const DispatchView& v, const DispatchCall& c, const Ri
                           const Env& env) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 2 * kPipes) {
-    const Ring ring = Ring::make(smem, layout, warp / 2);
+    const int ring_index = warp / 2;
+    const Ring ring = Ring::make(smem, layout, ring_index);
     if (warp % 2 == 0)
-      produce(v, c, ring, env, static_cast<int>(blockIdx.x) * kPipes + warp / 2, lane);
+      produce(v, c, ring, ring_index, env, static_cast<int>(blockIdx.x) * kPipes + ring_index, lane);
     else
-      consume(v, c, ring, env, lane);
+      consume(v, c, ring, ring_index, env, lane);
   } else if (warp == kZeroWarp && env.move) {
     zero_unfilled(v, c, env, smem + layout.off_extra(), lane);
   }
@@ -635,6 +737,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   auto* steps_smem = reinterpret_cast<long long*>(smem + layout.off_extra() + kZeroBytes);
   auto* plan_bits = reinterpret_cast<std::uint32_t*>(smem + layout.off_extra() + kZeroBytes +
                                                      preprocess_smem_bytes(v.experts));
+  auto* notes = reinterpret_cast<SendNote*>(smem + layout.off_extra() + kZeroBytes + notes_offset(v.experts));
   // Each producer lane loads the ids and weights of its token of the pipeline's first part now (they
   // arrive during the inline plan) and ranks its slots while the counts travel: only the rows wait
   // for the layout (the step trace had ~4 us from a producer's start to its rows known, after the
@@ -671,7 +774,8 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
                   .tokens = l.tokens,
                   .token_rows = &rows,
                   .first_slots = &first_slots,
-                  .plan_bits = plan_bits};
+                  .plan_bits = plan_bits,
+                  .notes = notes};
     run_roles(v, c, layout, smem, env);
   }
   finish_dispatch(v, c, epoch);
@@ -686,15 +790,14 @@ RingLayout layout_for(long long row_bytes, long long scale_bytes) {
                    smem_budget.get(dispatch_kernel_v2));
 }
 
-// The fused kernel: its extra region holds the zero block, the preprocess steps' arrays and the
-// inline plan's bits.
+// The fused kernel: its extra region holds the zero block, the preprocess steps' arrays, the inline
+// plan's bits and the send notes.
 SmemBudget small_smem_budget;
 
 RingLayout small_layout_for(long long row_bytes, long long scale_bytes, int experts) {
   if (row_bytes + scale_bytes > kMaxStageBytes) return RingLayout{1, 0, 128, 0};
   return fit_rings(kPipes, static_cast<std::size_t>(row_bytes + scale_bytes),
-                   kZeroBytes + preprocess_smem_bytes(experts) + static_cast<std::size_t>(plan_bits_bytes(experts)),
-                   kMinStages, kMaxStages,
+                   kZeroBytes + notes_offset(experts) + kSendNotesBytes, kMinStages, kMaxStages,
                    small_smem_budget.get(dispatch_small_kernel));
 }
 

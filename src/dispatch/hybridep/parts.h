@@ -15,12 +15,14 @@ namespace flexep::hybridep {
 // The smallest part a caller may force (HybridEpOptions::part_tokens); the smallest the split
 // chooses by itself for load balance (below it a part costs more in hand-out and publishing than it
 // saves: dsv3-ep2, 4-token parts +10%); and the smallest it goes to so that every pipeline gets a
-// part at all (decode at 32 SMs: 2-token parts, kernel 38 -> 31 us; 1-token parts cost more than
-// they spread, 50 us at 16 SMs; experiments/*-8281ec4e-*), as long as no pipeline gets two (decode
-// at 24 SMs: 2-token parts gave 16 of the 48 pipelines a second part, 58 us against 52.7 at 16 SMs).
+// part at all, as long as no pipeline gets two. Decode at 32 SMs: 2-token parts, kernel 38 -> 31
+// us; at 64 SMs: 1-token parts on 64 CTAs, aligned call 38.8-39.1 us against 40.0-41.2 with
+// 2-token parts on 32 (experiments/*-910b8d00-*). Several small parts per pipeline cost more than
+// they spread: 1-token parts at 16 SMs (4 per pipeline) 50 us (experiments/*-8281ec4e-*); at 24
+// SMs, 2-token parts gave 16 of the 48 pipelines a second part, 58 us against 52.7 at 16 SMs.
 constexpr int kMinPartTokens = 1;
 constexpr int kMinAutoPartTokens = 4;
-constexpr int kMinSpreadPartTokens = 2;
+constexpr int kMinSpreadPartTokens = 1;
 
 struct PartSplit {
   int tokens = kChunkTokens;  // tokens per part: a power of two dividing kChunkTokens
@@ -65,7 +67,7 @@ FLEXEP_HD bool every_pipeline_sends(long long tokens, int pipelines, int forced 
 // pipelines in which every pipeline has a send part of its own (every_pipeline_sends), but not
 // below half of `max_grid`; 0 if there is none. A call given more SMs than its parts fill runs that
 // kernel on fewer CTAs rather than taking the two kernels (decode at 48 or 64 SMs: 32 CTAs; at 24:
-// 16). The fan-out and the zeroing run on that grid too, hence the floor. A forced part size
+// 16; at 80: 64). The fan-out and the zeroing run on that grid too, hence the floor. A forced part size
 // (HybridEpOptions::part_tokens: sweeps) keeps the grid as given: `max_grid` or 0.
 FLEXEP_HD int fused_grid(long long tokens, int max_grid, int per_cta, int forced = 0) {
   if (valid_part_tokens(forced)) return every_pipeline_sends(tokens, max_grid * per_cta, forced) ? max_grid : 0;

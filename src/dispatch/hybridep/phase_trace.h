@@ -29,8 +29,8 @@ enum TracePoint : int {
   kTraceDispatchStart,    // after the wait for the preprocess grid (fused: the CTA's layout)
   kTraceProducerStart,    // a producer warp begins (rings initialised, the decision read)
   kTraceProbsWritten,     // a send part's local probs written (from the staged records, or fused:
-                          // from the staging registers)
-  kTraceLoadsPosted,      // a send part's row loads posted to the ring
+                          // from the staging registers, after the part's row loads are posted)
+  kTraceLoadsPosted,      // a send part's row loads posted to the ring (fused: with the rows' notes)
   kTraceRecordsCopied,    // a send part's records stored to every destination (every lane's)
   kTraceFirstJob,         // a consumer received its first job
   kTraceFirstStores,      // a consumer issued the stores of its first row

@@ -124,9 +124,52 @@ struct TokenRows {
   }
 };
 
-// A token's record for each destination (entries sorted by row) and its slots' entries. The rows of
-// one token on one rank belong to distinct experts, hence distinct groups: an entry's place is the
-// number of the token's entries for the same rank with a lower row.
+// A token's entries once every receiver's layout is known: slot j's row on rank dest[j] (-1: no
+// row there, the budget dropped it, or the call aborted), its weight, and its place in that rank's
+// record, whose entries are sorted by row. The rows of one token on one rank belong to distinct
+// experts, hence distinct groups: an entry's place is the number of the token's entries for the
+// same rank with a lower row. An entry whose place is not below the record's width has no room.
+struct TokenEntries {
+  int row[kRegisterSlots], dest[kRegisterSlots], place[kRegisterSlots];
+  float prob[kRegisterSlots];
+
+  // Slot j has an entry in dest[j]'s record.
+  __device__ bool in_record(int j, int width) const { return row[j] >= 0 && place[j] < width; }
+
+  __device__ static TokenEntries none() {
+    TokenEntries e;
+#pragma unroll
+    for (int j = 0; j < kRegisterSlots; ++j) e.row[j] = e.dest[j] = -1, e.place[j] = 0, e.prob[j] = 0.0f;
+    return e;
+  }
+};
+
+__device__ inline TokenEntries token_entries(const TokenRows& rows, const TokenSlots& slots) {
+  const int k = rows.c.slots;
+  TokenEntries e = TokenEntries::none();
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    if (j < k && slots.expert[j] >= 0) {
+      int d = -1;
+      const long long r = rows.row_of(slots.expert[j], slots.rank[j], d);
+      if (r >= 0) {
+        e.row[j] = static_cast<int>(r);
+        e.dest[j] = d;
+        e.prob[j] = slots.prob[j];
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRegisterSlots; ++j) {
+    int place = 0;
+#pragma unroll
+    for (int q = 0; q < kRegisterSlots; ++q) place += e.dest[q] == e.dest[j] && e.row[q] < e.row[j] ? 1 : 0;
+    e.place[j] = place;
+  }
+  return e;
+}
+
+// Token t's record for each destination and its slots' entries, from its entries in registers.
 // `on_entry(dest, row, prob)` sees each entry stored (the fused kernel's producer writes its local
 // probs from these registers instead of reading the records back).
 struct NoEntryHook {
@@ -134,51 +177,36 @@ struct NoEntryHook {
 };
 
 template <class OnEntry = NoEntryHook>
-__device__ inline void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t,
-                                                const TokenSlots& slots, bool stamp, OnEntry on_entry = {}) {
-  const int k = rows.c.slots;
-  int row[kRegisterSlots], dest[kRegisterSlots];
-  float prob[kRegisterSlots];
-#pragma unroll
-  for (int j = 0; j < kRegisterSlots; ++j) {
-    row[j] = -1;
-    dest[j] = -1;
-    prob[j] = 0.0f;
-    if (j < k && slots.expert[j] >= 0) {
-      int d = -1;
-      const long long r = rows.row_of(slots.expert[j], slots.rank[j], d);
-      if (r >= 0) {
-        row[j] = static_cast<int>(r);
-        dest[j] = d;
-        prob[j] = slots.prob[j];
-      }
-    }
-  }
-  if (stamp) trace_stamp(rows.c.trace, kTraceStagingLoaded);  // rows known (prob loads may be in flight)
+__device__ inline void store_token_records(const DispatchView& v, const DispatchCall& c, long long t,
+                                           const TokenEntries& e, OnEntry on_entry = {}) {
+  const int k = c.slots;
   for (int d = 0; d < v.ranks; ++d) {
     unsigned n = 0;
 #pragma unroll
-    for (int j = 0; j < kRegisterSlots; ++j) n += dest[j] == d ? 1u : 0u;
+    for (int j = 0; j < kRegisterSlots; ++j) n += e.dest[j] == d ? 1u : 0u;
     *record_header(staging_at(v, d, t)) = RecordHeader{0u, n < static_cast<unsigned>(v.width) ? n : v.width};
   }
 #pragma unroll
   for (int j = 0; j < kRegisterSlots; ++j) {
     if (j >= k) break;
     int entry = -1;
-    if (row[j] >= 0) {
-      int place = 0;
-#pragma unroll
-      for (int q = 0; q < kRegisterSlots; ++q) place += dest[q] == dest[j] && row[q] < row[j] ? 1 : 0;
-      if (place < v.width) {
-        record_entries(staging_at(v, dest[j], t))[place] = RecordEntry{row[j], prob[j]};
-        entry = dest[j] * v.width + place;
-        on_entry(dest[j], row[j], prob[j]);
-      } else {
-        report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, dest[j], v.width);
-      }
+    if (e.in_record(j, v.width)) {
+      record_entries(staging_at(v, e.dest[j], t))[e.place[j]] = RecordEntry{e.row[j], e.prob[j]};
+      entry = e.dest[j] * v.width + e.place[j];
+      on_entry(e.dest[j], e.row[j], e.prob[j]);
+    } else if (e.row[j] >= 0) {
+      report_status(v.status, StatusCode::corrupt, Phase::dispatch_counts, v.rank, e.dest[j], v.width);
     }
     v.slot_entry[t * k + j] = entry;
   }
+}
+
+// Both, for the preprocess kernel's staging threads.
+__device__ inline void stage_token_in_registers(const DispatchView& v, const TokenRows& rows, long long t,
+                                                const TokenSlots& slots, bool stamp) {
+  const TokenEntries e = token_entries(rows, slots);
+  if (stamp) trace_stamp(rows.c.trace, kTraceStagingLoaded);  // rows known (prob loads may be in flight)
+  store_token_records(v, rows.c, t, e);
   if (stamp) trace_stamp(rows.c.trace, kTraceStagingStored);
 }
 
