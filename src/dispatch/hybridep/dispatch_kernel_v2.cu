@@ -753,7 +753,8 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
     if (stages_first)
       first_slots = preprocess_steps::token_slots_from_bits(first_inputs, bits, v.experts, first.t0 + lane);
   };
-  const preprocess_steps::CtaLayout l = preprocess_steps::lay_out_call(v, c, steps_smem, plan_bits, load_first_slots);
+  const preprocess_steps::CtaLayout l =
+      preprocess_steps::lay_out_call(v, c, epoch, steps_smem, plan_bits, load_first_slots);
   __shared__ int s_broken;
   if (threadIdx.x == 0) {
     s_broken = !l.ok || timed_out(v.status);  // a timeout: move nothing, wait for nothing

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
   tma::allow_dependent_launch();
   // Launched as a dependent of the plan kernel: nothing of the plan may be read before it completed.
   tma::grid_dependency_wait();
-  const CtaLayout l = lay_out_call(v, c, smem, nullptr);
+  const CtaLayout l = lay_out_call(v, c, op_epoch(&v.control->op), smem, nullptr);
   if (!l.ok) return;  // timed out: the dispatch kernel sees the status and neither moves nor waits
 
   // 5. Staging records and slot entries, one thread per token of this rank.

@@ -351,7 +351,9 @@ struct NoBitsHook {
 };
 
 // Steps 0-4 in every CTA of the calling grid, then CTA 0 publishes this rank's receiver layout and
-// the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `smem`:
+// the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `epoch`: the
+// caller's op_epoch (read once per kernel: its shared word is written by thread 0 on each call, and a
+// second call would rewrite it while other threads may still read the first). `smem`:
 // preprocess_smem_bytes(E) of dynamic shared memory. The inline plan's bits (plan_bits_bytes(E)):
 // with `kept_bits` null they live where the layout arrays will, and the CTA writes the slot ranks
 // of the tokens it stages (write_inline_slot_ranks); else they go to `kept_bits`, stay there after
@@ -359,7 +361,7 @@ struct NoBitsHook {
 // With the inline plan, every thread calls `while_counts_travel(bits)` between the count release
 // and the wait for the peers' counts.
 template <class WhileCountsTravel = NoBitsHook>
-__device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, long long* smem,
+__device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, unsigned epoch, long long* smem,
                                          std::uint32_t* kept_bits, WhileCountsTravel while_counts_travel = {}) {
   const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
   const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
@@ -375,7 +377,6 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   __shared__ int s_bad[kMaxRanks];
   __shared__ int s_abort, s_claimed;
 
-  const unsigned epoch = op_epoch(&v.control->op);
   const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
   const int prior_arg = ld_volatile(&c.errors->arg);  // device_error
 
