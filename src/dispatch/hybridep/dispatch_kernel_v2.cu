@@ -38,7 +38,9 @@
 // dispatch_small_kernel: a call whose tokens fit one plan chunk (decode) in one kernel. Every CTA
 // first runs the preprocess steps (preprocess_steps.cuh) itself; the roles then read the layout
 // from the CTA's shared memory (Env), and each producer stages the tokens of the parts it takes
-// before sending them. Same protocol with the peers, so ranks on either path work together. With
+// itself: it posts a part's row jobs as soon as its lanes know the rows, each with a send note (the
+// rows, in shared memory) from which the consumer stores, and stages the records after them. Same
+// protocol with the peers, so ranks on either path work together. With
 // no grid boundary after the count reads, the count slots' reuse rests on every CTA having a send
 // part (dispatch_small_grid, parts.h every_pipeline_sends). A CTA whose count wait times out
 // skips its roles while the others may go on: its parts are never published, so the peers time out
