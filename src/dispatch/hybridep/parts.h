@@ -65,8 +65,8 @@ FLEXEP_HD bool every_pipeline_sends(long long tokens, int pipelines, int forced 
 // The fused small-call kernel's grid: the largest of at most `max_grid` CTAs of `per_cta`
 // pipelines in which every pipeline has a send part of its own (every_pipeline_sends), but not
 // below half of `max_grid`; 0 if there is none. A call given more SMs than its parts fill runs that
-// kernel on fewer CTAs rather than taking the two kernels (decode at 48 or 64 SMs: 32 CTAs; at 24:
-// 16; at 80: 64). The fan-out and the zeroing run on that grid too, hence the floor. A forced part size
+// kernel on fewer CTAs rather than taking the two kernels (decode at 24 SMs: 16 CTAs; at 48: 32; at
+// 80: 64). The fan-out and the zeroing run on that grid too, hence the floor. A forced part size
 // (HybridEpOptions::part_tokens: sweeps) keeps the grid as given: `max_grid` or 0.
 FLEXEP_HD int fused_grid(long long tokens, int max_grid, int per_cta, int forced = 0) {
   if (valid_part_tokens(forced)) return every_pipeline_sends(tokens, max_grid * per_cta, forced) ? max_grid : 0;

@@ -22,7 +22,7 @@ enum TracePoint : int {
   kTraceLayoutDone,       // every receiver's layout and the abort decision
   kTracePublished,        // CTA 0: the layout and the decision published (to the host too, blocking)
   kTraceStagingLoaded,    // a staging CTA's first token (fused: each send part's first token):
-                          // its slots' plan ranks, ids and weights loaded
+                          // its rows known
   kTraceStagingStored,    // ... its records and slot entries stored
   kTraceStaged,           // the CTA's staging records written (preprocess kernel only)
   // dispatch roles (v2 kernel, or the fused kernel after its CTA's own preprocess steps)
