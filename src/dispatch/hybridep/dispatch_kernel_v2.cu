@@ -115,7 +115,18 @@ struct Env {
   const std::uint32_t* plan_bits = nullptr;
   // The fused kernel: each ring's send notes ([kPipes][kMaxStages] in shared memory, SendNote).
   SendNote* notes = nullptr;
+  // The fused kernel with parts of at most kHoldLocalTokens tokens: how many send jobs' local rows
+  // its consumer may hold back until their part's remote rows are complete (consume).
+  int hold_local = 0;
 };
+
+// A part's publication, which the peers' fan-out of its rows waits for, needs only its remote rows.
+// With parts this small the consumer holds a part's local rows back, waits for its remote rows,
+// publishes the part and only then stores the local rows: decode's chunk flags came ~1.5 us earlier
+// at 32 SMs (2-token parts). With 4-token parts (decode at 16 SMs) the SMs' store path is what
+// limits, and holding the rows back cost ~0.8 us; local rows issued right behind the remote rows,
+// without the wait, delayed the remote rows themselves (A/B runs of session 11, docs/hybridep.md).
+constexpr int kHoldLocalTokens = 2;
 
 // Ring `ring`'s note for job j.
 __device__ SendNote* send_note(const Env& env, const Ring& ring, int ring_index, unsigned j) {
@@ -123,8 +134,8 @@ __device__ SendNote* send_note(const Env& env, const Ring& ring, int ring_index,
 }
 
 // A pipeline's first send part: the item with its own index (work_items.cuh).
-__device__ Part first_send_part(const DispatchView& v, const DispatchCall& c, int pipelines, int pipe) {
-  return part_in_rank(pipe, part_split(num_chunks(c.tokens), pipelines, v.part_tokens), c.tokens, v.rank);
+__device__ Part first_send_part(const DispatchView& v, const DispatchCall& c, const PartSplit& split, int pipe) {
+  return part_in_rank(pipe, split, c.tokens, v.rank);
 }
 
 // ---- records -----------------------------------------------------------------------------------------
@@ -518,19 +529,24 @@ __device__ void store_send_row(const DispatchView& v, const DispatchCall& c, con
   }
 }
 
+// Which rows of a fused-kernel job store_noted_rows stores.
+enum NotedRows : int { kRemoteRows = 1, kLocalRows = 2, kAllRows = kRemoteRows | kLocalRows };
+
 // Lane 0: a fused-kernel job's row, from the stage to the rows its note names: once to each remote
 // rank, into the token's lowest row there (the record's first entry, where the receiver's fan-out
-// reads it), and to every row here. The same bounds as store_send_row.
-__device__ void store_noted_row(const DispatchView& v, const DispatchCall& c, const unsigned char* stage,
-                                const SendNote& note, const Env& env) {
+// reads it), and to every row here (all of them or none: a row outside the output was reported by
+// the producer, which wrote no prob). The same bounds as store_send_row.
+template <int kWhich>
+__device__ void store_noted_rows(const DispatchView& v, const DispatchCall& c, const unsigned char* stage,
+                                 const SendNote& note, const Env& env) {
   constexpr int kSlots = preprocess_steps::kRegisterSlots;
   const int me = v.rank;
   bool local_ok = true;
 #pragma unroll
   for (int q = 0; q < kSlots; ++q) {
     const int d = note.dest[q], row = note.row[q];
-    if (d == me) local_ok &= row < env.out_rows;  // else reported by the producer, which wrote no prob
-    if (d < 0 || d == me) continue;
+    if (d == me) local_ok &= row < env.out_rows;
+    if ((kWhich & kRemoteRows) == 0 || d < 0 || d == me) continue;
     bool lowest = true;
 #pragma unroll
     for (int o = 0; o < kSlots; ++o) lowest &= !(note.dest[o] == d && note.row[o] < row);
@@ -542,12 +558,14 @@ __device__ void store_noted_row(const DispatchView& v, const DispatchCall& c, co
     store_row(c, stage, token_row(v, d, row, c.row_bytes),
               c.scale_bytes > 0 ? scale_row(v, d, row, c.scale_bytes) : nullptr);
   }
-  if (!local_ok) return;
+  if constexpr ((kWhich & kLocalRows) != 0) {
+    if (!local_ok) return;
 #pragma unroll
-  for (int q = 0; q < kSlots; ++q)
-    if (note.dest[q] == me)
-      store_row(c, stage, token_row(v, me, note.row[q], c.row_bytes),
-                c.scale_bytes > 0 ? scale_row(v, me, note.row[q], c.scale_bytes) : nullptr);
+    for (int q = 0; q < kSlots; ++q)
+      if (note.dest[q] == me)
+        store_row(c, stage, token_row(v, me, note.row[q], c.row_bytes),
+                  c.scale_bytes > 0 ? scale_row(v, me, note.row[q], c.scale_bytes) : nullptr);
+  }
 }
 
 __device__ void store_fan_out(const DispatchView& v, const DispatchCall& c, const unsigned char* stage, const Job& job,
@@ -576,25 +594,57 @@ __device__ void publish_part(const DispatchView& v, int chunk, int per_chunk, in
   }
 }
 
+// Lane 0 of the fused kernel's consumer: the send jobs whose local rows wait for their part's remote
+// rows (Env::hold_local), jobs [first, first + count) of the ring.
+struct HeldRows {
+  unsigned first = 0;
+  int count = 0;
+};
+
 __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring& ring, int ring_index, const Env& env,
                         int lane) {
-  StoreLag lag;
+  // A held job's local rows are stored at most `hold` jobs later, and its stage is then read by
+  // that job's group: freed kFreeLag jobs after it (so the ring needs more than kFreeLag + hold
+  // stages; with fewer, nothing is held).
+  const int hold = env.hold_local < ring.stages - kFreeLag ? env.hold_local : 0;
+  StoreLag lag(kFreeLag + hold);
+  HeldRows held;
   bool stamped_stores = false;  // kTraceFirstStores once per consumer
   auto publish = [&](int chunk, int parts, int since) { publish_part(v, chunk, parts, since, env, c.trace); };
+  auto store_held = [&](int n) {  // lane 0: the oldest n held jobs' local rows
+    for (; n > 0; --n, ++held.first, --held.count)
+      store_noted_rows<kLocalRows>(v, c, ring.stage(held.first), *send_note(env, ring, ring_index, held.first), env);
+  };
   for (unsigned j = 0;; ++j) {
     const Job job = ring.wait_lane0(j, lane);
     if (j == 0 && lane == 0) trace_stamp(c.trace, kTraceFirstJob);
     if (job.kind == kExit) break;
+    bool part_end = job.kind == kPartEnd;
     if (job.kind == kSendRow) {
-      if (env.notes == nullptr)
+      if (env.notes == nullptr) {
         store_send_row(v, c, ring.stage(j), job.a, env, lane);
-      else if (lane == 0)
-        store_noted_row(v, c, ring.stage(j), *send_note(env, ring, ring_index, j), env);
+      } else if (lane == 0) {
+        const SendNote& note = *send_note(env, ring, ring_index, j);
+        if (hold == 0) {
+          store_noted_rows<kAllRows>(v, c, ring.stage(j), note, env);
+        } else {
+          store_noted_rows<kRemoteRows>(v, c, ring.stage(j), note, env);
+          if (held.count == 0) held.first = j;
+          if (++held.count > hold) store_held(1);  // a part larger than Env::hold_local says
+        }
+      }
       if (!stamped_stores && lane == 0) trace_stamp(c.trace, kTraceFirstStores);
       stamped_stores = true;
+    } else if (lane == 0 && held.count > 0) {
+      if (part_end) {  // its remote rows complete: publish it now, then store its local rows
+        tma::wait_groups<0>();
+        publish(job.a, job.b, 0);
+        part_end = false;
+      }
+      store_held(held.count);
     }
     if (job.kind == kFanOut) store_fan_out(v, c, ring.stage(j), job, env, lane);
-    if (lane == 0) lag.after_job(ring, j, job.kind == kPartEnd, job.kind == kFlush, job.a, job.b, publish);
+    if (lane == 0) lag.after_job(ring, j, part_end, job.kind == kFlush, job.a, job.b, publish);
     __syncwarp();
   }
   if (lane == 0) {
@@ -746,7 +796,8 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   // layout). Loading them in the count wait instead delayed every CTA's barrier there by ~2 us.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int pipelines = static_cast<int>(gridDim.x) * kPipes, pipe = static_cast<int>(blockIdx.x) * kPipes + warp / 2;
-  const Part first = first_send_part(v, c, pipelines, pipe);
+  const PartSplit first_split = part_split(num_chunks(c.tokens), pipelines, v.part_tokens);  // the call's send split
+  const Part first = first_send_part(v, c, first_split, pipe);
   const bool stages_first = warp < 2 * kPipes && warp % 2 == 0 && first.t0 + lane < first.t1;  // producers
   preprocess_steps::SlotInputs first_inputs;
   if (stages_first) first_inputs = preprocess_steps::load_slot_inputs(c, first.t0 + lane);
@@ -778,7 +829,8 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
                   .token_rows = &rows,
                   .first_slots = &first_slots,
                   .plan_bits = plan_bits,
-                  .notes = notes};
+                  .notes = notes,
+                  .hold_local = first_split.tokens <= kHoldLocalTokens ? first_split.tokens : 0};
     run_roles(v, c, layout, smem, env);
   }
   finish_dispatch(v, c, epoch);

@@ -19,6 +19,10 @@ constexpr int kReleaseLag = 4;  // a finished part is published after this many 
 
 class StoreLag {
  public:
+  // `free_lag`: a stage is freed once this many newer jobs have been issued (at least kFreeLag;
+  // more when a later job's group also reads it: the fused dispatch's held local rows).
+  __device__ explicit StoreLag(int free_lag = kFreeLag) : free_lag_(free_lag) {}
+
   // Lane 0, after issuing the stores of job j. A part end names its chunk and parts per chunk.
   template <class Publish>
   __device__ void after_job(const Ring& ring, unsigned j, bool part_end, bool flush, int chunk, int parts,
@@ -33,7 +37,7 @@ class StoreLag {
       pending_ = -1;
     }
     tma::wait_groups_read<kFreeLag>();
-    for (; freed_ + kFreeLag <= j; ++freed_) ring.release(freed_);
+    for (; freed_ + free_lag_ <= j; ++freed_) ring.release(freed_);
   }
   // Lane 0, after the last job: every store complete (nothing may read the ring when the CTA
   // exits), the last part published.
@@ -44,6 +48,7 @@ class StoreLag {
   }
 
  private:
+  int free_lag_;
   unsigned freed_ = 0;
   int pending_ = -1, pending_parts_ = 0, since_ = 0;  // a part whose stores may still be in flight
 };
