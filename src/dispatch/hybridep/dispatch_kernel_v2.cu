@@ -27,6 +27,8 @@
 //                    is published once its stores are complete (wait_group, a few jobs later so that
 //                    the ring never drains): async-proxy fence, system fence, count the part in the
 //                    chunk's counter; the last part of a chunk releases the chunk flag on every rank.
+//                    The fused kernel's parts of at most kHoldLocalTokens tokens: the local rows are
+//                    held back until the part's remote rows are complete and the part published.
 //   one warp zeroes this CTA's slice of the unfilled rows (padding, budget tail) with bulk stores
 //   from a block of zeros in shared memory.
 //
