@@ -5,6 +5,7 @@
 // code; here it runs on the CPU over many token counts, rank sets and grid sizes.
 #include <gtest/gtest.h>
 
+#include <tuple>
 #include <vector>
 
 // Internal header of the backend (pure C++, no CUDA); the tests' include path has no src/.
@@ -102,6 +103,16 @@ TEST(HybridEpParts, FusedGridIsTheLargestWhoseEveryPipelineSends) {
       }
     }
   EXPECT_EQ(fused_grid(1, 8, 2), 8);  // one token: one chunk of 16 parts
+  // The part sizes decode runs on those grids (docs/hybridep.md, data flow 5'): 4 tokens at 8, 16 and
+  // 24 SMs (two parts per pipeline at 8), 2 at 32 and 48, 1 at 64. Parts of at most 2 tokens are the
+  // ones whose local rows the fused kernel's consumer holds back (kHoldLocalTokens).
+  for (const auto& [sms, tokens, per_pipeline] : {std::tuple{8, 4, 2}, {16, 4, 1}, {24, 4, 1}, {32, 2, 1},
+                                                   {48, 2, 1}, {64, 1, 1}}) {
+    const int pipelines = 2 * fused_grid(128, sms, 2);
+    const PartSplit split = part_split(num_chunks(128), pipelines, 0);
+    EXPECT_EQ(split.tokens, tokens) << sms << " SMs";
+    EXPECT_EQ(num_chunks(128) * split.per_chunk, per_pipeline * pipelines) << sms << " SMs";
+  }
 }
 
 // HybridEpOptions::part_tokens: a valid size is taken as it is, whatever the grid; 0 and invalid
