@@ -10,6 +10,8 @@
 // Every test runs once per kernel variant (HybridEpOptions::kernels; the fixture's parameter):
 // Kernels/HybridEpMultiGpu.<Test>/v1 and .../v2, with the same bodies and the same expectations.
 //
+// HybridEpOneRank (at the end) runs the same comparison with R = 1 on one GPU.
+//
 // Run order on a fresh machine (cheapest signal first): SmokeDispatchCombine, MatchesHostUniform,
 // then the rest (see docs/hybridep.md, "Testing").
 #include <gtest/gtest.h>
@@ -906,6 +908,59 @@ TEST_P(HybridEpMultiGpu, MissingPeerInDispatchTimesOutNamingPhaseAndPeer) {
 TEST_P(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
   if (!require_gpus(2)) return;
   check_missing_peer(1, "combine:partials");
+}
+
+// ---- one rank on one GPU ----------------------------------------------------------------------------
+
+// The kernels with R = 1 (an expert-parallel size of one, which a user may run): every row is local,
+// so there is no peer and no NVLink, but the rings, parts, held rows, fan-out, zeroing and the combine
+// run as with more ranks. Not a multi-GPU test (label gpu only): on a one-GPU machine it is the check
+// of those mechanics that the multi-GPU tests cannot give there.
+class HybridEpOneRank : public HybridEpMultiGpu {};
+
+INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpOneRank, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) { return "v" + std::to_string(info.param); });
+
+TEST_P(HybridEpOneRank, MatchesHostAtSeveralSmCountsAndPartSizes) {
+  if (!require_gpus(1)) return;
+  Config budget = config("one rank budget E=16 k=8 H=2048 pad 16", 16, 8, 2048, {300}, RoutingKind::zipf, 16);
+  budget.mode = DispatchMode::budget;
+  budget.budget_fraction = 1.25;
+  const std::vector<Config> configs = {
+      config("one rank decode E=64 k=8 H=7168", 64, 8, 7168, {128}),
+      config("one rank zipf E=64 k=8 H=7168 pad 16", 64, 8, 7168, {1000}, RoutingKind::zipf, 16),
+      config("one rank uniform E=32 k=8 H=2048 pad 128", 32, 8, 2048, {700}, RoutingKind::uniform, 128),
+      config("one rank hot E=8 k=1 H=8", 8, 1, 8, {100}, RoutingKind::hot),
+      config("one rank T=0 E=4 k=2 H=64", 4, 2, 64, {0}),
+      budget,
+  };
+  // {dispatch SMs, part_tokens}: at 4 SMs with 2-token parts every pipeline of the fused kernel
+  // holds the local rows of several parts; 32 and 64 SMs give decode parts of 2 and 1 tokens (held
+  // rows, one part per pipeline), 16 SMs 4-token parts (nothing held).
+  const std::vector<std::pair<int, int>> settings = {{4, 2}, {16, 0}, {32, 0}, {64, 0}};
+  std::vector<std::vector<Outputs>> want;
+  for (const Config& c : configs) want.push_back(run_host(c, 1));
+  std::vector<std::vector<Outputs>> got(settings.size() * configs.size(), std::vector<Outputs>(1));
+  const auto errors = run_gpu_ranks(
+      1,
+      [&](GpuRank& g) {
+        for (std::size_t s = 0; s < settings.size(); ++s)
+          for (std::size_t i = 0; i < configs.size(); ++i) {
+            HybridEpOptions o = hybridep_options(configs[i], 1);
+            o.stream = g.stream;
+            o.part_tokens = settings[s].second;
+            auto d = make_hybridep_dispatcher(g.comm, configs[i].experts_per_rank, o);
+            d->set_num_sms(settings[s].first, settings[s].first, settings[s].first);
+            got[s * configs.size() + i][0] = run_gpu_rank(g, *d, configs[i]);
+          }
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t s = 0; s < settings.size(); ++s)
+    for (std::size_t i = 0; i < configs.size(); ++i)
+      expect_equal(want[i], got[s * configs.size() + i],
+                   configs[i].name + " at " + std::to_string(settings[s].first) + " SMs, part_tokens " +
+                       std::to_string(settings[s].second));
 }
 
 }  // namespace

@@ -54,8 +54,7 @@ __device__ __forceinline__ float* prob_at(const DispatchView& v, int owner, long
 // Flags (uint32) of rank `owner`: chunk flag of (source s, chunk c). (The counts carry their own
 // epochs: count_words.cuh.)
 __device__ __forceinline__ unsigned* chunk_flag(const DispatchView& v, int owner, int s, int c) {
-  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_chunks + static_cast<long long>(s) * v.max_chunks +
-         c;
+  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + static_cast<long long>(s) * v.max_chunks + c;
 }
 
 // ---- combine buffer ------------------------------------------------------------------------------------

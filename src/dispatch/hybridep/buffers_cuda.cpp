@@ -81,7 +81,6 @@ DispatchView DispatchStorage::view(Status* status, double timeout_seconds) const
   v.off_probs = geo_.off_probs;
   v.off_tokens = geo_.off_tokens;
   v.off_scales = geo_.off_scales;
-  v.flag_chunks = static_cast<int>(geo_.flag_chunks);
   v.control = control();
   v.tpe = at<long long>(geo_.off_tpe);
   v.begin = at<long long>(geo_.off_begin);

@@ -91,11 +91,17 @@ struct SendNote {
 };
 constexpr std::size_t kSendNotesBytes = sizeof(SendNote) * kPipes * kMaxStages;
 
-// The notes' offset in the fused kernel's extra region, after the zero block: past the preprocess
-// steps' arrays and the plan's bits, 16-byte aligned.
-__host__ __device__ constexpr std::size_t notes_offset(int experts) {
-  return (preprocess_smem_bytes(experts) + static_cast<std::size_t>(plan_bits_bytes(experts)) + 15) / 16 * 16;
-}
+// The fused kernel's extra region, laid out once for the kernel and for its shared-memory size: the
+// zero block, the preprocess steps' arrays, the inline plan's bits and the send notes (16-byte
+// aligned). Offsets from the start of the region.
+struct SmallExtra {
+  std::size_t steps, bits, notes, bytes;
+  __host__ __device__ constexpr explicit SmallExtra(int experts)
+      : steps(kZeroBytes),
+        bits(steps + preprocess_smem_bytes(experts)),
+        notes((bits + static_cast<std::size_t>(plan_bits_bytes(experts)) + 15) / 16 * 16),
+        bytes(notes + kSendNotesBytes) {}
+};
 
 // What the roles read of the call's layout: from the preprocess kernel's results in device memory
 // (dispatch_kernel_v2), or from the CTA's own shared memory (dispatch_small_kernel).
@@ -638,8 +644,7 @@ __device__ void consume(const DispatchView& v, const DispatchCall& c, const Ring
       if (!stamped_stores && lane == 0) trace_stamp(c.trace, kTraceFirstStores);
       stamped_stores = true;
     } else if (lane == 0 && held.count > 0) {
-      if (part_end) {  // its remote rows complete: publish it now, then store its local rows
-        tma::wait_groups<0>();
+      if (part_end) {  // publish it once its remote rows are complete (since 0), then store its local rows
         publish(job.a, job.b, 0);
         part_end = false;
       }
@@ -788,10 +793,11 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned epoch = op_epoch(&v.control->op);
   if (threadIdx.x == 0) init_rings(smem, layout);  // ordered before the roles by lay_out_call's barriers
-  auto* steps_smem = reinterpret_cast<long long*>(smem + layout.off_extra() + kZeroBytes);
-  auto* plan_bits = reinterpret_cast<std::uint32_t*>(smem + layout.off_extra() + kZeroBytes +
-                                                     preprocess_smem_bytes(v.experts));
-  auto* notes = reinterpret_cast<SendNote*>(smem + layout.off_extra() + kZeroBytes + notes_offset(v.experts));
+  const SmallExtra extra(v.experts);
+  unsigned char* const extra_smem = smem + layout.off_extra();
+  auto* steps_smem = reinterpret_cast<long long*>(extra_smem + extra.steps);
+  auto* plan_bits = reinterpret_cast<std::uint32_t*>(extra_smem + extra.bits);
+  auto* notes = reinterpret_cast<SendNote*>(extra_smem + extra.notes);
   // Each producer lane loads the ids and weights of its token of the pipeline's first part now (they
   // arrive during the inline plan) and ranks its slots while the counts travel: only the rows wait
   // for the layout (the step trace had ~4 us from a producer's start to its rows known, after the
@@ -853,9 +859,8 @@ SmemBudget small_smem_budget;
 
 RingLayout small_layout_for(long long row_bytes, long long scale_bytes, int experts) {
   if (row_bytes + scale_bytes > kMaxStageBytes) return RingLayout{1, 0, 128, 0};
-  return fit_rings(kPipes, static_cast<std::size_t>(row_bytes + scale_bytes),
-                   kZeroBytes + notes_offset(experts) + kSendNotesBytes, kMinStages, kMaxStages,
-                   small_smem_budget.get(dispatch_small_kernel));
+  return fit_rings(kPipes, static_cast<std::size_t>(row_bytes + scale_bytes), SmallExtra(experts).bytes, kMinStages,
+                   kMaxStages, small_smem_budget.get(dispatch_small_kernel));
 }
 
 }  // namespace

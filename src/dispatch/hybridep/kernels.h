@@ -31,7 +31,6 @@ struct DispatchView {
   int width = 1, record_bytes = 16, max_chunks = 1;
   long long max_tokens = 0, hidden = 0, capacity_rows = 0;
   unsigned long long off_counts = 0, slot_bytes = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0;
-  int flag_chunks = 0;  // uint32 index of the first chunk flag
   // Plain device memory of this rank.
   DispatchControl* control = nullptr;
   long long* tpe = nullptr;          // [L] tokens_per_expert of this rank (follows control)

@@ -96,7 +96,6 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c) {
   const std::size_t scale_bytes = c.fp8 ? cap * static_cast<std::size_t>(c.hidden / kFp8ScaleBlock) * 4 : 0;
   g.window_bytes = align_up(g.off_scales + scale_bytes, 4096);
 
-  g.flag_chunks = 0;
   g.flag_bytes = align_up(R * static_cast<std::size_t>(g.max_chunks) * 4, 128);
 
   std::size_t at = 0;

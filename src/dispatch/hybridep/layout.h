@@ -57,7 +57,8 @@ inline std::size_t align_up(std::size_t x, std::size_t a = kRegionAlign) { retur
 //     tokens  [capacity][H] bf16  the output tokens (a view of the window; dispatch_fp8 packs
 //             [capacity][H] e4m3 rows at the same offset)
 //     scales  [capacity][H/128] f32  (fp8 buffers only) the output scales of dispatch_fp8
-//   flags (NCCL resource buffer, uint32): count flags [R], then chunk flags [R][max_chunks]
+//   flags (NCCL resource buffer, uint32): chunk flags [R][max_chunks] (the counts carry their own
+//     epochs: count_words.cuh)
 //   local (plain device memory): the DispatchControl + tokens_per_expert [L], begin [L], kept [L],
 //     the abort snapshot (a copy of the count slots), the sender's staging records [R][T], the
 //     slot entries [T * slots], the multihot slots [T * slots] (expert, prob), the v2 kernel's work
@@ -69,7 +70,7 @@ struct DispatchGeometry {
   std::int64_t max_pairs = 0;  // max_tokens * slots
   std::size_t slot_words = 0, slot_bytes = 0;
   std::size_t off_counts = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0, window_bytes = 0;
-  std::size_t flag_chunks = 0, flag_bytes = 0;  // uint32 index, then bytes
+  std::size_t flag_bytes = 0;
   std::size_t off_control = 0, off_tpe = 0, off_begin = 0, off_kept = 0, off_snapshot = 0, off_staging = 0,
               off_slot_entry = 0, off_slot_expert = 0, off_slot_weight = 0, off_work = 0;
   // The chunk plan (chunk_plan.cu): counts [E] int64, slot ranks [T * slots] int32, chunk bases
