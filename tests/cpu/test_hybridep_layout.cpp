@@ -127,6 +127,18 @@ TEST(HybridEpLayout, ReceiverLayoutIsThePlan) {
   EXPECT_GT(cases, 100);
 }
 
+// The kernels' owner of an expert (OwnerOf: a multiply-high instead of a division) is e / L for
+// every expert id and every experts-per-rank count the kernels accept.
+TEST(HybridEpLayout, OwnerOfIsTheDivisionForEveryExpertCount) {
+  int wrong = 0;
+  for (int L = 1; L <= kMaxExperts; ++L) {
+    const OwnerOf owner = OwnerOf::for_local_experts(L);
+    for (int e = 0; e < kMaxExperts; ++e)
+      if (owner(e) != e / L && ++wrong <= 5) ADD_FAILURE() << "e = " << e << ", L = " << L << ": " << owner(e);
+  }
+  EXPECT_EQ(wrong, 0);
+}
+
 TEST(HybridEpLayout, ChunksAndRecordSizes) {
   EXPECT_EQ(num_chunks(0), 1);  // a rank without tokens still exchanges one flag per call
   EXPECT_EQ(num_chunks(1), 1);

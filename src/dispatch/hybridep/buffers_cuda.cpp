@@ -69,6 +69,7 @@ DispatchView DispatchStorage::view(Status* status, double timeout_seconds) const
   v.ranks = c.ranks;
   v.experts = c.experts;
   v.local_experts = c.local_experts();
+  v.owner = OwnerOf::for_local_experts(v.local_experts);
   v.width = geo_.width;
   v.record_bytes = geo_.record_bytes;
   v.max_chunks = geo_.max_chunks;

@@ -824,7 +824,7 @@ __global__ void __launch_bounds__(kThreadsV2, 1)
   __syncthreads();
   if (!s_broken) {
     const int L = v.local_experts, me = v.rank;
-    const preprocess_steps::TokenRows rows{c, l.src, l.begin, l.kept, v.experts, L, l.abort};
+    const preprocess_steps::TokenRows rows{c, l.src, l.begin, l.kept, v.experts, v.owner, l.abort};
     const Env env{.epoch = epoch,
                   .move = !l.abort,
                   .out_rows = l.out_rows,

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "dispatch/hybridep/device_state.h"
+#include "dispatch/hybridep/layout_math.h"
 #include "dispatch/hybridep/phase_trace.h"
 #include "flexep/comm/symmetric_buffer.h"
 #include "flexep/cuda/device_errors.h"
@@ -29,6 +30,7 @@ struct DispatchView {
   SymmetricPeers peers;  // every rank's dispatch window and flag buffer
   int rank = 0, ranks = 1, experts = 1, local_experts = 1;
   int width = 1, record_bytes = 16, max_chunks = 1;
+  OwnerOf owner;  // expert -> owner rank (local_experts)
   long long max_tokens = 0, hidden = 0, capacity_rows = 0;
   unsigned long long off_counts = 0, slot_bytes = 0, off_records = 0, off_probs = 0, off_tokens = 0, off_scales = 0;
   // Plain device memory of this rank.

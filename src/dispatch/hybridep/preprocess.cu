@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads)
   if (!l.ok) return;  // timed out: the dispatch kernel sees the status and neither moves nor waits
 
   // 5. Staging records and slot entries, one thread per token of this rank.
-  const TokenRows rows{c, l.src, l.begin, l.kept, v.experts, v.local_experts, l.abort};
+  const TokenRows rows{c, l.src, l.begin, l.kept, v.experts, v.owner, l.abort};
   const StagingShare share = staging_share(c.inline_plan != 0);
   for (long long t = share.token(threadIdx.x); t < c.tokens; t += share.stride) {
     if (c.slots <= kRegisterSlots)

@@ -104,14 +104,15 @@ struct TokenRows {
   const long long* src;    // [E] first row of this rank's pairs in each group
   const long long* begin;  // [E] first row of each group on its owner
   const long long* kept;   // [E] rows kept per group
-  int experts, local_experts;
+  int experts;
+  OwnerOf owner;  // expert -> owner rank
   bool abort;
 
   // The row of a slot of expert e with `rank` among this rank's pairs of e, on e's owner (-1:
   // dropped by the budget, or the call aborted), and that owner.
   __device__ long long row_of(int e, long long rank, int& dest) const {
     if (abort) return -1;
-    dest = e / local_experts;
+    dest = owner(e);
     return slot_destination_row(rank, 0, src[e], begin[e] + kept[e]);
   }
 
