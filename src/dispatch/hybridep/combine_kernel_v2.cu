@@ -80,6 +80,11 @@ __device__ void post_row(const Ring& ring, unsigned j, const Job& job, const voi
   tma::load_async(ring.stage(j), src, row_bytes, ring.full_bar(j));
 }
 
+// A token's first rows are read from its record once, by its lane, all loads in flight together,
+// and kept in registers until the loader posts them: reading each token's rows only when it is its
+// turn put a dependent global load (~1 us) before every token's first job, while the ring drained.
+constexpr int kHeldRows = 8;
+
 // Level 1 for the tokens of part p (source p.source): one job per row of each token here.
 __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
                                       unsigned j, const Part& p, unsigned dispatch_epoch, int lane) {
@@ -91,6 +96,7 @@ __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h,
   const long long t = p.t0 + lane;
   unsigned n = 0;
   bool valid = false;
+  int held[kHeldRows] = {};
   if (t < p.t1) {
     const unsigned char* rec = record_at(h.records, s, t, h.max_tokens, h.record_bytes);
     const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));
@@ -98,8 +104,13 @@ __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h,
       n = head.y;
       const RecordEntry* e = record_entries(rec);
       bool bad = n == 0 || n > static_cast<unsigned>(v.width);
+#pragma unroll
+      for (int q = 0; q < kHeldRows; ++q) held[q] = !bad && static_cast<unsigned>(q) < n ? __ldcg(&e[q].row) : 0;
       long long bad_row = -1;
-      for (unsigned q = 0; !bad && q < n; ++q) {
+#pragma unroll
+      for (int q = 0; q < kHeldRows; ++q)
+        if (!bad && static_cast<unsigned>(q) < n && (held[q] < 0 || held[q] >= h.rows)) bad = true, bad_row = held[q];
+      for (unsigned q = kHeldRows; !bad && q < n; ++q) {
         const int row = __ldcg(&e[q].row);
         if (row < 0 || row >= h.rows) bad = true, bad_row = row;
       }
@@ -107,22 +118,27 @@ __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h,
       valid = !bad;
     }
   }
+  const auto post = [&](unsigned& jj, long long tt, unsigned nn, int r) {
+    ring.acquire(jj, lane);
+    if (lane == 0)
+      post_row(ring, jj, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
+               rows + static_cast<long long>(r) * words, row_bytes);
+    ++jj;
+  };
   for (unsigned m = __ballot_sync(kFullMask, valid); m != 0; m &= m - 1) {
     const int l = __ffs(m) - 1;
     const long long tt = p.t0 + l;
     const unsigned nn = __shfl_sync(kFullMask, n, l);
+#pragma unroll
+    for (int i = 0; i < kHeldRows; ++i)
+      if (static_cast<unsigned>(i) < nn) post(j, tt, nn, __shfl_sync(kFullMask, held[i], l));
+    if (nn <= kHeldRows) continue;
+    // A record wider than kHeldRows (multihot with many experts per token): the rest from memory.
     const RecordEntry* e = record_entries(record_at(h.records, s, tt, h.max_tokens, h.record_bytes));
-    for (unsigned base = 0; base < nn; base += 32) {
+    for (unsigned base = kHeldRows; base < nn; base += 32) {
       const int row = base + lane < nn ? __ldcg(&e[base + lane].row) : 0;
       const unsigned batch = nn - base < 32 ? nn - base : 32;
-      for (unsigned i = 0; i < batch; ++i) {
-        const int r = __shfl_sync(kFullMask, row, static_cast<int>(i));
-        ring.acquire(j, lane);
-        if (lane == 0)
-          post_row(ring, j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
-                   rows + static_cast<long long>(r) * words, row_bytes);
-        ++j;
-      }
+      for (unsigned i = 0; i < batch; ++i) post(j, tt, nn, __shfl_sync(kFullMask, row, static_cast<int>(i)));
     }
   }
   return j;
