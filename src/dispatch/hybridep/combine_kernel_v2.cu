@@ -75,7 +75,7 @@ enum Kind : int { kPartialRow = 0, kOutRow = 1, kPartEnd = 2, kExit = 3 };
 // ---- loader -----------------------------------------------------------------------------------------------
 
 // Lane 0: a job whose data is one row (2H bytes) loaded from `src` into stage j.
-__device__ void post_row(const Ring& ring, unsigned j, const Job& job, const void* src, std::uint32_t row_bytes) {
+__device__ void post_row(const Ring& ring, const Ring::Slot& j, const Job& job, const void* src, std::uint32_t row_bytes) {
   ring.post_expecting(j, job, row_bytes);
   tma::load_async(ring.stage(j), src, row_bytes, ring.full_bar(j));
 }
@@ -86,8 +86,8 @@ __device__ void post_row(const Ring& ring, unsigned j, const Job& job, const voi
 constexpr int kHeldRows = 8;
 
 // Level 1 for the tokens of part p (source p.source): one job per row of each token here.
-__device__ unsigned load_partial_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
-                                      unsigned j, const Part& p, unsigned dispatch_epoch, int lane) {
+__device__ Ring::Slot load_partial_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
+                                        Ring::Slot j, const Part& p, unsigned dispatch_epoch, int lane) {
   const int s = p.source;
   const long long words = v.hidden / 8;
   const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
@@ -118,12 +118,12 @@ __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h,
       valid = !bad;
     }
   }
-  const auto post = [&](unsigned& jj, long long tt, unsigned nn, int r) {
+  const auto post = [&](Ring::Slot& jj, long long tt, unsigned nn, int r) {
     ring.acquire(jj, lane);
     if (lane == 0)
       post_row(ring, jj, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
                rows + static_cast<long long>(r) * words, row_bytes);
-    ++jj;
+    ring.advance(jj);
   };
   for (unsigned m = __ballot_sync(kFullMask, valid); m != 0; m &= m - 1) {
     const int l = __ffs(m) - 1;
@@ -145,8 +145,8 @@ __device__ unsigned load_partial_part(const CombineView& v, const HandleView& h,
 }
 
 // Level 2 for this rank's tokens of part p: one job per owner rank of each token (ascending).
-__device__ unsigned load_out_part(const CombineView& v, const HandleView& h, const Ring& ring, unsigned j,
-                                  const Part& p, int lane) {
+__device__ Ring::Slot load_out_part(const CombineView& v, const HandleView& h, const Ring& ring, Ring::Slot j,
+                                    const Part& p, int lane) {
   const int R = v.ranks, me = v.rank;
   const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
   // Lane l: the ranks token t0 + l went to (its staged records of the dispatch have entries).
@@ -164,14 +164,14 @@ __device__ unsigned load_out_part(const CombineView& v, const HandleView& h, con
     if (rows == 0) {
       ring.acquire(j, lane);
       if (lane == 0) ring.post(j, Job{kOutRow, 0, tt, 0, 0, 0, 0, 0});
-      ++j;
+      ring.advance(j);
       continue;
     }
     for (unsigned mm = m; mm != 0; mm &= mm - 1) {
       const int d = __ffs(mm) - 1;
       ring.acquire(j, lane);
       if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, me, d, tt), row_bytes);
-      ++j;
+      ring.advance(j);
     }
   }
   return j;
@@ -182,7 +182,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
                      unsigned dispatch_epoch, int pipe, int lane) {
   const int R = v.ranks, me = v.rank;
   const int pipelines = static_cast<int>(gridDim.x) * S::pipes;
-  unsigned j = 0;
+  Ring::Slot j;  // the next job's stage
   const WaitContext reuse{v.status, v.timeout_ns, c.reuse_phase};
   // Nobody still reads the partials we are about to overwrite (every rank's previous operation on
   // this buffer is done).
@@ -199,7 +199,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
       j = load_partial_part(v, h, c, ring, j, p, dispatch_epoch, lane);
       ring.acquire(j, lane);
       if (lane == 0) ring.post(j, Job{kPartEnd, p.source, p.chunk, split1.per_chunk, 0, 0, 0, 0});
-      ++j;
+      ring.advance(j);
     }
     // Level 2: this rank's tokens, once every rank has published the chunk's partials.
     const WaitContext wait{v.status, v.timeout_ns, c.data_phase};
