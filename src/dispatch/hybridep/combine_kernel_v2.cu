@@ -75,62 +75,101 @@ enum Kind : int { kPartialRow = 0, kOutRow = 1, kPartEnd = 2, kExit = 3 };
 // ---- loader -----------------------------------------------------------------------------------------------
 
 // Lane 0: a job whose data is one row (2H bytes) loaded from `src` into stage j.
-__device__ void post_row(const Ring& ring, unsigned j, const Job& job, const void* src, std::uint32_t row_bytes) {
+__device__ void post_row(const Ring& ring, const Ring::Slot& j, const Job& job, const void* src, std::uint32_t row_bytes) {
   ring.post_expecting(j, job, row_bytes);
   tma::load_async(ring.stage(j), src, row_bytes, ring.full_bar(j));
 }
 
-// Level 1 for the tokens of part p (source p.source): one job per row of each token here.
-__device__ unsigned load_partial_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
-                                      unsigned j, const Part& p, unsigned dispatch_epoch, int lane) {
-  const int s = p.source;
+// Level 1 reads a part's records (lane l: token t0 + l's header and first rows) in one round trip,
+// and reads the next part's while the current part's last token is still being posted: reading each
+// token's rows at its turn put a dependent global load (~1 us) before every token's first job, and
+// a part's records after the previous part's last job left the ring to drain for ~3 us (the item's
+// atomic, the header, then the rows) of every part.
+constexpr int kHeldRows = 8;
+
+struct PartRecords {
+  Part p;
+  uint4 head = {};                // the lane's token's record header (epoch, n)
+  int held[kHeldRows] = {};       // its first rows, valid below min(n, kHeldRows)
+  bool token = false;             // the lane has a token in the part
+};
+
+// Issues the loads of part p's records; nothing waits for them until post_part.
+__device__ PartRecords read_part(const CombineView& v, const HandleView& h, const Part& p, int lane) {
+  PartRecords r;
+  r.p = p;
+  const long long t = p.t0 + lane;
+  r.token = t < p.t1;
+  if (r.token) {
+    const unsigned char* rec = record_at(h.records, p.source, t, h.max_tokens, h.record_bytes);
+    r.head = __ldcg(reinterpret_cast<const uint4*>(rec));
+    const RecordEntry* e = record_entries(rec);
+#pragma unroll
+    for (int q = 0; q < kHeldRows; ++q)  // inside the record: its width has room for them
+      if (q < v.width) r.held[q] = __ldcg(&e[q].row);
+  }
+  return r;
+}
+
+// Level 1 for the tokens of a part (source p.source): one job per row of each token here.
+// `before_last()` runs once: before the part's last token is posted, or at the end.
+template <class BeforeLast>
+__device__ Ring::Slot post_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
+                                Ring::Slot j, const PartRecords& r, unsigned dispatch_epoch, int lane,
+                                BeforeLast&& before_last) {
+  const int s = r.p.source;
   const long long words = v.hidden / 8;
   const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
   const auto* rows = static_cast<const uint4*>(c.rows);
-  // Lane l checks token t0 + l (as v1's produce_item).
-  const long long t = p.t0 + lane;
   unsigned n = 0;
   bool valid = false;
-  if (t < p.t1) {
-    const unsigned char* rec = record_at(h.records, s, t, h.max_tokens, h.record_bytes);
-    const uint4 head = __ldcg(reinterpret_cast<const uint4*>(rec));
-    if (head.x == dispatch_epoch) {  // else t has no row here: rank s will not read (s, t)
-      n = head.y;
-      const RecordEntry* e = record_entries(rec);
-      bool bad = n == 0 || n > static_cast<unsigned>(v.width);
-      long long bad_row = -1;
-      for (unsigned q = 0; !bad && q < n; ++q) {
-        const int row = __ldcg(&e[q].row);
-        if (row < 0 || row >= h.rows) bad = true, bad_row = row;
-      }
-      if (bad) report_status(v.status, StatusCode::corrupt, c.data_phase, s, bad_row, h.rows);
-      valid = !bad;
+  if (r.token && r.head.x == dispatch_epoch) {  // else the token has no row here: rank s will not read it
+    n = r.head.y;
+    bool bad = n == 0 || n > static_cast<unsigned>(v.width);
+    long long bad_row = -1;
+#pragma unroll
+    for (int q = 0; q < kHeldRows; ++q)
+      if (!bad && static_cast<unsigned>(q) < n && (r.held[q] < 0 || r.held[q] >= h.rows)) bad = true, bad_row = r.held[q];
+    const RecordEntry* e = record_entries(record_at(h.records, s, r.p.t0 + lane, h.max_tokens, h.record_bytes));
+    for (unsigned q = kHeldRows; !bad && q < n; ++q) {
+      const int row = __ldcg(&e[q].row);
+      if (row < 0 || row >= h.rows) bad = true, bad_row = row;
     }
+    if (bad) report_status(v.status, StatusCode::corrupt, c.data_phase, s, bad_row, h.rows);
+    valid = !bad;
   }
-  for (unsigned m = __ballot_sync(kFullMask, valid); m != 0; m &= m - 1) {
+  const auto post = [&](long long tt, unsigned nn, int row) {
+    ring.acquire(j, lane);
+    if (lane == 0)
+      post_row(ring, j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
+               rows + static_cast<long long>(row) * words, row_bytes);
+    ring.advance(j);
+  };
+  unsigned m = __ballot_sync(kFullMask, valid);
+  if (m == 0) before_last();
+  for (; m != 0; m &= m - 1) {
+    if ((m & (m - 1)) == 0) before_last();
     const int l = __ffs(m) - 1;
-    const long long tt = p.t0 + l;
+    const long long tt = r.p.t0 + l;
     const unsigned nn = __shfl_sync(kFullMask, n, l);
+#pragma unroll
+    for (int i = 0; i < kHeldRows; ++i)
+      if (static_cast<unsigned>(i) < nn) post(tt, nn, __shfl_sync(kFullMask, r.held[i], l));
+    if (nn <= kHeldRows) continue;
+    // A record wider than kHeldRows (multihot with many experts per token): the rest from memory.
     const RecordEntry* e = record_entries(record_at(h.records, s, tt, h.max_tokens, h.record_bytes));
-    for (unsigned base = 0; base < nn; base += 32) {
+    for (unsigned base = kHeldRows; base < nn; base += 32) {
       const int row = base + lane < nn ? __ldcg(&e[base + lane].row) : 0;
       const unsigned batch = nn - base < 32 ? nn - base : 32;
-      for (unsigned i = 0; i < batch; ++i) {
-        const int r = __shfl_sync(kFullMask, row, static_cast<int>(i));
-        ring.acquire(j, lane);
-        if (lane == 0)
-          post_row(ring, j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
-                   rows + static_cast<long long>(r) * words, row_bytes);
-        ++j;
-      }
+      for (unsigned i = 0; i < batch; ++i) post(tt, nn, __shfl_sync(kFullMask, row, static_cast<int>(i)));
     }
   }
   return j;
 }
 
 // Level 2 for this rank's tokens of part p: one job per owner rank of each token (ascending).
-__device__ unsigned load_out_part(const CombineView& v, const HandleView& h, const Ring& ring, unsigned j,
-                                  const Part& p, int lane) {
+__device__ Ring::Slot load_out_part(const CombineView& v, const HandleView& h, const Ring& ring, Ring::Slot j,
+                                    const Part& p, int lane) {
   const int R = v.ranks, me = v.rank;
   const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
   // Lane l: the ranks token t0 + l went to (its staged records of the dispatch have entries).
@@ -148,14 +187,14 @@ __device__ unsigned load_out_part(const CombineView& v, const HandleView& h, con
     if (rows == 0) {
       ring.acquire(j, lane);
       if (lane == 0) ring.post(j, Job{kOutRow, 0, tt, 0, 0, 0, 0, 0});
-      ++j;
+      ring.advance(j);
       continue;
     }
     for (unsigned mm = m; mm != 0; mm &= mm - 1) {
       const int d = __ffs(mm) - 1;
       ring.acquire(j, lane);
       if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, me, d, tt), row_bytes);
-      ++j;
+      ring.advance(j);
     }
   }
   return j;
@@ -166,7 +205,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
                      unsigned dispatch_epoch, int pipe, int lane) {
   const int R = v.ranks, me = v.rank;
   const int pipelines = static_cast<int>(gridDim.x) * S::pipes;
-  unsigned j = 0;
+  Ring::Slot j;  // the next job's stage
   const WaitContext reuse{v.status, v.timeout_ns, c.reuse_phase};
   // Nobody still reads the partials we are about to overwrite (every rank's previous operation on
   // this buffer is done).
@@ -177,13 +216,26 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     const PartSplit split1 = part_split(chunks_of_ranks(R, tokens, all), pipelines, v.part_tokens);
     const long long parts1 = parts_of_ranks(R, split1, tokens, all);
     ItemQueue items1{&v.work[kWorkFirst], parts1, pipe, pipelines};
-    for (long long i = items1.next(lane); i < parts1; i = items1.next(lane)) {
+    const auto read_item = [&](long long i) {
       Part p;
       parts_of_ranks(R, split1, tokens, all, i, &p);
-      j = load_partial_part(v, h, c, ring, j, p, dispatch_epoch, lane);
+      return read_part(v, h, p, lane);
+    };
+    long long i = items1.next(lane);
+    PartRecords cur;
+    if (i < parts1) cur = read_item(i);
+    while (i < parts1) {
+      long long next = parts1;
+      PartRecords ahead;
+      j = post_part(v, h, c, ring, j, cur, dispatch_epoch, lane, [&] {
+        next = items1.next(lane);
+        if (next < parts1) ahead = read_item(next);
+      });
       ring.acquire(j, lane);
-      if (lane == 0) ring.post(j, Job{kPartEnd, p.source, p.chunk, split1.per_chunk, 0, 0, 0, 0});
-      ++j;
+      if (lane == 0) ring.post(j, Job{kPartEnd, cur.p.source, cur.p.chunk, split1.per_chunk, 0, 0, 0, 0});
+      ring.advance(j);
+      i = next;
+      cur = ahead;
     }
     // Level 2: this rank's tokens, once every rank has published the chunk's partials.
     const WaitContext wait{v.status, v.timeout_ns, c.data_phase};
@@ -240,12 +292,13 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
     const Job job = ring.wait(pos);
     if (job.kind == kExit) break;
     if (job.kind == kPartEnd) {
-      // Every thread's partial rows and prob gradients of the part are complete and ordered before
-      // the group's one count; the last part of (source, chunk) releases the ready flag there. The
+      // Every thread's partial rows and prob gradients of the part are ordered before the group's
+      // one count: the named barrier orders them before thread 0, whose system fence in count_part
+      // is cumulative (one fence per part, not one per thread: ncu put 4% of the stall samples on
+      // 128 threads' fences). The last part of (source, chunk) releases the ready flag there. The
       // source reads the rows with bulk loads (async proxy) after its acquire and its own proxy
       // fence; the writer-side proxy fence here is the conservative other half.
       tma::fence_proxy_global();
-      fence_sys();
       tma::named_sync(1 + pipe, kComputeThreads);
       if (tid == 0 && count_part(&v.work[kWorkChunks + job.a * v.max_chunks + job.b], job.c))
         st_release_sys(ready_flag(v, job.a, me, job.b), epoch);
