@@ -15,19 +15,21 @@
 //     (deadline: *:buffer-reuse); then LEVEL 1 (this rank as owner): grabs parts of the (source,
 //     chunk) items (work_items.cuh); for every token with a record of the handle's dispatch it posts
 //     one job per row of the token here, in record order (= ascending local expert), each a bulk
-//     load of expert_out's row into the next stage; then "part end". Then LEVEL 2 (this rank as
-//     source): grabs parts of its own chunks, acquires the chunk's ready flag of every rank
-//     (deadline: *:partials), and for every token posts one job per owner rank in ascending order,
-//     a bulk load of the partial row that owner pushed into this rank's window; a token that went
-//     nowhere gets one job without data (its output is zero). Finally "exit".
+//     load of expert_out's row into the next stage; then "part end". It reads a part's records
+//     before the previous part's last token is posted (read_part), so that the ring never drains.
+//     Then LEVEL 2 (this rank as source): grabs parts of its own chunks, acquires the chunk's
+//     ready flag of every rank (deadline: *:partials), and for every token posts one job per owner
+//     rank in ascending order, a bulk load of the partial row that owner pushed into this rank's
+//     window; a token that went nowhere gets one job without data (its output is zero). Finally
+//     "exit".
 //   compute warps (4 = 128 threads, each owning 16-byte words tid, tid + 128, ... of a row):
 //     accumulate a token's stages in fp32 registers from +0.0f in job order, free each stage, and
 //     write bf16 once: the partial into the source's window (level 1: over NVLink for a peer) or the
 //     output row (level 2);
 //     dispatch_backward also writes the prob gradients (level 1) and gathers them per slot
-//     (level 2), as v1. At a part end every thread fences at system scope, the group synchronises
-//     (named barrier), and one thread counts the part; the last part of (source, chunk) releases the
-//     ready flag on the source.
+//     (level 2), as v1. At a part end the group synchronises (named barrier) and one thread counts
+//     the part behind a system fence; the last part of (source, chunk) releases the ready flag on
+//     the source.
 // The additions are exactly v1's (add_bf16x8 in the same order, to_bf16x8 once), hence exactly the
 // host backend's. The last CTA releases "consumed" on every rank and publishes the new epoch.
 //
@@ -74,8 +76,9 @@ enum Kind : int { kPartialRow = 0, kOutRow = 1, kPartEnd = 2, kExit = 3 };
 
 // ---- loader -----------------------------------------------------------------------------------------------
 
-// Lane 0: a job whose data is one row (2H bytes) loaded from `src` into stage j.
-__device__ void post_row(const Ring& ring, const Ring::Slot& j, const Job& job, const void* src, std::uint32_t row_bytes) {
+// Lane 0: a job whose data is one row (2H bytes) loaded from `src` into the job's stage.
+__device__ void post_row(const Ring& ring, const Ring::Slot& j, const Job& job, const void* src,
+                         std::uint32_t row_bytes) {
   ring.post_expecting(j, job, row_bytes);
   tma::load_async(ring.stage(j), src, row_bytes, ring.full_bar(j));
 }
@@ -89,9 +92,9 @@ constexpr int kHeldRows = 8;
 
 struct PartRecords {
   Part p;
-  uint4 head = {};                // the lane's token's record header (epoch, n)
-  int held[kHeldRows] = {};       // its first rows, valid below min(n, kHeldRows)
-  bool token = false;             // the lane has a token in the part
+  uint4 head = {};           // the lane's token's record header (epoch, n)
+  int held[kHeldRows] = {};  // its first rows, valid below min(n, kHeldRows)
+  bool token = false;        // the lane has a token in the part
 };
 
 // Issues the loads of part p's records; nothing waits for them until post_part.
@@ -129,7 +132,8 @@ __device__ Ring::Slot post_part(const CombineView& v, const HandleView& h, const
     long long bad_row = -1;
 #pragma unroll
     for (int q = 0; q < kHeldRows; ++q)
-      if (!bad && static_cast<unsigned>(q) < n && (r.held[q] < 0 || r.held[q] >= h.rows)) bad = true, bad_row = r.held[q];
+      if (!bad && static_cast<unsigned>(q) < n && (r.held[q] < 0 || r.held[q] >= h.rows))
+        bad = true, bad_row = r.held[q];
     const RecordEntry* e = record_entries(record_at(h.records, s, r.p.t0 + lane, h.max_tokens, h.record_bytes));
     for (unsigned q = kHeldRows; !bad && q < n; ++q) {
       const int row = __ldcg(&e[q].row);
