@@ -171,22 +171,37 @@ __device__ Ring::Slot post_part(const CombineView& v, const HandleView& h, const
   return j;
 }
 
-// Level 2 for this rank's tokens of part p: one job per owner rank of each token (ascending).
-__device__ Ring::Slot load_out_part(const CombineView& v, const HandleView& h, const Ring& ring, Ring::Slot j,
-                                    const Part& p, int lane) {
-  const int R = v.ranks, me = v.rank;
-  const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
-  // Lane l: the ranks token t0 + l went to (its staged records of the dispatch have entries).
-  const long long t = p.t0 + lane;
+// Level 2's view of one part of this rank's tokens: lane l, the ranks token t0 + l went to (its
+// staged records of the dispatch have entries). Read ahead like level 1's records.
+struct OutPart {
+  Part p;
   unsigned owners = 0;
+};
+
+__device__ OutPart read_out_part(const CombineView& v, const HandleView& h, const Part& p, int lane) {
+  OutPart r;
+  r.p = p;
+  const long long t = p.t0 + lane;
   if (t < p.t1)
-    for (int d = 0; d < R; ++d)
+    for (int d = 0; d < v.ranks; ++d)
       if (reinterpret_cast<const RecordHeader*>(record_at(h.staging, d, t, h.max_tokens, h.record_bytes))->n > 0)
-        owners |= 1u << d;
-  const int count = static_cast<int>(p.t1 - p.t0);
+        r.owners |= 1u << d;
+  return r;
+}
+
+// Level 2 for the tokens of a part: one job per owner rank of each token (ascending), a zero row's
+// job for a token that went nowhere. `before_last()` runs once, before the part's last token.
+template <class BeforeLast>
+__device__ Ring::Slot post_out_part(const CombineView& v, const Ring& ring, Ring::Slot j, const OutPart& r, int lane,
+                                    BeforeLast&& before_last) {
+  const int me = v.rank;
+  const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
+  const int count = static_cast<int>(r.p.t1 - r.p.t0);
+  if (count <= 0) before_last();
   for (int l = 0; l < count; ++l) {  // every token gets an output row, zeros if it went nowhere
-    const unsigned m = __shfl_sync(kFullMask, owners, l);
-    const int tt = static_cast<int>(p.t0 + l);
+    if (l == count - 1) before_last();
+    const unsigned m = __shfl_sync(kFullMask, r.owners, l);
+    const int tt = static_cast<int>(r.p.t0 + l);
     const int rows = __popc(m);
     if (rows == 0) {
       ring.acquire(j, lane);
@@ -246,17 +261,23 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     const PartSplit split2 = part_split(num_chunks(h.tokens), pipelines, v.part_tokens);
     const long long parts2 = static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
     ItemQueue items2{&v.work[kWorkSecond], parts2, pipe, pipelines};
-    for (long long i = items2.next(lane); i < parts2; i = items2.next(lane)) {
-      const Part p = part_in_rank(i, split2, h.tokens, me);
-      bool ok = true;
-      if (lane == 0) {
-        // Every rank publishes every chunk of ours (also with no token of ours): wait for all.
-        for (int d = 0; ok && d < R; ++d) ok = wait_flag_at_least(ready_flag(v, me, d, p.chunk), epoch, wait, d);
-        if (ok) tma::fence_proxy_global();  // the bulk loads below read what the flags published
-      }
-      __syncwarp();
-      if (!__shfl_sync(kFullMask, ok, 0)) break;
-      j = load_out_part(v, h, ring, j, p, lane);
+    const auto read_item2 = [&](long long i) { return read_out_part(v, h, part_in_rank(i, split2, h.tokens, me), lane); };
+    long long i2 = items2.next(lane);
+    OutPart out;
+    if (i2 < parts2) out = read_item2(i2);
+    while (i2 < parts2) {
+      // Every rank publishes every chunk of ours (also with no token of ours): lane d waits for
+      // rank d's flag, all at once.
+      if (!warp_wait_ranks(ready_flag(v, me, 0, out.p.chunk), v.max_chunks, R, epoch, wait, lane)) break;
+      if (lane == 0) tma::fence_proxy_global();  // the bulk loads below read what the flags published
+      long long next = parts2;
+      OutPart ahead;
+      j = post_out_part(v, ring, j, out, lane, [&] {
+        next = items2.next(lane);
+        if (next < parts2) ahead = read_item2(next);
+      });
+      i2 = next;
+      out = ahead;
     }
   }
   ring.acquire(j, lane);
