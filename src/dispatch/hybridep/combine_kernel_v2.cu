@@ -17,11 +17,11 @@
 //     one job per row of the token here, in record order (= ascending local expert), each a bulk
 //     load of expert_out's row into the next stage; then "part end". It reads a part's records
 //     before the previous part's last token is posted (read_part), so that the ring never drains.
-//     Then LEVEL 2 (this rank as source): grabs parts of its own chunks, acquires the chunk's
-//     ready flag of every rank (deadline: *:partials), and for every token posts one job per owner
-//     rank in ascending order, a bulk load of the partial row that owner pushed into this rank's
-//     window; a token that went nowhere gets one job without data (its output is zero). Finally
-//     "exit".
+//     Then LEVEL 2 (this rank as source): grabs parts of its own chunks (read ahead the same way),
+//     acquires the chunk's ready flag of every rank (lane d rank d's; deadline: *:partials), and
+//     for every token posts one job per owner rank in ascending order, a bulk load of the partial
+//     row that owner pushed into this rank's window; a token that went nowhere gets one job
+//     without data (its output is zero). Finally "exit".
 //   compute warps (4 = 128 threads, each owning 16-byte words tid, tid + 128, ... of a row):
 //     accumulate a token's stages in fp32 registers from +0.0f in job order, free each stage, and
 //     write bf16 once: the partial into the source's window (level 1: over NVLink for a peer) or the
@@ -261,7 +261,9 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     const PartSplit split2 = part_split(num_chunks(h.tokens), pipelines, v.part_tokens);
     const long long parts2 = static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
     ItemQueue items2{&v.work[kWorkSecond], parts2, pipe, pipelines};
-    const auto read_item2 = [&](long long i) { return read_out_part(v, h, part_in_rank(i, split2, h.tokens, me), lane); };
+    const auto read_item2 = [&](long long i) {
+      return read_out_part(v, h, part_in_rank(i, split2, h.tokens, me), lane);
+    };
     long long i2 = items2.next(lane);
     OutPart out;
     if (i2 < parts2) out = read_item2(i2);
