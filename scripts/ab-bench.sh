@@ -21,7 +21,10 @@ pack() {
   mkdir -p "$dir"
   for c in "$@"; do
     local full short
-    full="$(git -C "$root" rev-parse --verify --quiet "$c^{commit}")" || { echo "ab-bench: no commit '$c'" >&2; exit 2; }
+    if ! full="$(git -C "$root" rev-parse --verify --quiet "$c^{commit}")"; then
+      echo "ab-bench: no commit '$c'" >&2
+      exit 2
+    fi
     short="${full:0:8}"
     git -C "$root" archive --format=tar -o "$dir/$short.tar" "$full"
     echo "$full" > "$dir/$short.COMMIT"
@@ -30,7 +33,10 @@ pack() {
 }
 
 run() {
-  [ $# -ge 1 ] || { echo "ab-bench run: give the flexep bench arguments, e.g. \"decode --backend hybridep --sms 16,32\"" >&2; exit 2; }
+  if [ $# -lt 1 ]; then
+    echo "ab-bench run: give the flexep bench arguments, e.g. \"decode --backend hybridep --sms 16,32\"" >&2
+    exit 2
+  fi
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   local out="${AB_OUT:-${OUT:+$OUT/ab}}"
   out="${out:-$root/ab-out}"
@@ -60,10 +66,14 @@ run() {
         i=$((i + 1))
         local log="$out/bench-$v-$round-$i.txt"
         # shellcheck disable=SC2086
-        "/tmp/ab/$v/build-gpu/flexep" bench $args --out "$out/bench" > "$log" 2>&1 || { status=1; echo "$v round $round: FAILED ($log)"; }
+        if ! "/tmp/ab/$v/build-gpu/flexep" bench $args --out "$out/bench" > "$log" 2>&1; then
+          status=1
+          echo "$v round $round: FAILED ($log)"
+        fi
         echo "$v round $round: $args"
         # case routing backend phase timing SMs min median ...: the backend, phase, timing, SMs and median
-        awk '$3 ~ /^(hybridep|alltoall|nccl-alltoall)$/ && $6 ~ /^[0-9]+$|^-$/ {printf "  %s %s %s %s: %s\n", $3, $4, $5, $6, $8}' "$log"
+        awk '$3 ~ /^(hybridep|alltoall|nccl-alltoall)$/ && $6 ~ /^[0-9]+$|^-$/ {
+               printf "  %s %s %s %s: %s\n", $3, $4, $5, $6, $8 }' "$log"
       done
     done
   done

@@ -914,8 +914,9 @@ TEST_P(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
 
 // The kernels with R = 1 (an expert-parallel size of one, which a user may run): every row is local,
 // so there is no peer, no NVLink and no fan-out, but the fused kernel's inline plan and layout, the
-// rings, parts, held rows, zeroing, the combine and the backwards run as with more ranks. Not a multi-GPU test (label gpu only): on a one-GPU machine it is the check
-// of those mechanics that the multi-GPU tests cannot give there.
+// rings, parts, held rows, zeroing, the combine and the backwards run as with more ranks. Not a
+// multi-GPU test (label gpu only): on a one-GPU machine it is the check of those mechanics that the
+// multi-GPU tests cannot give there.
 class HybridEpOneRank : public HybridEpMultiGpu {};
 
 INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpOneRank, ::testing::Values(1, 2),

@@ -21,7 +21,8 @@ __global__ void __launch_bounds__(kThreads)
       const int p = dest_flag[f] ? dest_scan[f] : -1;
       send_pos[f] = p;
       if (p >= 0)
-        for (int m = 0; m < meta_width; ++m) send_meta[static_cast<std::int64_t>(p) * meta_width + m] = SlotMeta{-1, 0.0f};
+        for (int m = 0; m < meta_width; ++m)
+          send_meta[static_cast<std::int64_t>(p) * meta_width + m] = SlotMeta{-1, 0.0f};
     }
     const std::int64_t base = t * slots;
     for (int j = 0; j < slots; ++j) {
