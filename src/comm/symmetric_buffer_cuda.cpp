@@ -1,4 +1,6 @@
 #include <chrono>
+#include <cstdint>
+#include <vector>
 #include <thread>
 
 #include "flexep/comm/symmetric_buffer.h"
@@ -48,6 +50,7 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
                        all[static_cast<std::size_t>(r * 3 + 1)], " bytes but rank 0 for ", all[0], " + ", all[1],
                        "; all ranks must size their buffers alike (same options, same number of experts)");
   spec_ = spec;
+  if (comm_->simulated()) return init_simulated();
   try {
     // 1. The device communicator first: its creation fails cleanly when the communicator has no
     //    symmetric-memory support, whereas a window registration would "succeed" with a useless
@@ -93,6 +96,31 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
   }
 }
 
+void SymmetricBuffer::init_simulated() {
+  try {
+    FLEXEP_CUDA_CHECK(cudaMalloc(&local_, spec_.window_bytes));
+    allocated_ = spec_.window_bytes;
+    FLEXEP_CUDA_CHECK(cudaMemset(local_, 0, spec_.window_bytes));
+    if (spec_.flag_bytes) {
+      FLEXEP_CUDA_CHECK(cudaMalloc(&simulated_flags_, spec_.flag_bytes));
+      FLEXEP_CUDA_CHECK(cudaMemset(simulated_flags_, 0, spec_.flag_bytes));
+    }
+    FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<long long> all = comm_->all_gather_i64(
+        {static_cast<long long>(reinterpret_cast<std::uintptr_t>(local_)),
+         static_cast<long long>(reinterpret_cast<std::uintptr_t>(simulated_flags_))},
+        name_ + ":simulated-peers");
+    for (int r = 0; r < comm_->size(); ++r) {
+      peers_.window[r] = reinterpret_cast<char*>(static_cast<std::uintptr_t>(all[static_cast<std::size_t>(2 * r)]));
+      peers_.flags[r] = reinterpret_cast<char*>(static_cast<std::uintptr_t>(all[static_cast<std::size_t>(2 * r + 1)]));
+    }
+    comm_->barrier(name_ + ":init");  // every rank zeroed its buffers before any peer writes
+  } catch (...) {
+    teardown_local();
+    throw;
+  }
+}
+
 void SymmetricBuffer::resize(const SymmetricBufferSpec& spec) {
   free();
   init(spec);
@@ -109,7 +137,7 @@ void SymmetricBuffer::free() {
 }
 
 void SymmetricBuffer::teardown_local() noexcept {
-  if (!local_ && !dev_comm_created_) return;
+  if (!local_ && !dev_comm_created_ && !simulated_flags_) return;
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(comm_->device());
@@ -125,7 +153,13 @@ void SymmetricBuffer::teardown_local() noexcept {
     ncclCommWindowDeregister(comm_->get(), window_);
     settle(comm_->get(), comm_->timeout_seconds());
   }
-  if (local_) ncclMemFree(local_);
+  if (comm_->simulated()) {
+    if (local_) cudaFree(local_);
+    if (simulated_flags_) cudaFree(simulated_flags_);
+    simulated_flags_ = nullptr;
+  } else if (local_) {
+    ncclMemFree(local_);
+  }
   cudaSetDevice(previous);
   local_ = nullptr;
   window_ = nullptr;
