@@ -96,25 +96,44 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
   }
 }
 
+struct SymmetricBuffer::SimulatedMemory {
+  int device = 0;
+  void* window = nullptr;
+  void* flags = nullptr;
+  ~SimulatedMemory() {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    if (window) cudaFree(window);  // synchronises the device: no kernel still uses it
+    if (flags) cudaFree(flags);
+    cudaSetDevice(previous);
+  }
+};
+
 void SymmetricBuffer::init_simulated() {
   try {
-    FLEXEP_CUDA_CHECK(cudaMalloc(&local_, spec_.window_bytes));
+    simulated_ = std::make_shared<SimulatedMemory>();
+    simulated_->device = comm_->device();
+    FLEXEP_CUDA_CHECK(cudaMalloc(&simulated_->window, spec_.window_bytes));
+    local_ = simulated_->window;
     allocated_ = spec_.window_bytes;
     FLEXEP_CUDA_CHECK(cudaMemset(local_, 0, spec_.window_bytes));
     if (spec_.flag_bytes) {
-      FLEXEP_CUDA_CHECK(cudaMalloc(&simulated_flags_, spec_.flag_bytes));
-      FLEXEP_CUDA_CHECK(cudaMemset(simulated_flags_, 0, spec_.flag_bytes));
+      FLEXEP_CUDA_CHECK(cudaMalloc(&simulated_->flags, spec_.flag_bytes));
+      FLEXEP_CUDA_CHECK(cudaMemset(simulated_->flags, 0, spec_.flag_bytes));
     }
     FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
+    // Every rank publishes where its holder lives; the holders stay put until the barrier below.
     const std::vector<long long> all = comm_->all_gather_i64(
-        {static_cast<long long>(reinterpret_cast<std::uintptr_t>(local_)),
-         static_cast<long long>(reinterpret_cast<std::uintptr_t>(simulated_flags_))},
-        name_ + ":simulated-peers");
+        {static_cast<long long>(reinterpret_cast<std::uintptr_t>(&simulated_))}, name_ + ":simulated-peers");
     for (int r = 0; r < comm_->size(); ++r) {
-      peers_.window[r] = reinterpret_cast<char*>(static_cast<std::uintptr_t>(all[static_cast<std::size_t>(2 * r)]));
-      peers_.flags[r] = reinterpret_cast<char*>(static_cast<std::uintptr_t>(all[static_cast<std::size_t>(2 * r + 1)]));
+      const auto* holder =
+          reinterpret_cast<const std::shared_ptr<SimulatedMemory>*>(static_cast<std::uintptr_t>(all[r]));
+      simulated_peers_.push_back(*holder);
+      peers_.window[r] = static_cast<char*>(simulated_peers_.back()->window);
+      peers_.flags[r] = static_cast<char*>(simulated_peers_.back()->flags);
     }
-    comm_->barrier(name_ + ":init");  // every rank zeroed its buffers before any peer writes
+    comm_->barrier(name_ + ":init");  // every rank zeroed its buffers and took its peers' holders
   } catch (...) {
     teardown_local();
     throw;
@@ -137,7 +156,7 @@ void SymmetricBuffer::free() {
 }
 
 void SymmetricBuffer::teardown_local() noexcept {
-  if (!local_ && !dev_comm_created_ && !simulated_flags_) return;
+  if (!local_ && !dev_comm_created_ && !simulated_) return;
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(comm_->device());
@@ -154,9 +173,8 @@ void SymmetricBuffer::teardown_local() noexcept {
     settle(comm_->get(), comm_->timeout_seconds());
   }
   if (comm_->simulated()) {
-    if (local_) cudaFree(local_);
-    if (simulated_flags_) cudaFree(simulated_flags_);
-    simulated_flags_ = nullptr;
+    simulated_.reset();  // freed with the last rank's reference
+    simulated_peers_.clear();
   } else if (local_) {
     ncclMemFree(local_);
   }

@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "flexep/comm/communicator.h"
 
@@ -93,7 +94,12 @@ class SymmetricBuffer {
   bool dev_comm_created_ = false;
   ncclDevResourceHandle_t flag_handle_ = 0;
   SymmetricPeers peers_{};
-  void* simulated_flags_ = nullptr;  // simulated ranks: the flag buffer (cudaMalloc)
+  // Simulated ranks: this rank's window and flag buffer, and every rank's, held like NCCL's peer
+  // mappings: memory is freed when the last rank lets go, so a peer's late store never lands in a
+  // new allocation at the same address.
+  struct SimulatedMemory;
+  std::shared_ptr<SimulatedMemory> simulated_;
+  std::vector<std::shared_ptr<SimulatedMemory>> simulated_peers_;
 };
 
 namespace detail {
