@@ -1,7 +1,9 @@
 #include "flexep/comm/communicator.h"
 
+#include <cuda.h>  // CUmoduleLoadingMode (the driver entry point is looked up at run time)
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +12,8 @@
 #include <map>
 #include <thread>
 
+#include "flexep/comm/host_world.h"
+#include "flexep/core/tensor.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep {
@@ -198,12 +202,61 @@ std::unique_ptr<Communicator> Communicator::from_environment(const CommunicatorO
   return create(id, rank, size, device, options);
 }
 
+namespace {
+// Whether the driver loads modules lazily (CUDA_MODULE_LOADING, read when CUDA initialised).
+bool lazy_module_loading() {
+  using GetLoadingMode = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  FLEXEP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 11070, cudaEnableDefault, &found));
+  FLEXEP_CHECK(found == cudaDriverEntryPointSuccess && fn, "the CUDA driver has no cuModuleGetLoadingMode");
+  CUmoduleLoadingMode mode{};
+  FLEXEP_CHECK(reinterpret_cast<GetLoadingMode>(fn)(&mode) == CUDA_SUCCESS, "cuModuleGetLoadingMode failed");
+  return mode == CU_MODULE_LAZY_LOADING;
+}
+}  // namespace
+
+std::unique_ptr<Communicator> Communicator::simulate(std::shared_ptr<HostWorld> world, int rank, int device,
+                                                     const CommunicatorOptions& options) {
+  FLEXEP_CHECK_ARG(world != nullptr, "world", "is null");
+  FLEXEP_CHECK_ARG(rank >= 0 && rank < world->size(), "rank", rank, " is out of range [0, ", world->size(), ")");
+  FLEXEP_CHECK_ARG(device >= 0 && device < cuda::device_count(), "device", device, " is out of range [0, ",
+                   cuda::device_count(), ")");
+  FLEXEP_CHECK_ARG(options.timeout_seconds > 0, "timeout_seconds", "must be > 0, got ", options.timeout_seconds);
+  cuda::init();
+  cuda::DeviceGuard guard(device);
+  FLEXEP_CHECK_ARG(!lazy_module_loading(), "CUDA_MODULE_LOADING",
+                   "must be EAGER (set before CUDA starts) for simulated ranks: with lazy loading, loading a rank's "
+                   "kernel may wait for another rank's running kernel, which waits for it");
+  return std::unique_ptr<Communicator>(new Communicator(std::move(world), rank, device, options));
+}
+
 std::unique_ptr<Communicator> Communicator::borrow(ncclComm_t comm, int device, const CommunicatorOptions& options) {
   FLEXEP_CHECK_ARG(comm != nullptr, "comm", "is null");
   check_nccl_version();
   cuda::init();
   cuda::DeviceGuard guard(device);
   return std::unique_ptr<Communicator>(new Communicator(comm, false, device, options));
+}
+
+Communicator::Communicator(std::shared_ptr<HostWorld> world, int rank, int device,
+                           const CommunicatorOptions& options)
+    : world_(std::move(world)), device_(device), options_(options) {
+  rank_ = rank;
+  size_ = world_->size();
+  discover_topology();
+}
+
+ncclComm_t Communicator::get() const {
+  FLEXEP_CHECK(comm_ != nullptr, "this communicator simulates ", size_,
+               " ranks on one GPU and has no NCCL communicator; only the host and hybridep backends run on "
+               "simulated ranks");
+  return comm_;
+}
+
+int Communicator::sms_per_rank() const {
+  const int sms = cuda::sm_count(device_);
+  return simulated() ? std::max(1, sms / (2 * size_)) : sms;
 }
 
 Communicator::~Communicator() {
@@ -241,7 +294,7 @@ void Communicator::discover_topology() {
 
 void Communicator::fail(const std::string& phase, const std::string& why, bool timeout) {
   if (!aborted_) {
-    ncclCommAbort(comm_);
+    if (comm_) ncclCommAbort(comm_);
     aborted_ = true;
   }
   if (timeout) throw TimeoutError(phase, -1, why);
@@ -250,6 +303,7 @@ void Communicator::fail(const std::string& phase, const std::string& why, bool t
 
 void Communicator::wait_enqueued(const std::string& phase) {
   FLEXEP_CHECK(!aborted_, "the communicator was aborted after an earlier failure; create a new one");
+  if (simulated()) return;  // no NCCL calls
   const auto deadline = deadline_after(options_.timeout_seconds);
   const ncclResult_t state = poll_in_progress(comm_, deadline);
   if (state == ncclInProgress)
@@ -265,7 +319,7 @@ void Communicator::wait(cudaStream_t stream, const std::string& phase) {
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) cuda::throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
     ncclResult_t state = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &state);
+    if (comm_) ncclCommGetAsyncError(comm_, &state);
     if (state != ncclSuccess && state != ncclInProgress) fail(phase, ncclGetErrorString(state), false);
     if (Clock::now() > deadline)
       fail(phase,
@@ -280,6 +334,15 @@ void Communicator::all_reduce_sum(const TensorView& t, const std::string& what) 
   if (!t.numel()) return;
   cuda::DeviceGuard guard(device_);
   const cudaStream_t stream = cuda::current_stream();
+  if (simulated()) {  // through the host world, in rank order like the host backend
+    HostProcessGroup group(world_, rank_);
+    if (t.device.is_cpu()) return group.all_reduce_sum(t, what);
+    Tensor h = cuda::to_host(t, stream);
+    group.all_reduce_sum(h, what);
+    cuda::copy_async(t, h, stream);
+    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
   const ncclDataType_t type = nccl_type(t.dtype, what);
   if (t.device.is_cpu()) {
     Tensor d = cuda::to_device(t, device_, stream);
@@ -296,11 +359,25 @@ void Communicator::all_reduce_sum(const TensorView& t, const std::string& what) 
 }
 
 void Communicator::barrier(const std::string& what) {
+  if (simulated()) return world_->barrier(rank_, what);
   Tensor one = Tensor::from_vector<std::int32_t>({1}, {1});
   all_reduce_sum(one, what);
 }
 
 std::vector<long long> Communicator::all_gather_i64(const std::vector<long long>& mine, const std::string& what) {
+  if (simulated()) {
+    const std::vector<const void*> all = world_->all_gather_ptr(rank_, &mine, what);
+    std::vector<long long> out;
+    bool same_count = true;
+    for (const void* p : all) {
+      const auto& theirs = *static_cast<const std::vector<long long>*>(p);
+      same_count = same_count && theirs.size() == mine.size();
+      out.insert(out.end(), theirs.begin(), theirs.end());
+    }
+    world_->barrier(rank_, what + ":read");  // the others' vectors stay alive until all have read
+    FLEXEP_CHECK(same_count, what, ": the ranks gathered different numbers of values");
+    return out;
+  }
   cuda::init();
   cuda::DeviceGuard guard(device_);
   const cudaStream_t stream = cuda::current_stream();

@@ -1,4 +1,6 @@
 #include <chrono>
+#include <cstdint>
+#include <vector>
 #include <thread>
 
 #include "flexep/comm/symmetric_buffer.h"
@@ -48,6 +50,7 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
                        all[static_cast<std::size_t>(r * 3 + 1)], " bytes but rank 0 for ", all[0], " + ", all[1],
                        "; all ranks must size their buffers alike (same options, same number of experts)");
   spec_ = spec;
+  if (comm_->simulated()) return init_simulated();
   try {
     // 1. The device communicator first: its creation fails cleanly when the communicator has no
     //    symmetric-memory support, whereas a window registration would "succeed" with a useless
@@ -93,6 +96,50 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
   }
 }
 
+struct SymmetricBuffer::SimulatedMemory {
+  int device = 0;
+  void* window = nullptr;
+  void* flags = nullptr;
+  ~SimulatedMemory() {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    if (window) cudaFree(window);  // synchronises the device: no kernel still uses it
+    if (flags) cudaFree(flags);
+    cudaSetDevice(previous);
+  }
+};
+
+void SymmetricBuffer::init_simulated() {
+  try {
+    simulated_ = std::make_shared<SimulatedMemory>();
+    simulated_->device = comm_->device();
+    FLEXEP_CUDA_CHECK(cudaMalloc(&simulated_->window, spec_.window_bytes));
+    local_ = simulated_->window;
+    allocated_ = spec_.window_bytes;
+    FLEXEP_CUDA_CHECK(cudaMemset(local_, 0, spec_.window_bytes));
+    if (spec_.flag_bytes) {
+      FLEXEP_CUDA_CHECK(cudaMalloc(&simulated_->flags, spec_.flag_bytes));
+      FLEXEP_CUDA_CHECK(cudaMemset(simulated_->flags, 0, spec_.flag_bytes));
+    }
+    FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
+    // Every rank publishes where its holder lives; the holders stay put until the barrier below.
+    const std::vector<long long> all = comm_->all_gather_i64(
+        {static_cast<long long>(reinterpret_cast<std::uintptr_t>(&simulated_))}, name_ + ":simulated-peers");
+    for (int r = 0; r < comm_->size(); ++r) {
+      const auto* holder =
+          reinterpret_cast<const std::shared_ptr<SimulatedMemory>*>(static_cast<std::uintptr_t>(all[r]));
+      simulated_peers_.push_back(*holder);
+      peers_.window[r] = static_cast<char*>(simulated_peers_.back()->window);
+      peers_.flags[r] = static_cast<char*>(simulated_peers_.back()->flags);
+    }
+    comm_->barrier(name_ + ":init");  // every rank zeroed its buffers and took its peers' holders
+  } catch (...) {
+    teardown_local();
+    throw;
+  }
+}
+
 void SymmetricBuffer::resize(const SymmetricBufferSpec& spec) {
   free();
   init(spec);
@@ -109,7 +156,7 @@ void SymmetricBuffer::free() {
 }
 
 void SymmetricBuffer::teardown_local() noexcept {
-  if (!local_ && !dev_comm_created_) return;
+  if (!local_ && !dev_comm_created_ && !simulated_) return;
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(comm_->device());
@@ -125,7 +172,12 @@ void SymmetricBuffer::teardown_local() noexcept {
     ncclCommWindowDeregister(comm_->get(), window_);
     settle(comm_->get(), comm_->timeout_seconds());
   }
-  if (local_) ncclMemFree(local_);
+  if (comm_->simulated()) {
+    simulated_.reset();  // freed with the last rank's reference
+    simulated_peers_.clear();
+  } else if (local_) {
+    ncclMemFree(local_);
+  }
   cudaSetDevice(previous);
   local_ = nullptr;
   window_ = nullptr;

@@ -218,16 +218,16 @@ struct DeviceInputs {
 
 // The top-k form of `in` on rank g's GPU.
 inline DeviceInputs to_device(const Inputs& in, GpuRank& g) {
-  return DeviceInputs{cuda::to_device(in.hidden, g.rank, g.stream), cuda::to_device(in.indices, g.rank, g.stream),
-                      cuda::to_device(in.weights, g.rank, g.stream)};
+  return DeviceInputs{cuda::to_device(in.hidden, g.device, g.stream), cuda::to_device(in.indices, g.device, g.stream),
+                      cuda::to_device(in.weights, g.device, g.stream)};
 }
 
 inline DeviceInputs device_inputs(GpuRank& g, int E, std::int64_t T, std::int64_t H, int k) {
   TopK tk = synthetic_topk(T, k, E, RoutingSpec{}, 3, g.rank);
   DeviceInputs in;
-  in.hidden = cuda::to_device(random_tensor({T, H}, DType::bf16, 1, "hidden", g.rank), g.rank, g.stream);
-  in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
-  in.weights = cuda::to_device(tk.weights, g.rank, g.stream);
+  in.hidden = cuda::to_device(random_tensor({T, H}, DType::bf16, 1, "hidden", g.rank), g.device, g.stream);
+  in.indices = cuda::to_device(tk.indices, g.device, g.stream);
+  in.weights = cuda::to_device(tk.weights, g.device, g.stream);
   return in;
 }
 

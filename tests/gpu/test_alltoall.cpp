@@ -32,7 +32,7 @@ Outputs run_gpu_rank(GpuRank& g, const Config& c) {
   AlltoallOptions ao;
   ao.separate_stream = c.separate_stream;
   auto d = make_alltoall_dispatcher(g.comm, c.experts_per_rank * g.size, ao);
-  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.rank, g.stream); };
+  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
   auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
   auto dropped = [](const DispatchResult& r) { return r.dropped; };
   return run_sequence(*d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
@@ -225,7 +225,7 @@ TEST(AlltoallMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
       TopK tk = synthetic_topk(6, 2, E, RoutingSpec{}, 3, g.rank);
       if (g.rank == last) tk.indices.data<std::int64_t>()[2 * 2 + 1] = E;
       DeviceInputs in = device_inputs(g, E, 6, 8, 2);
-      in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+      in.indices = cuda::to_device(tk.indices, g.device, g.stream);
       d->dispatch(in.view(), {});
     } catch (...) {
       bad_id[r] = std::current_exception();
@@ -237,14 +237,14 @@ TEST(AlltoallMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
         tk.indices.data<std::int64_t>()[4 * 2 + 1] = 1;
       }
       DeviceInputs in = device_inputs(g, E, 6, 8, 2);
-      in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+      in.indices = cuda::to_device(tk.indices, g.device, g.stream);
       d->dispatch(in.view(), {});
     } catch (...) {
       repeated[r] = std::current_exception();
     }
     try {  // rank 1 passes f64 weights
       DeviceInputs in = device_inputs(g, E, 6, 8, 2);
-      if (g.rank == 1) in.weights = cuda::to_device(Tensor::zeros({6, 2}, DType::f64), g.rank, g.stream);
+      if (g.rank == 1) in.weights = cuda::to_device(Tensor::zeros({6, 2}, DType::f64), g.device, g.stream);
       d->dispatch(in.view(), {});
     } catch (...) {
       bad_dtype[r] = std::current_exception();
@@ -297,7 +297,7 @@ void check_missing_peer(int skipped_call, const std::string& phase) {
             d->dispatch(in.view(), {});
           } else {
             const Tensor rows = cuda::to_device(random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank),
-                                                g.rank, g.stream);
+                                                g.device, g.stream);
             d->combine(res.handle, rows);
           }
         } catch (...) {

@@ -9,6 +9,10 @@
 //
 // Every test runs once per kernel variant (HybridEpOptions::kernels; the fixture's parameter):
 // Kernels/HybridEpMultiGpu.<Test>/v1 and .../v2, with the same bodies and the same expectations.
+// SimulatedRanks/HybridEpMultiGpu.<Test>/v1_2ranks and v2_2ranks run them again with the ranks
+// sharing GPU 0 (Communicator::simulate; label gpu, not multigpu): one GPU runs the kernels'
+// multi-rank paths. Their peers' memory is then local, not across NVLink. The graph test is skipped
+// there and the three-rank variant disabled, both open failures (see the instantiations).
 //
 // HybridEpOneRank (at the end) runs the same comparison with R = 1 on one GPU.
 //
@@ -43,13 +47,45 @@ namespace {
 // place that builds HybridEpOptions).
 int kernels_under_test = 1;
 
-class HybridEpMultiGpu : public ::testing::TestWithParam<int> {
- protected:
-  void SetUp() override { kernels_under_test = GetParam(); }
+// A test's parameter: the kernel variant, and how many simulated ranks share GPU 0 (0: one rank per GPU).
+struct Variant {
+  int kernels = 1;
+  int simulated = 0;
 };
 
-INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpMultiGpu, ::testing::Values(1, 2),
-                         [](const ::testing::TestParamInfo<int>& info) { return "v" + std::to_string(info.param); });
+std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
+  const std::string v = "v" + std::to_string(info.param.kernels);
+  return info.param.simulated ? v + "_" + std::to_string(info.param.simulated) + "ranks" : v;
+}
+
+class HybridEpMultiGpu : public ::testing::TestWithParam<Variant> {
+ protected:
+  void SetUp() override {
+    kernels_under_test = GetParam().kernels;
+    simulated_ranks() = GetParam().simulated;
+  }
+  void TearDown() override { simulated_ranks() = 0; }
+};
+
+INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpMultiGpu, ::testing::Values(Variant{1, 0}, Variant{2, 0}), variant_name);
+// Two ranks, as on the 2-GPU machine.
+INSTANTIATE_TEST_SUITE_P(SimulatedRanks, HybridEpMultiGpu, ::testing::Values(Variant{1, 2}, Variant{2, 2}),
+                         variant_name);
+// Three ranks (a rank with two peers), which no machine so far could run: disabled (not discovered by
+// ctest) until a device run passes them. On one H200, MemoryResizeReleaseAndStaleHandles failed in
+// 2 of 2 runs (455815f, 86d9e77), BudgetModeMatchesHost in 2 of 3 and MatchesHostZipf in 1 of 3: the
+// ranks timed out, one rank waiting for a peer's rows while that peer had already given up in the
+// next wait. Each pattern is what one rank's kernel that could not run while its peers' kernels
+// waited for it gives: a rank's device-wide synchronisation after init's last barrier (mended since
+// by the "hybridep:init-done" barrier, not yet run on a device), and two ranks' streams sharing a
+// hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=32 in 86d9e77, after which the last two passed). Run:
+//   flexep_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='DISABLED_ThreeSimulatedRanks/*'
+// with CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32; docs/hybridep.md, "Testing".
+INSTANTIATE_TEST_SUITE_P(DISABLED_ThreeSimulatedRanks, HybridEpMultiGpu, ::testing::Values(Variant{2, 3}),
+                         variant_name);
+
+// The GPUs a multi-rank test needs: two, or one for simulated ranks.
+bool require_ranks() { return require_gpus(gpus_for_ranks(2)); }
 
 // ---- the hybridep backend on one GPU rank -------------------------------------------------------------
 
@@ -60,7 +96,7 @@ HybridEpOptions hybridep_options(const Config& c, int R) {
   o.hidden = c.hidden;
   o.max_topk = c.multihot ? 0 : c.k;  // multihot: E slots
   o.max_pad_multiple = std::max<std::int64_t>(c.pad, 1);
-  o.timeout_seconds = 60;
+  o.timeout_seconds = simulated_ranks() ? 20 : 60;  // simulated: every wait is on one GPU
   o.kernels = kernels_under_test;
   if (c.mode == DispatchMode::budget) {
     // The default capacity is the worst case of blocking mode; a budget above it needs room too.
@@ -72,7 +108,7 @@ HybridEpOptions hybridep_options(const Config& c, int R) {
 }
 
 Outputs run_gpu_rank(GpuRank& g, HybridEpDispatcher& d, const Config& c, std::uint64_t seed = 1234) {
-  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.rank, g.stream); };
+  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
   auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
   // Budget mode returns no drop count on the host (no synchronisation): ask for it.
   auto dropped = [&](const DispatchResult& r) { return c.mode == DispatchMode::budget ? d.last_dropped() : r.dropped; };
@@ -98,12 +134,12 @@ void check_against_host(const std::vector<Config>& configs) {
 // ---- bitwise agreement with the host backend ----------------------------------------------------------
 
 TEST_P(HybridEpMultiGpu, SmokeDispatchCombine) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   check_against_host({config("smoke E=2R k=1 H=8", 2, 1, 8, {5, 3, 4, 2})});
 }
 
 TEST_P(HybridEpMultiGpu, MatchesHostUniform) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   Config i32 = config("uniform E=16R k=8 H=8 i32 ids", 16, 8, 8, {64, 100, 3, 0});
   i32.i32_indices = true;
   check_against_host({
@@ -121,7 +157,7 @@ TEST_P(HybridEpMultiGpu, MatchesHostUniform) {
 }
 
 TEST_P(HybridEpMultiGpu, MatchesHostZipf) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   check_against_host({
       config("zipf E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 1024, 0, 512}, RoutingKind::zipf),
       config("zipf E=32R k=8 H=2048 pad 16", 32, 8, 2048, {500, 0, 333, 64}, RoutingKind::zipf, 16),
@@ -134,7 +170,7 @@ TEST_P(HybridEpMultiGpu, MatchesHostZipf) {
 }
 
 TEST_P(HybridEpMultiGpu, MatchesHostAllToOneExpert) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   check_against_host({
       config("hot k=1 E=2R H=8", 2, 1, 8, {100, 0, 31, 7}, RoutingKind::hot),
       config("hot k=1 E=16R H=7168 pad 128", 16, 1, 7168, {1024, 2048, 0, 300}, RoutingKind::hot, 128),
@@ -145,7 +181,7 @@ TEST_P(HybridEpMultiGpu, MatchesHostAllToOneExpert) {
 }
 
 TEST_P(HybridEpMultiGpu, MultihotGivesTheSameRowsAsTopK) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   Config topk = config("zipf E=16R k=8 H=8 pad 16", 16, 8, 8, {200, 0, 77, 31}, RoutingKind::zipf, 16);
   Config mh = topk;
@@ -174,7 +210,7 @@ TEST_P(HybridEpMultiGpu, MultihotGivesTheSameRowsAsTopK) {
 }
 
 TEST_P(HybridEpMultiGpu, BudgetModeMatchesHost) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   Config exact = config("budget exact size", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
   exact.mode = DispatchMode::budget;  // budget = the largest rank's rows: one rank fills it exactly
@@ -196,7 +232,7 @@ TEST_P(HybridEpMultiGpu, BudgetModeMatchesHost) {
 }
 
 TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   Config c = config("budget overflow", 16, 8, 8, {300, 100, 0, 64}, RoutingKind::zipf, 16);
   c.mode = DispatchMode::budget;
@@ -258,7 +294,7 @@ TEST_P(HybridEpMultiGpu, BudgetOverflowRaisesOnEveryRankAtTheNextCheck) {
 // ---- determinism -----------------------------------------------------------------------------------------
 
 TEST_P(HybridEpMultiGpu, CombineIsIdenticalRunToRun) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   const Config c = config("zipf E=16R k=8 H=7168", 16, 8, 7168, {1024, 512, 0, 300}, RoutingKind::zipf);
   const auto errors = run_gpu_ranks(
@@ -279,7 +315,13 @@ TEST_P(HybridEpMultiGpu, CombineIsIdenticalRunToRun) {
 // ---- CUDA graph: dispatch + experts + combine, replayed with new inputs -------------------------------------
 
 TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
+  // Open on simulated ranks (every variant, 031e672 to 86d9e77): from replay 1 on, one rank's graph
+  // kernels did not run while a peer's waited for them, so both waited out their 20 s deadlines one
+  // after the other (the test took 2 x 20 s) and the replays' outputs are those of a timed-out call.
+  // CUDA runs kernels of different streams concurrently when it can, never by promise; how graph
+  // launches of two threads are queued on one GPU is not known here. Two GPUs pass this test.
+  if (simulated_ranks() > 0) GTEST_SKIP() << "known failure on simulated ranks, open (docs/hybridep.md, Testing)";
   const int R = gpu_ranks(), replays = 100;
   Config c = config("graph", 4, 4, 64, {96, 0, 57, 128}, RoutingKind::uniform, 16);
   c.mode = DispatchMode::budget;
@@ -330,7 +372,7 @@ TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
         ho.stream = g.stream;
         auto d = make_hybridep_dispatcher(g.comm, E, ho);
         const std::int64_t T = c.tokens[static_cast<std::size_t>(g.rank)], H = c.hidden, N = o.budget_rows;
-        const Device dev = Device::cuda(g.rank);
+        const Device dev = Device::cuda(g.device);
         const Tensor x = Tensor::zeros({T, H}, DType::bf16, dev);
         const Tensor idx = Tensor::zeros({T, c.k}, DType::i64, dev);  // expert 0 until the first copy
         const Tensor w = Tensor::zeros({T, c.k}, DType::f32, dev);
@@ -386,7 +428,7 @@ TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
 // same bytes as bf16 containers ([T, H/2]) and the scales as f32 rows ([T, H/128]), places them in
 // the same rows. Probs, tokens_per_expert and combine (bf16 expert outputs) match the bf16 reference.
 TEST_P(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   for (const Config& base :
        {config("fp8 uniform E=16R k=8 H=2048 pad 16", 16, 8, 2048, {500, 0, 333, 64}, RoutingKind::uniform, 16),
@@ -442,10 +484,10 @@ TEST_P(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
           ho.stream = g.stream;
           auto d = make_hybridep_dispatcher(g.comm, E, ho);
           const Inputs in = make_inputs(base, g.size, g.rank);
-          const Tensor x = cuda::to_device(bytes[static_cast<std::size_t>(g.rank)], g.rank, g.stream);
-          const Tensor sc = cuda::to_device(scales[static_cast<std::size_t>(g.rank)], g.rank, g.stream);
-          const Tensor idx = cuda::to_device(in.indices, g.rank, g.stream);
-          const Tensor w = cuda::to_device(in.weights, g.rank, g.stream);
+          const Tensor x = cuda::to_device(bytes[static_cast<std::size_t>(g.rank)], g.device, g.stream);
+          const Tensor sc = cuda::to_device(scales[static_cast<std::size_t>(g.rank)], g.device, g.stream);
+          const Tensor idx = cuda::to_device(in.indices, g.device, g.stream);
+          const Tensor w = cuda::to_device(in.weights, g.device, g.stream);
           DispatchInput di;
           di.hidden = x;
           di.indices = idx;
@@ -461,11 +503,11 @@ TEST_P(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
           EXPECT_TRUE(same_bytes(want_r.tpe, res.dispatch.tokens_per_expert)) << "tokens_per_expert";
           const std::int64_t N = res.dispatch.tokens.size(0);
           const Tensor eo =
-              cuda::to_device(random_tensor({N, H}, DType::bf16, 5, "expert_out", g.rank), g.rank, g.stream);
+              cuda::to_device(random_tensor({N, H}, DType::bf16, 5, "expert_out", g.rank), g.device, g.stream);
           EXPECT_TRUE(same_bytes(want_r.combined, cuda::to_host(d->combine(res.dispatch.handle, eo), g.stream)))
               << "combine after an FP8 dispatch";
           // A bf16 dispatch on the same dispatcher still works.
-          const Tensor xb = cuda::to_device(in.hidden, g.rank, g.stream);
+          const Tensor xb = cuda::to_device(in.hidden, g.device, g.stream);
           di.hidden = xb;
           d->dispatch(di, dispatch_options(base, g.size));
           d->check_errors();
@@ -478,7 +520,7 @@ TEST_P(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
 // ---- SM counts, memory, resize, stale handles ---------------------------------------------------------------
 
 TEST_P(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   const Config c = config("sms zipf E=16R k=8 H=2048", 16, 8, 2048, {700, 300, 0, 65}, RoutingKind::zipf, 16);
   const std::vector<Outputs> want = run_host(c, R);
@@ -510,7 +552,7 @@ TEST_P(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
 // HybridEpOptions::part_tokens (the v2 kernels' work item, for sweeps): every size gives the host
 // backend's results; an invalid one is refused naming the option.
 TEST_P(HybridEpMultiGpu, PartSizesChangeNoResult) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   const Config c = config("parts zipf E=16R k=8 H=2048", 16, 8, 2048, {700, 300, 0, 65}, RoutingKind::zipf, 16);
   const std::vector<Outputs> want = run_host(c, R);
@@ -546,7 +588,7 @@ TEST_P(HybridEpMultiGpu, PartSizesChangeNoResult) {
 // protocol's order (a step's earliest and latest stamp never before the previous step's) and lie
 // within the events around the kernels; the results stay the host backend's.
 TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   // At most 256 tokens per rank: the inline plan (its step too); a rank with none still sends flags.
   const Config c = config("timed E=16R k=8 H=2048", 16, 8, 2048, {200, 130, 0, 64});
@@ -567,7 +609,7 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
   ASSERT_TRUE(all_ok(errors));
   expect_equal(want, got, c.name);
 
-  const bool v2 = GetParam() == 2;  // the v1 dispatch kernel has no stamps
+  const bool v2 = GetParam().kernels == 2;  // the v1 dispatch kernel has no stamps
   // Every rank's T fits one plan chunk and k = 8: v2 runs the fused kernel (the preprocess steps in
   // the dispatch CTAs; each producer stages its parts' tokens, stamping the first lane's token) on
   // every rank whose parts give each pipeline one (rank 0's 200 tokens do at the default 20 SMs);
@@ -661,7 +703,7 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
 }
 
 TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   const Config small = config("small", 4, 2, 64, {40, 20, 0, 8});
   Config big = small;
@@ -727,7 +769,7 @@ std::unique_ptr<HybridEpDispatcher> small_dispatcher(GpuRank& g, int E, std::int
 }
 
 TEST_P(HybridEpMultiGpu, ConfigMismatchRaisesOnEveryRank) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 4 * R;
   std::vector<std::exception_ptr> mismatch_h(static_cast<std::size_t>(R)), mismatch_k(mismatch_h);
   const auto errors = run_gpu_ranks(
@@ -760,7 +802,7 @@ TEST_P(HybridEpMultiGpu, ConfigMismatchRaisesOnEveryRank) {
 }
 
 TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   const auto errors = run_gpu_ranks(
       R, [&](GpuRank& g) { small_dispatcher(g, g.rank == 1 ? 4 * R : 2 * R, 8); }, test_comm_options());
@@ -772,7 +814,7 @@ TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
 
 // v1's combine pulls the partial rows, v2's pushes them: ranks with different kernels would never meet.
 TEST_P(HybridEpMultiGpu, KernelsMismatchRaisesOnEveryRank) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks();
   const auto errors = run_gpu_ranks(
       R, [&](GpuRank& g) { small_dispatcher(g, 2 * R, 8, 60, g.rank == 1 ? 3 - kernels_under_test : 0); },
@@ -784,7 +826,7 @@ TEST_P(HybridEpMultiGpu, KernelsMismatchRaisesOnEveryRank) {
 }
 
 TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;
   std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id);
   const auto errors = run_gpu_ranks(
@@ -797,7 +839,7 @@ TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
           TopK tk = synthetic_topk(6, 2, E, RoutingSpec{}, 3, g.rank);
           if (g.rank == last) tk.indices.data<std::int64_t>()[2 * 2 + 1] = E;
           DeviceInputs in = device_inputs(g, E, 6, 8, 2);
-          in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+          in.indices = cuda::to_device(tk.indices, g.device, g.stream);
           d->dispatch(in.view(), {});
         } catch (...) {
           bad_id[r] = std::current_exception();
@@ -809,14 +851,14 @@ TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
             tk.indices.data<std::int64_t>()[4 * 2 + 1] = 1;
           }
           DeviceInputs in = device_inputs(g, E, 6, 8, 2);
-          in.indices = cuda::to_device(tk.indices, g.rank, g.stream);
+          in.indices = cuda::to_device(tk.indices, g.device, g.stream);
           d->dispatch(in.view(), {});
         } catch (...) {
           repeated[r] = std::current_exception();
         }
         try {  // rank 1 passes f64 weights
           DeviceInputs in = device_inputs(g, E, 6, 8, 2);
-          if (g.rank == 1) in.weights = cuda::to_device(Tensor::zeros({6, 2}, DType::f64), g.rank, g.stream);
+          if (g.rank == 1) in.weights = cuda::to_device(Tensor::zeros({6, 2}, DType::f64), g.device, g.stream);
           d->dispatch(in.view(), {});
         } catch (...) {
           bad_dtype[r] = std::current_exception();
@@ -867,8 +909,8 @@ void check_missing_peer(int skipped_call, const std::string& phase) {
           if (skipped_call == 0) {
             d->dispatch(in.view(), {});
           } else {
-            const Tensor rows =
-                cuda::to_device(random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank), g.rank, g.stream);
+            const Tensor x = random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank);
+            const Tensor rows = cuda::to_device(x, g.device, g.stream);
             d->combine(res.handle, rows);
           }
         } catch (...) {
@@ -901,12 +943,12 @@ void check_missing_peer(int skipped_call, const std::string& phase) {
 }
 
 TEST_P(HybridEpMultiGpu, MissingPeerInDispatchTimesOutNamingPhaseAndPeer) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   check_missing_peer(0, "dispatch:count-exchange");
 }
 
 TEST_P(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
-  if (!require_gpus(2)) return;
+  if (!require_ranks()) return;
   check_missing_peer(1, "combine:partials");
 }
 
@@ -919,8 +961,7 @@ TEST_P(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
 // multi-GPU tests cannot give there.
 class HybridEpOneRank : public HybridEpMultiGpu {};
 
-INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpOneRank, ::testing::Values(1, 2),
-                         [](const ::testing::TestParamInfo<int>& info) { return "v" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpOneRank, ::testing::Values(Variant{1, 0}, Variant{2, 0}), variant_name);
 
 TEST_P(HybridEpOneRank, MatchesHostAtSeveralSmCountsAndPartSizes) {
   if (!require_gpus(1)) return;

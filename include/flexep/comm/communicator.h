@@ -7,6 +7,12 @@
 // ncclCommGetAsyncError until the work is done, NCCL reports an error, or the timeout expires, in
 // which case the communicator is aborted and a TimeoutError names the phase. A peer that never
 // arrives therefore becomes an error on the others, not a hang.
+//
+// A communicator can also simulate its ranks (`simulate`): R threads share one GPU and meet through a
+// HostWorld, because NCCL refuses two ranks on one GPU. It serves the hybridep kernels, which reach
+// their peers through the addresses of a SymmetricBuffer only, so that their multi-rank paths (peer
+// flags, remote rows, the combine's second level) run and are tested on a one-GPU machine. It has no
+// NCCL communicator: backends that call NCCL (alltoall) refuse it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +32,8 @@
   } while (0)
 
 namespace flexep {
+
+class HostWorld;
 
 [[noreturn]] void throw_nccl_error(ncclResult_t r, const char* expr, const char* file, int line);
 
@@ -58,6 +66,11 @@ class Communicator : public ProcessGroup {
   static std::unique_ptr<Communicator> from_environment(const CommunicatorOptions& options = {});
   // Borrows `comm` (not destroyed here); `device` is the GPU it was created on.
   static std::unique_ptr<Communicator> borrow(ncclComm_t comm, int device, const CommunicatorOptions& options = {});
+  // Rank `rank` of world->size() simulated ranks, all on GPU `device`, one thread each. Kernels of
+  // different ranks wait for each other on one GPU, so lazy module loading (which may wait for the
+  // running kernels) must be off: refuses unless CUDA_MODULE_LOADING=EAGER took effect.
+  static std::unique_ptr<Communicator> simulate(std::shared_ptr<HostWorld> world, int rank, int device,
+                                                const CommunicatorOptions& options = {});
 
   ~Communicator() override;
   Communicator(const Communicator&) = delete;
@@ -70,7 +83,12 @@ class Communicator : public ProcessGroup {
   // NVLink domain of every rank (ranks of one domain reach each other by load/store).
   const std::vector<int>& domains() const { return domain_of_rank_; }
   int domain(int rank) const { return domain_of_rank_.at(static_cast<std::size_t>(rank)); }
-  ncclComm_t get() const { return comm_; }
+  // The NCCL communicator; a simulated one has none and refuses, naming the caller's need.
+  ncclComm_t get() const;
+  bool simulated() const { return world_ != nullptr; }
+  // SMs this rank's kernels may take: the GPU's, or with R simulated ranks on one GPU 1 / (2R) of
+  // them, so that every rank's preprocess and dispatch grids (which may overlap) are resident at once.
+  int sms_per_rank() const;
   double timeout_seconds() const { return options_.timeout_seconds; }
   bool aborted() const { return aborted_; }
 
@@ -88,10 +106,12 @@ class Communicator : public ProcessGroup {
 
  private:
   Communicator(ncclComm_t comm, bool owned, int device, const CommunicatorOptions& options);
+  Communicator(std::shared_ptr<HostWorld> world, int rank, int device, const CommunicatorOptions& options);
   void discover_topology();
   [[noreturn]] void fail(const std::string& phase, const std::string& why, bool timeout);
 
   ncclComm_t comm_ = nullptr;
+  std::shared_ptr<HostWorld> world_;  // simulated ranks only
   bool owned_ = false;
   bool aborted_ = false;
   int rank_ = 0, size_ = 1, device_ = 0, local_rank_ = 0;

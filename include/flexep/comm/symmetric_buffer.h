@@ -8,6 +8,11 @@
 //     ncclGetLsaPointer / ncclGetResourceBufferLsaPointer by a one-block kernel and kept in a
 //     SymmetricPeers table that kernels take by value.
 //
+// With simulated ranks (Communicator::simulate: R threads on one GPU, which NCCL refuses) the window
+// and the flag buffer are plain device allocations of each rank, their addresses exchanged through
+// the communicator's host world: the same SymmetricPeers table, no NCCL window and no device
+// communicator (dev_comm() and window() are then empty).
+//
 // All ranks must form one LSA (NVLink) team of consecutive ranks (devComm.lsaSize == size);
 // init refuses otherwise, and when the communicator has no symmetric-memory support (probed with
 // ncclDevCommCreate before any window is trusted, see docs/hybridep.md).
@@ -28,6 +33,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "flexep/comm/communicator.h"
 
@@ -75,6 +81,7 @@ class SymmetricBuffer {
   int size() const { return comm_->size(); }
 
  private:
+  void init_simulated();
   void teardown_local() noexcept;
 
   std::shared_ptr<Communicator> comm_;
@@ -87,6 +94,12 @@ class SymmetricBuffer {
   bool dev_comm_created_ = false;
   ncclDevResourceHandle_t flag_handle_ = 0;
   SymmetricPeers peers_{};
+  // Simulated ranks: this rank's window and flag buffer, and every rank's, held like NCCL's peer
+  // mappings: memory is freed when the last rank lets go, so a peer's late store never lands in a
+  // new allocation at the same address.
+  struct SimulatedMemory;
+  std::shared_ptr<SimulatedMemory> simulated_;
+  std::vector<std::shared_ptr<SimulatedMemory>> simulated_peers_;
 };
 
 namespace detail {

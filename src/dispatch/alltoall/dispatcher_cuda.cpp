@@ -58,6 +58,9 @@ void AlltoallDispatcher::handshake() {
 std::unique_ptr<TokenDispatcher> make_alltoall_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,
                                                           const AlltoallOptions& options) {
   FLEXEP_CHECK_ARG(comm != nullptr, "comm", "is null; create the rank's Communicator first");
+  FLEXEP_CHECK_ARG(!comm->simulated(), "comm",
+                   "simulates its ranks on one GPU (Communicator::simulate) and has no NCCL communicator; the "
+                   "alltoall backend sends through NCCL and needs one rank per GPU");
   PlanParams p;
   p.ranks = comm->size();
   p.experts = num_experts;

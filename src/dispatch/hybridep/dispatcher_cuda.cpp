@@ -138,6 +138,9 @@ void Dispatcher::init() {
                        "); create every rank's dispatcher with the same options and num_experts");
   dispatch_ = std::make_shared<DispatchStorage>(comm_, config_);
   combine_ = std::make_shared<CombineStorage>(comm_, config_);
+  // Simulated ranks share one GPU: a rank still zeroing its plain memory above (which synchronises
+  // the whole device) would wait for a faster peer's first kernel, which waits for this rank.
+  if (comm_->simulated()) comm_->barrier("hybridep:init-done");
 }
 
 void Dispatcher::ensure_initialized() {
@@ -193,13 +196,17 @@ HybridEpMemory Dispatcher::memory() const {
 }
 
 void Dispatcher::set_num_sms(int dispatch, int combine, int preprocess) {
-  const int sms = cuda::sm_count(comm_->device());
+  const int sms = comm_->sms_per_rank();
   for (int v : {dispatch, combine, preprocess})
-    FLEXEP_CHECK_ARG(v >= 0 && v <= sms, "num_sms", "SM counts must be in [0, ", sms,
-                     "] on this GPU (0 = the "
-                     "process-wide setting), got ",
-                     v);
+    FLEXEP_CHECK_ARG(v >= 0 && v <= sms, "num_sms", "SM counts must be in [0, ", sms, "] for this rank (", sms_source(),
+                     "; 0 = the process-wide setting), got ", v);
   own_sms_ = {dispatch, combine, preprocess};
+}
+
+std::string Dispatcher::sms_source() const {
+  if (!comm_->simulated()) return "the GPU's SMs";
+  return detail::concat("1 / ", 2 * comm_->size(), " of the GPU's ", cuda::sm_count(comm_->device()), ": ",
+                        comm_->size(), " simulated ranks share it");
 }
 
 HybridEpSms Dispatcher::num_sms() const {
@@ -207,11 +214,11 @@ HybridEpSms Dispatcher::num_sms() const {
   const HybridEpSms s{own_sms_.dispatch > 0 ? own_sms_.dispatch : global.dispatch,
                       own_sms_.combine > 0 ? own_sms_.combine : global.combine,
                       own_sms_.preprocess > 0 ? own_sms_.preprocess : global.preprocess};
-  const int sms = cuda::sm_count(comm_->device());
+  const int sms = comm_->sms_per_rank();
   for (int v : {s.dispatch, s.combine, s.preprocess})
     FLEXEP_CHECK_ARG(v >= 1 && v <= sms, "num_sms",
                      "the hybridep kernels are persistent grids of one CTA per SM: ", "SM counts must be in [1, ", sms,
-                     "] on this GPU, got ", v);
+                     "] for this rank (", sms_source(), "), got ", v);
   return s;
 }
 

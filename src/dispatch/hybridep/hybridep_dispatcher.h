@@ -77,6 +77,7 @@ class Dispatcher final : public HybridEpDispatcher {
   void require_usable() const;
   void ensure_initialized();
   const HepHandle& own_handle(const Handle& handle) const;
+  std::string sms_source() const;  // where sms_per_rank comes from, for the SM-count errors
   void check_tensor(const TensorView& t, const std::string& arg) const;  // device + 16-byte alignment
   // A [rows, H] tensor of the handle's hidden dtype (check_handle_tensor), then check_tensor.
   void check_rows(const TensorView& t, std::int64_t rows, const HepHandle& h, const std::string& arg) const;

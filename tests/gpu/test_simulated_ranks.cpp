@@ -1,0 +1,123 @@
+// Simulated ranks (Communicator::simulate): R threads sharing GPU 0. The collectives give the values
+// NCCL's would, the symmetric buffer's peer table points at every rank's own memory, each rank gets
+// 1 / (2R) of the GPU's SMs, and the NCCL-based alltoall backend refuses such a communicator. The
+// multi-GPU hybridep tests on simulated ranks are SimulatedRanks/HybridEpMultiGpu.* (test_hybridep.cpp).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/host_ranks.h"
+#include "flexep/comm/symmetric_buffer.h"
+#include "flexep/dispatch/alltoall.h"
+#include "flexep/dispatch/hybridep.h"
+#include "gpu/dispatch_harness.h"
+#include "gpu/gpu_test_util.h"
+#include "gpu/multi_gpu.h"
+
+namespace flexep::testing {
+namespace {
+
+// Sets the simulated ranks for one test body.
+struct Simulate {
+  explicit Simulate(int n) { simulated_ranks() = n; }
+  ~Simulate() { simulated_ranks() = 0; }
+};
+
+TEST(SimulatedRanksComm, CollectivesGiveEveryRankTheSameValues) {
+  if (!require_gpus(1)) return;
+  const Simulate sim(3);
+  const int R = gpu_ranks();
+  std::vector<std::vector<long long>> gathered(R);
+  std::vector<std::vector<float>> reduced(R);
+  std::vector<int> domains_ok(R, 0);
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    EXPECT_TRUE(g.comm->simulated());
+    EXPECT_EQ(g.comm->rank(), g.rank);
+    EXPECT_EQ(g.comm->size(), R);
+    EXPECT_EQ(g.comm->device(), 0);
+    domains_ok[g.rank] = g.comm->domains() == std::vector<int>(R, 0);
+    gathered[g.rank] = g.comm->all_gather_i64({10 * g.rank, -g.rank}, "test gather");
+    Tensor t = cuda::to_device(Tensor::from_vector<float>({float(g.rank + 1), 0.5f}, {2}), g.device, g.stream);
+    g.comm->all_reduce_sum(t, "test all-reduce");
+    const Tensor h = cuda::to_host(t, g.stream);
+    reduced[g.rank] = {h.data<float>()[0], h.data<float>()[1]};
+    g.comm->barrier("test barrier");
+  });
+  ASSERT_TRUE(all_ok(errors));
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(gathered[r], (std::vector<long long>{0, 0, 10, -1, 20, -2})) << "rank " << r;
+    EXPECT_EQ(reduced[r], (std::vector<float>{6.f, 1.5f})) << "rank " << r;
+    EXPECT_TRUE(domains_ok[r]) << "rank " << r;
+  }
+}
+
+// Every rank writes its rank into word `rank` of every peer's window and flag buffer through the
+// peer table; afterwards each rank's own memory holds 0, 1, ..., R-1.
+TEST(SimulatedRanksComm, SymmetricBufferPeersAreTheRanksOwnMemory) {
+  if (!require_gpus(1)) return;
+  const Simulate sim(2);
+  const int R = gpu_ranks();
+  std::vector<std::vector<int>> window(R), flags(R);
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    SymmetricBuffer buf(g.comm, "test buffer");
+    buf.init({1 << 20, 4096, 1});
+    const SymmetricPeers& p = buf.peers();
+    EXPECT_EQ(p.window[g.rank], buf.local());
+    EXPECT_EQ(p.window[R], nullptr);
+    for (int peer = 0; peer < R; ++peer) {
+      FLEXEP_CUDA_CHECK(cudaMemcpyAsync(p.window[peer] + 4 * g.rank, &g.rank, 4, cudaMemcpyHostToDevice, g.stream));
+      FLEXEP_CUDA_CHECK(cudaMemcpyAsync(p.flags[peer] + 4 * g.rank, &g.rank, 4, cudaMemcpyHostToDevice, g.stream));
+    }
+    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    g.comm->barrier("written");
+    window[g.rank].resize(R);
+    flags[g.rank].resize(R);
+    FLEXEP_CUDA_CHECK(cudaMemcpy(window[g.rank].data(), buf.local(), 4 * R, cudaMemcpyDeviceToHost));
+    FLEXEP_CUDA_CHECK(cudaMemcpy(flags[g.rank].data(), p.flags[g.rank], 4 * R, cudaMemcpyDeviceToHost));
+    g.comm->barrier("read");
+    buf.free();
+  });
+  ASSERT_TRUE(all_ok(errors));
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(window[r], (std::vector<int>{0, 1})) << "rank " << r;
+    EXPECT_EQ(flags[r], (std::vector<int>{0, 1})) << "rank " << r;
+  }
+}
+
+TEST(SimulatedRanksComm, SmShareAndNcclBackendsAreRefusedByName) {
+  if (!require_gpus(1)) return;
+  const Simulate sim(2);
+  const int R = gpu_ranks(), share = cuda::sm_count(0) / (2 * R);
+  std::vector<std::exception_ptr> alltoall(R), too_many(R);
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    EXPECT_EQ(g.comm->sms_per_rank(), share);
+    try {
+      make_alltoall_dispatcher(g.comm, 2 * R);
+    } catch (...) {
+      alltoall[g.rank] = std::current_exception();
+    }
+    HybridEpOptions o;
+    o.max_tokens_per_rank = 16;
+    o.hidden = 8;
+    o.stream = g.stream;
+    auto d = make_hybridep_dispatcher(g.comm, 2 * R, o);
+    d->set_num_sms(share, share, share);  // the share itself is allowed
+    try {
+      d->set_num_sms(share + 1);
+    } catch (...) {
+      too_many[g.rank] = std::current_exception();
+    }
+  });
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_threw<ArgumentError>(alltoall, [](const ArgumentError& e) {
+    return e.argument() == "comm" && contains(e.what(), "simulates its ranks");
+  }));
+  EXPECT_TRUE(all_threw<ArgumentError>(too_many, [&](const ArgumentError& e) {
+    return e.argument() == "num_sms" && contains(e.what(), "[0, " + std::to_string(share) + "]") &&
+           contains(e.what(), "2 simulated ranks share it");
+  }));
+}
+
+}  // namespace
+}  // namespace flexep::testing
