@@ -1,7 +1,7 @@
 #include <chrono>
 #include <cstdint>
-#include <vector>
 #include <thread>
+#include <vector>
 
 #include "flexep/comm/symmetric_buffer.h"
 #include "flexep/core/error.h"

@@ -3,7 +3,7 @@
 // current stream. What each rank threw is collected; assertions run afterwards on the main thread
 // (see cpu/host_ranks.h for all_ok / all_threw / what_of).
 //
-// With simulated ranks (SimulatedRanks below) the same tests run R ranks on GPU 0 instead: one
+// With simulated ranks (simulated_ranks() below) the same tests run R ranks on GPU 0 instead: one
 // thread each, communicators from Communicator::simulate over one HostWorld. The hybridep kernels
 // then run their multi-rank paths (peer windows and flags, the combine's second level) on one GPU;
 // NCCL-based backends refuse such communicators.
