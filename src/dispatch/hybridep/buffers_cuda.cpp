@@ -27,21 +27,24 @@ void free_local(char* p, int device) noexcept {
   cudaSetDevice(previous);
 }
 
-// Sets up a buffer's window and flags (collective, one LSA barrier), then returns its zeroed plain
-// device memory; the window is freed again when that allocation fails.
+// Returns a buffer's zeroed plain device memory, then sets up its window and flags (collective, one
+// LSA barrier); the memory is freed again when that fails. The zeroing synchronises the device, so
+// it comes before the barrier: after it, a faster rank may launch kernels that wait for this one
+// (on one GPU, with simulated ranks, this rank's synchronisation would then wait for them).
 char* init_symmetric_and_local(SymmetricBuffer& sym, std::size_t window_bytes, std::size_t flag_bytes,
                                std::size_t local_bytes) {
+  char* local = allocate_zeroed(local_bytes, sym.comm().device());
   SymmetricBufferSpec spec;
   spec.window_bytes = window_bytes;
   spec.flag_bytes = flag_bytes;
   spec.lsa_barriers = 1;
-  sym.init(spec);
   try {
-    return allocate_zeroed(local_bytes, sym.comm().device());
+    sym.init(spec);
   } catch (...) {
-    sym.free();
+    free_local(local, sym.comm().device());
     throw;
   }
+  return local;
 }
 }  // namespace
 

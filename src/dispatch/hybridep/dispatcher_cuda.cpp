@@ -138,9 +138,6 @@ void Dispatcher::init() {
                        "); create every rank's dispatcher with the same options and num_experts");
   dispatch_ = std::make_shared<DispatchStorage>(comm_, config_);
   combine_ = std::make_shared<CombineStorage>(comm_, config_);
-  // Simulated ranks share one GPU: a rank still zeroing its plain memory above (which synchronises
-  // the whole device) would wait for a faster peer's first kernel, which waits for this rank.
-  if (comm_->simulated()) comm_->barrier("hybridep:init-done");
 }
 
 void Dispatcher::ensure_initialized() {
