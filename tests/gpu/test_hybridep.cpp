@@ -76,8 +76,8 @@ INSTANTIATE_TEST_SUITE_P(SimulatedRanks, HybridEpMultiGpu, ::testing::Values(Var
 // 2 of 2 runs (455815f, 86d9e77), BudgetModeMatchesHost in 2 of 3 and MatchesHostZipf in 1 of 3: the
 // ranks timed out, one rank waiting for a peer's rows while that peer had already given up in the
 // next wait. Each pattern is what one rank's kernel that could not run while its peers' kernels
-// waited for it gives: a rank's device-wide synchronisation after init's last barrier (mended since
-// by the "hybridep:init-done" barrier, not yet run on a device), and two ranks' streams sharing a
+// waited for it gives: a rank's device-wide synchronisation after init's last barrier (the zeroing
+// now comes before the barrier, 66f894f, not yet run on a device), and two ranks' streams sharing a
 // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=32 in 86d9e77, after which the last two passed). Run:
 //   flexep_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='DISABLED_ThreeSimulatedRanks/*'
 // with CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32; docs/hybridep.md, "Testing".
