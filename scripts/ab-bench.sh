@@ -12,7 +12,8 @@
 #     AB_ROUNDS (default 2), AB_OUT (default $OUT/ab or ab-out), AB_JOBS (build jobs per variant),
 #     AB_TESTS (a gtest filter run on every variant after the benches, e.g. 'Kernels/HybridEpOneRank.*')
 # Each run prints its hybridep and alltoall time records (phase, timing, SMs, median us) per variant
-# and round; the JSON of every run (with its commit) and the logs go to AB_OUT.
+# and round; the JSON of every run (with its commit) and the logs go to AB_OUT (the JSON also as
+# AB_OUT/bench-json.tgz).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="$root/.ab"
@@ -87,6 +88,8 @@ run() {
       [ $rc = 0 ] || status=$rc
     done
   fi
+  # The device tool returns a few files only: the JSON of every run as one archive.
+  tar -C "$out/bench" -czf "$out/bench-json.tgz" . 2>/dev/null || true
   return $status
 }
 

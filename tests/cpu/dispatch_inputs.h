@@ -2,6 +2,7 @@
 // test_hybridep_layout.cpp) and the GPU backends' harness (tests/gpu/dispatch_harness.h).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -16,6 +17,21 @@ namespace flexep::testing {
 inline Tensor random_tensor(Shape shape, DType dt, std::uint64_t seed, const char* what, int rank) {
   Tensor t = Tensor::empty(shape, dt);
   fill_normal(t, seed, stream_id(what) + static_cast<std::uint64_t>(rank), 0.0, 1.0);
+  return t;
+}
+
+// Random bf16 rows [N, H] scaled by 2^-24 .. 2^24 (by row and rank): the partial sums of a token then
+// differ widely in magnitude, so that adding them in another order than the host's changes the bits
+// and a combine's order of additions is checked, not only its set of addends.
+inline Tensor wide_range_rows(std::int64_t N, std::int64_t H, std::uint64_t seed, const char* what, int rank) {
+  Tensor t = random_tensor({N, H}, DType::bf16, seed, what, rank);
+  for (std::int64_t i = 0; i < N; ++i) {
+    const float scale = std::ldexp(1.0f, static_cast<int>((i * 7 + rank * 13) % 49) - 24);
+    for (std::int64_t h = 0; h < H; ++h) {
+      bf16& x = t.data<bf16>()[i * H + h];
+      x = bf16::from_float(x.to_float() * scale);
+    }
+  }
   return t;
 }
 

@@ -38,6 +38,7 @@ using testing::random_tensor;
 using testing::required_rows_of;
 using testing::same_bytes;
 using testing::run_ranks;
+using testing::wide_range_rows;
 
 std::string what_of(const std::exception_ptr& e) {
   if (!e) return "(none)";
@@ -206,7 +207,8 @@ struct Outputs {
 };
 
 // The per-rank tensors combine and the backwards take (same on both sides).
-Tensor expert_out_of(std::int64_t N, std::int64_t H, int r) { return random_tensor({N, H}, DType::bf16, 6, "eo", r); }
+// Wide-range rows: the emulated combine's order of additions is checked, not only its addends.
+Tensor expert_out_of(std::int64_t N, std::int64_t H, int r) { return wide_range_rows(N, H, 6, "eo", r); }
 Tensor grad_out_of(std::int64_t T, std::int64_t H, int r) { return random_tensor({T, H}, DType::bf16, 7, "go", r); }
 Tensor grad_tokens_of(std::int64_t N, std::int64_t H, int r) { return random_tensor({N, H}, DType::bf16, 8, "gt", r); }
 Tensor grad_probs_of(std::int64_t N, int r) { return random_tensor({N}, DType::f32, 9, "gp", r); }
@@ -389,14 +391,22 @@ std::vector<Outputs> emulate(const Config& c, int R) {
       }
   }
   // combine / dispatch_backward: level 1 on the owner in record order, level 2 on the source over
-  // ascending owner rank (combine_kernel.cu).
-  auto two_level = [&](const std::vector<Tensor>& rows, int s) {
+  // ascending owner rank (combine_kernel.cu). `own_first`: combine_kernel_v2.cu's order on ranks 0
+  // and 1, where the source's own partial is the first addend and the other owners follow in
+  // ascending order (the claim that this gives the same bits is what the comparison checks).
+  auto two_level = [&](const std::vector<Tensor>& rows, int s, bool own_first) {
     const std::int64_t T = in[s].hidden.size(0);
     Tensor out = Tensor::empty({T, H}, DType::bf16);
     std::vector<float> acc(static_cast<std::size_t>(H)), part(static_cast<std::size_t>(H));
+    std::vector<int> order;
     for (std::int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int d = 0; d < R; ++d) {
+      order.clear();
+      const bool own = own_first && s <= 1 && record_header(record(s, s, t))->n > 0;
+      if (own) order.push_back(s);
+      for (int d = 0; d < R; ++d)
+        if (!own || d != s) order.push_back(d);
+      for (const int d : order) {
         const unsigned char* r = record(s, d, t);
         if (record_header(r)->n == 0) continue;
         std::fill(part.begin(), part.end(), 0.f);
@@ -418,8 +428,8 @@ std::vector<Outputs> emulate(const Config& c, int R) {
   for (int s = 0; s < R; ++s) {
     const std::int64_t T = in[s].hidden.size(0);
     const Slots& x = sl[s];
-    outs[s].combined = two_level(expert_out, s);
-    outs[s].grad_hidden = two_level(grad_tokens, s);
+    outs[s].combined = two_level(expert_out, s, true);
+    outs[s].grad_hidden = two_level(grad_tokens, s, false);
     // Prob grads: slot entry d * width + q -> the owner's grad_probs at that entry's row.
     outs[s].grad_weights = Tensor::zeros({T, c.multihot ? E : c.k}, DType::f32);
     for (std::int64_t i = 0; i < T * x.k; ++i) {

@@ -134,8 +134,9 @@ Outputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, cons
   out.tokens_per_expert = down(res.tokens_per_expert);
   out.dropped = dropped(res);
   const std::int64_t N = res.tokens.size(0), T = in.hidden.size(0), H = c.hidden;
-  // Expert outputs and gradients: random everywhere, padding rows included (they must be ignored).
-  const Tensor expert_out = random_tensor({N, H}, DType::bf16, 5, "expert_out", r);
+  // Expert outputs and gradients: random everywhere, padding rows included (they must be ignored);
+  // the expert outputs of wide range, so that the combine's order of additions is checked.
+  const Tensor expert_out = wide_range_rows(N, H, 5, "expert_out", r);
   out.combined = down(d.combine(res.handle, up(expert_out)));
   const Tensor grad_out = random_tensor({T, H}, DType::bf16, 6, "grad_out", r);
   out.grad_expert_out = down(d.combine_backward(res.handle, up(grad_out)));

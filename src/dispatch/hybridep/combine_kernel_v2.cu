@@ -22,6 +22,15 @@
 //     for every token posts one job per owner rank in ascending order, a bulk load of the partial
 //     row that owner pushed into this rank's window; a token that went nowhere gets one job
 //     without data (its output is zero). Finally "exit".
+//   OWN PARTIALS IN REGISTERS (ranks 0 and 1, combine; not dispatch_backward, whose prob gradients
+//     go through the window): a token of this rank with rows here is summed at level 2, not level
+//     1: its rows here come first, their sum is rounded to bf16 in the registers (partial (me, t) as
+//     level 2 would have loaded it), then the other owners' partials in ascending order. At most
+//     one owner is below rank 0 or 1, and the host's sum ((0 + P_a) + P_me) + P_b ... is the same
+//     bits as ((0 + P_me) + P_a) + P_b ...: fp32 addition is commutative, signed zeros included.
+//     This saves storing and reloading the rank's own partials (dsv3-ep2: 58.6 MB each way per
+//     rank). Higher ranks keep level 1 for their own tokens: the owners below them could be more
+//     than one (deciding it per token costs level 1's loader registers it does not have).
 //   compute warps (4 = 128 threads, each owning 16-byte words tid, tid + 128, ... of a row):
 //     accumulate a token's stages in fp32 registers from +0.0f in job order, free each stage, and
 //     write bf16 once: the partial into the source's window (level 1: over NVLink for a peer) or the
@@ -91,27 +100,92 @@ __device__ void post_row(const Ring& ring, const Ring::Slot& j, const Job& job, 
 constexpr int kHeldRows = 8;
 
 struct PartRecords {
-  Part p;
-  uint4 head = {};           // the lane's token's record header (epoch, n)
+  int source = 0, chunk = 0, t0 = 0;  // the part's (32-bit: the loader's registers are its bound)
+  uint2 head = {};           // the lane's token's record header (epoch, n)
   int held[kHeldRows] = {};  // its first rows, valid below min(n, kHeldRows)
   bool token = false;        // the lane has a token in the part
 };
 
-// Issues the loads of part p's records; nothing waits for them until post_part.
-__device__ PartRecords read_part(const CombineView& v, const HandleView& h, const Part& p, int lane) {
-  PartRecords r;
-  r.p = p;
-  const long long t = p.t0 + lane;
-  r.token = t < p.t1;
-  if (r.token) {
-    const unsigned char* rec = record_at(h.records, p.source, t, h.max_tokens, h.record_bytes);
-    r.head = __ldcg(reinterpret_cast<const uint4*>(rec));
-    const RecordEntry* e = record_entries(rec);
+// The ranks that token t of this rank went to (its staged records of the dispatch have entries).
+__device__ unsigned owners_of(const CombineView& v, const HandleView& h, long long t) {
+  unsigned owners = 0;
+  for (int d = 0; d < v.ranks; ++d)
+    if (reinterpret_cast<const RecordHeader*>(record_at(h.staging, d, t, h.max_tokens, h.record_bytes))->n > 0)
+      owners |= 1u << d;
+  return owners;
+}
+
+// Whether level 2 sums this rank's own rows (file comment: own partials in registers).
+__device__ __forceinline__ bool own_sums_at_level2(const CombineView& v, const CombineCall& c) {
+  return v.rank <= 1 && c.grad_probs == nullptr && c.grad_weights == nullptr;
+}
+
+// Issues the loads of the lane's first rows of r's records; nothing waits for them until posted.
+__device__ void read_held(const HandleView& h, const CombineView& v, PartRecords& r, int lane) {
+  if (!r.token) return;
+  const RecordEntry* e = record_entries(record_at(h.records, r.source, r.t0 + lane, h.max_tokens, h.record_bytes));
 #pragma unroll
-    for (int q = 0; q < kHeldRows; ++q)  // inside the record: its width has room for them
-      if (q < v.width) r.held[q] = __ldcg(&e[q].row);
-  }
+  for (int q = 0; q < kHeldRows; ++q)  // inside the record: its width has room for them
+    if (q < v.width) r.held[q] = __ldcg(&e[q].row);
+}
+
+// Issues the loads of the records of part p's tokens for which `wanted` holds (lane l: token t0 +
+// l); nothing waits for them until they are posted.
+__device__ PartRecords read_part(const HandleView& h, const CombineView& v, const Part& p, bool wanted, int lane) {
+  PartRecords r;
+  r.source = p.source;
+  r.chunk = p.chunk;
+  r.t0 = static_cast<int>(p.t0);
+  const long long t = p.t0 + lane;
+  r.token = wanted && t < p.t1;
+  if (r.token) r.head = __ldcg(reinterpret_cast<const uint2*>(record_at(h.records, p.source, t, h.max_tokens, h.record_bytes)));
+  read_held(h, v, r, lane);
   return r;
+}
+
+// The lane's token's rows here: n of them when `valid` (the record is of the handle's dispatch and
+// every row is inside expert_out; a row outside is reported as corrupt).
+struct TokenRows {
+  unsigned n = 0;
+  bool valid = false;
+};
+
+__device__ TokenRows token_rows(const CombineView& v, const HandleView& h, const CombineCall& c, const PartRecords& r,
+                                unsigned dispatch_epoch, int lane) {
+  TokenRows tr;
+  if (!r.token || r.head.x != dispatch_epoch) return tr;  // no row here: rank s will not read it
+  const unsigned n = r.head.y;
+  bool bad = n == 0 || n > static_cast<unsigned>(v.width);
+  long long bad_row = -1;
+#pragma unroll
+  for (int q = 0; q < kHeldRows; ++q)
+    if (!bad && static_cast<unsigned>(q) < n && (r.held[q] < 0 || r.held[q] >= h.rows)) bad = true, bad_row = r.held[q];
+  const RecordEntry* e = record_entries(record_at(h.records, r.source, r.t0 + lane, h.max_tokens, h.record_bytes));
+  for (unsigned q = kHeldRows; !bad && q < n; ++q) {
+    const int row = __ldcg(&e[q].row);
+    if (row < 0 || row >= h.rows) bad = true, bad_row = row;
+  }
+  if (bad) report_status(v.status, StatusCode::corrupt, c.data_phase, r.source, bad_row, h.rows);
+  tr.n = n;
+  tr.valid = !bad;
+  return tr;
+}
+
+// Calls post(row) for the first nn rows of lane l's token in r, in record order (warp-collective):
+// the held ones from registers, the rest of a wider record (multihot with many experts per token)
+// from memory.
+template <class Post>
+__device__ void for_each_row(const HandleView& h, const PartRecords& r, int l, unsigned nn, int lane, Post&& post) {
+#pragma unroll
+  for (int i = 0; i < kHeldRows; ++i)
+    if (static_cast<unsigned>(i) < nn) post(__shfl_sync(kFullMask, r.held[i], l));
+  if (nn <= kHeldRows) return;
+  const RecordEntry* e = record_entries(record_at(h.records, r.source, r.t0 + l, h.max_tokens, h.record_bytes));
+  for (unsigned base = kHeldRows; base < nn; base += 32) {
+    const int row = base + lane < nn ? __ldcg(&e[base + lane].row) : 0;
+    const unsigned batch = nn - base < 32 ? nn - base : 32;
+    for (unsigned i = 0; i < batch; ++i) post(__shfl_sync(kFullMask, row, static_cast<int>(i)));
+  }
 }
 
 // Level 1 for the tokens of a part (source p.source): one job per row of each token here.
@@ -120,99 +194,103 @@ template <class BeforeLast>
 __device__ Ring::Slot post_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
                                 Ring::Slot j, const PartRecords& r, unsigned dispatch_epoch, int lane,
                                 BeforeLast&& before_last) {
-  const int s = r.p.source;
   const long long words = v.hidden / 8;
   const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
   const auto* rows = static_cast<const uint4*>(c.rows);
-  unsigned n = 0;
-  bool valid = false;
-  if (r.token && r.head.x == dispatch_epoch) {  // else the token has no row here: rank s will not read it
-    n = r.head.y;
-    bool bad = n == 0 || n > static_cast<unsigned>(v.width);
-    long long bad_row = -1;
-#pragma unroll
-    for (int q = 0; q < kHeldRows; ++q)
-      if (!bad && static_cast<unsigned>(q) < n && (r.held[q] < 0 || r.held[q] >= h.rows))
-        bad = true, bad_row = r.held[q];
-    const RecordEntry* e = record_entries(record_at(h.records, s, r.p.t0 + lane, h.max_tokens, h.record_bytes));
-    for (unsigned q = kHeldRows; !bad && q < n; ++q) {
-      const int row = __ldcg(&e[q].row);
-      if (row < 0 || row >= h.rows) bad = true, bad_row = row;
-    }
-    if (bad) report_status(v.status, StatusCode::corrupt, c.data_phase, s, bad_row, h.rows);
-    valid = !bad;
-  }
-  const auto post = [&](long long tt, unsigned nn, int row) {
-    ring.acquire(j, lane);
-    if (lane == 0)
-      post_row(ring, j, Job{kPartialRow, s, static_cast<int>(tt), static_cast<int>(nn), 0, 0, 0, 0},
-               rows + static_cast<long long>(row) * words, row_bytes);
-    ring.advance(j);
-  };
-  unsigned m = __ballot_sync(kFullMask, valid);
+  const TokenRows tr = token_rows(v, h, c, r, dispatch_epoch, lane);
+  unsigned m = __ballot_sync(kFullMask, tr.valid);
   if (m == 0) before_last();
   for (; m != 0; m &= m - 1) {
     if ((m & (m - 1)) == 0) before_last();
     const int l = __ffs(m) - 1;
-    const long long tt = r.p.t0 + l;
-    const unsigned nn = __shfl_sync(kFullMask, n, l);
-#pragma unroll
-    for (int i = 0; i < kHeldRows; ++i)
-      if (static_cast<unsigned>(i) < nn) post(tt, nn, __shfl_sync(kFullMask, r.held[i], l));
-    if (nn <= kHeldRows) continue;
-    // A record wider than kHeldRows (multihot with many experts per token): the rest from memory.
-    const RecordEntry* e = record_entries(record_at(h.records, s, tt, h.max_tokens, h.record_bytes));
-    for (unsigned base = kHeldRows; base < nn; base += 32) {
-      const int row = base + lane < nn ? __ldcg(&e[base + lane].row) : 0;
-      const unsigned batch = nn - base < 32 ? nn - base : 32;
-      for (unsigned i = 0; i < batch; ++i) post(tt, nn, __shfl_sync(kFullMask, row, static_cast<int>(i)));
-    }
+    const unsigned nn = __shfl_sync(kFullMask, tr.n, l);
+    const Job job{kPartialRow, r.source, static_cast<int>(r.t0 + l), static_cast<int>(nn), 0, 0, 0, 0};
+    for_each_row(h, r, l, nn, lane, [&](int row) {
+      ring.acquire(j, lane);
+      if (lane == 0) post_row(ring, j, job, rows + static_cast<long long>(row) * words, row_bytes);
+      ring.advance(j);
+    });
   }
   return j;
 }
 
-// Level 2's view of one part of this rank's tokens: lane l, the ranks token t0 + l went to (its
-// staged records of the dispatch have entries). Read ahead like level 1's records.
+// Level 2's view of one part of this rank's tokens: lane l, the ranks token t0 + l went to, and
+// the header of its record here when level 2 sums its rows here. Read ahead like level 1's records,
+// but without the rows: two parts' rows at once do not fit the loader's registers. They are read at
+// the part's start (one round trip, while the ring still holds the previous part's last stages).
 struct OutPart {
-  Part p;
+  int chunk = 0, t0 = 0, count = 0;  // count: tokens in the part
   unsigned owners = 0;
+  uint2 head = {};
+  bool own = false;  // the lane's token's rows here are summed at level 2
 };
 
-__device__ OutPart read_out_part(const CombineView& v, const HandleView& h, const Part& p, int lane) {
+__device__ OutPart read_out_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Part& p,
+                                 int lane) {
   OutPart r;
-  r.p = p;
   const long long t = p.t0 + lane;
-  if (t < p.t1)
-    for (int d = 0; d < v.ranks; ++d)
-      if (reinterpret_cast<const RecordHeader*>(record_at(h.staging, d, t, h.max_tokens, h.record_bytes))->n > 0)
-        r.owners |= 1u << d;
+  if (t < p.t1) r.owners = owners_of(v, h, t);
+  r.chunk = p.chunk;
+  r.t0 = static_cast<int>(p.t0);
+  r.count = p.t1 > p.t0 ? static_cast<int>(p.t1 - p.t0) : 0;
+  r.own = t < p.t1 && own_sums_at_level2(v, c) && (r.owners >> v.rank & 1u);
+  if (r.own) r.head = __ldcg(reinterpret_cast<const uint2*>(record_at(h.records, v.rank, t, h.max_tokens, h.record_bytes)));
+  return r;
+}
+
+// The records of the part's tokens whose rows here level 2 sums, rows included (issued, not waited for).
+__device__ PartRecords own_records(const HandleView& h, const CombineView& v, const OutPart& o, int lane) {
+  PartRecords r;
+  r.source = v.rank;
+  r.chunk = o.chunk;
+  r.t0 = o.t0;
+  r.head = o.head;
+  r.token = o.own;
+  read_held(h, v, r, lane);
   return r;
 }
 
 // Level 2 for the tokens of a part: one job per owner rank of each token (ascending), a zero row's
-// job for a token that went nowhere. `before_last()` runs once, before the part's last token.
+// job for a token that went nowhere. A token whose rows here level 2 sums gets their jobs first,
+// then those of the other owners' partials: job.a is the number of own rows (the compute warps
+// round the sum after them), job.c the number of stages in all. `before_last()` runs once, before
+// the part's last token.
 template <class BeforeLast>
-__device__ Ring::Slot post_out_part(const CombineView& v, const Ring& ring, Ring::Slot j, const OutPart& r, int lane,
-                                    BeforeLast&& before_last) {
+__device__ Ring::Slot post_out_part(const CombineView& v, const HandleView& h, const CombineCall& c, const Ring& ring,
+                                    Ring::Slot j, const OutPart& r, const PartRecords& records, unsigned dispatch_epoch,
+                                    int lane, BeforeLast&& before_last) {
   const int me = v.rank;
   const std::uint32_t row_bytes = static_cast<std::uint32_t>(v.hidden * 2);
-  const int count = static_cast<int>(r.p.t1 - r.p.t0);
+  const auto* rows_here = static_cast<const uint4*>(c.rows);
+  const long long words = v.hidden / 8;
+  const TokenRows own = token_rows(v, h, c, records, dispatch_epoch, lane);  // records.token false: none
+  const int count = r.count;
   if (count <= 0) before_last();
   for (int l = 0; l < count; ++l) {  // every token gets an output row, zeros if it went nowhere
     if (l == count - 1) before_last();
-    const unsigned m = __shfl_sync(kFullMask, r.owners, l);
-    const int tt = static_cast<int>(r.p.t0 + l);
-    const int rows = __popc(m);
-    if (rows == 0) {
+    const int tt = r.t0 + l;
+    // Rows here summed at this level (n_own of them), and the owners whose partials are loaded.
+    const bool own_here = __shfl_sync(kFullMask, static_cast<int>(r.own), l) != 0;
+    const int n_own = own_here ? __shfl_sync(kFullMask, own.valid ? static_cast<int>(own.n) : 0, l) : 0;
+    unsigned m = __shfl_sync(kFullMask, r.owners, l);
+    if (own_here) m &= ~(1u << me);
+    const int stages = n_own + __popc(m);
+    if (stages == 0) {
       ring.acquire(j, lane);
       if (lane == 0) ring.post(j, Job{kOutRow, 0, tt, 0, 0, 0, 0, 0});
       ring.advance(j);
       continue;
     }
-    for (unsigned mm = m; mm != 0; mm &= mm - 1) {
-      const int d = __ffs(mm) - 1;
+    const Job job{kOutRow, n_own, tt, stages, 0, 0, 0, 0};
+    for_each_row(h, records, l, static_cast<unsigned>(n_own), lane, [&](int row) {
       ring.acquire(j, lane);
-      if (lane == 0) post_row(ring, j, Job{kOutRow, 0, tt, rows, 0, 0, 0, 0}, partial_row(v, me, d, tt), row_bytes);
+      if (lane == 0) post_row(ring, j, job, rows_here + static_cast<long long>(row) * words, row_bytes);
+      ring.advance(j);
+    });
+    for (; m != 0; m &= m - 1) {
+      const int d = __ffs(m) - 1;
+      ring.acquire(j, lane);
+      if (lane == 0) post_row(ring, j, job, partial_row(v, me, d, tt), row_bytes);
       ring.advance(j);
     }
   }
@@ -238,7 +316,8 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     const auto read_item = [&](long long i) {
       Part p;
       parts_of_ranks(R, split1, tokens, all, i, &p);
-      return read_part(v, h, p, lane);
+      // This rank's own tokens have no jobs here when level 2 sums them.
+      return read_part(h, v, p, p.source != me || !own_sums_at_level2(v, c), lane);
     };
     long long i = items1.next(lane);
     PartRecords cur;
@@ -251,7 +330,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
         if (next < parts1) ahead = read_item(next);
       });
       ring.acquire(j, lane);
-      if (lane == 0) ring.post(j, Job{kPartEnd, cur.p.source, cur.p.chunk, split1.per_chunk, 0, 0, 0, 0});
+      if (lane == 0) ring.post(j, Job{kPartEnd, cur.source, cur.chunk, split1.per_chunk, 0, 0, 0, 0});
       ring.advance(j);
       i = next;
       cur = ahead;
@@ -262,19 +341,20 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     const long long parts2 = static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
     ItemQueue items2{&v.work[kWorkSecond], parts2, pipe, pipelines};
     const auto read_item2 = [&](long long i) {
-      return read_out_part(v, h, part_in_rank(i, split2, h.tokens, me), lane);
+      return read_out_part(v, h, c, part_in_rank(i, split2, h.tokens, me), lane);
     };
     long long i2 = items2.next(lane);
     OutPart out;
     if (i2 < parts2) out = read_item2(i2);
     while (i2 < parts2) {
+      const PartRecords records = own_records(h, v, out, lane);
       // Every rank publishes every chunk of ours (also with no token of ours): lane d waits for
       // rank d's flag, all at once.
-      if (!warp_wait_ranks(ready_flag(v, me, 0, out.p.chunk), v.max_chunks, R, epoch, wait, lane)) break;
+      if (!warp_wait_ranks(ready_flag(v, me, 0, out.chunk), v.max_chunks, R, epoch, wait, lane)) break;
       if (lane == 0) tma::fence_proxy_global();  // the bulk loads below read what the flags published
       long long next = parts2;
       OutPart ahead;
-      j = post_out_part(v, ring, j, out, lane, [&] {
+      j = post_out_part(v, h, c, ring, j, out, records, dispatch_epoch, lane, [&] {
         next = items2.next(lane);
         if (next < parts2) ahead = read_item2(next);
       });
@@ -333,11 +413,12 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
       ring.advance(pos);
       continue;
     }
-    // A sum over job.c stages (level 1: rows of one token here; level 2: partials of the owners),
-    // from +0.0f in job order, as v1: the first stage is added to +0.0f, the later ones (same
-    // descriptor) to the sums.
+    // A sum over job.c stages (level 1: rows of one token here; level 2: partials of the owners,
+    // after the job.a rows here whose sum stands for this rank's partial), from +0.0f in job order,
+    // as v1: the first stage is added to +0.0f, the later ones (same descriptor) to the sums.
     float acc[W][8];
     const int rows = job.c;
+    const int own_rows = job.kind == kOutRow ? job.a : 0;
     if (rows == 0) {  // a token that went nowhere: a descriptor-only job, a zero row
 #pragma unroll
       for (int k = 0; k < W; ++k)
@@ -349,10 +430,18 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
     ring.release(pos);
     ring.advance(pos);
     for (int i = 1; i < rows; ++i) {
+      if (i == own_rows) {  // this rank's partial, as level 2 would have loaded it: +0.0f + bf16(sum)
+#pragma unroll
+        for (int k = 0; k < W; ++k) round_bf16x8(acc[k]);
+      }
       ring.wait_data(pos);
       add_stage<false>(acc, pos);
       ring.release(pos);
       ring.advance(pos);
+    }
+    if (own_rows == rows && rows > 0) {  // only this rank's partial: the output is bf16(+0.0f + it)
+#pragma unroll
+      for (int k = 0; k < W; ++k) round_bf16x8(acc[k]);
     }
     const long long t = job.b;
     uint4* dst = job.kind == kPartialRow ? partial_row(v, job.a, me, t) : static_cast<uint4*>(c.out) + t * words;

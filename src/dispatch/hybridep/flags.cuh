@@ -193,4 +193,12 @@ __device__ __forceinline__ uint4 to_bf16x8(const float* acc) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// acc[0..8) = +0.0f + bf16(acc[0..8)): a sum rounded as to_bf16x8 stores it, then added to +0.0f
+// as first_bf16x8 would add it back after loading it (-0.0f becomes +0.0f). Bitwise the same as
+// storing the row and starting a sum from it.
+__device__ __forceinline__ void round_bf16x8(float* acc) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f + __bfloat162float(__float2bfloat16_rn(acc[i]));
+}
+
 }  // namespace flexep::hybridep
