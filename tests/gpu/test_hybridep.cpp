@@ -317,11 +317,12 @@ TEST_P(HybridEpMultiGpu, CombineIsIdenticalRunToRun) {
 TEST_P(HybridEpMultiGpu, CudaGraphReplaysWithNewInputs) {
   if (!require_ranks()) return;
   // On simulated ranks, replays are separated by a host barrier. Without it (031e672 to 86d9e77) one
-  // rank's graph kernels did not run from replay 1 on while a peer's waited for them: between
-  // replays a rank copies to and from pageable host memory, and a driver call that synchronises the
-  // context (growing the pinned staging may) then waits for the peer's spinning graph kernel, the
-  // deadlock of openxla/xla#5103. Two GPUs need no barrier; the barrier does not order the replays'
-  // kernels, which still wait for each other on the device.
+  // rank's graph kernels did not run from replay 1 on while a peer's waited for them; with it every
+  // variant passes (c85e881). The likely cause: between replays a rank copies to and from pageable
+  // host memory, and a driver call that synchronises the context (growing the pinned staging may)
+  // then waits for the peer's spinning graph kernel, the deadlock of openxla/xla#5103. Two GPUs
+  // need no barrier; the barrier does not order the replays' kernels, which still wait for each
+  // other on the device.
   const int R = gpu_ranks(), replays = 100;
   Config c = config("graph", 4, 4, 64, {96, 0, 57, 128}, RoutingKind::uniform, 16);
   c.mode = DispatchMode::budget;
