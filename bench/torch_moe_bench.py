@@ -113,8 +113,6 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per module")
-    ap.add_argument("--grad-mode", default="fresh_bf16_weights", choices=["fresh_bf16_weights", "accumulate_f32"],
-                    help="flexep.torch.MoE grad_mode (accumulate_f32: the f32 gradients copied into bf16)")
     ap.add_argument("--own-gemm-min-work", type=int, default=None,
                     help="experts with at least this many multiply-adds get their own GEMM (0: all; 2**63-1: none)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -146,12 +144,13 @@ def main():
                        moe_inter_dim=a.inter, norm_topk_prob=False)
     for backend in a.backends.split(","):
         bc = ft.BackendConfig(dispatcher=backend, dispatcher_num_sms=a.sms, fake_balanced_gate=True)
-        m = ft.MoE(cfg, bc, device=dev, fast_init=True, grad_mode=a.grad_mode)
+        torch.manual_seed(0)
+        m = ft.MoE(cfg, bc, device=dev, group=dist.group.WORLD)
         records.append(dict(common, backend=backend, sms=a.sms if backend == "hybridep" else None,
                             time_us=time_fwd_bwd(m, x, grad, a.iters, a.warmup),
                             own_gemm_min_work=a.own_gemm_min_work,
-                            note="flexep.torch.MoE forward + backward (one autograd Function over CudaMoELayer), "
-                                 f"grad_mode {a.grad_mode}"))
+                            note="flexep.torch.MoE forward + backward (one autograd Function over the "
+                                 "library's MoECompute; PyTorch-owned parameters)"))
         if a.profile:
             profile_table(m, x, grad, rank, backend)
         del m

@@ -11,9 +11,10 @@ torch.cuda.set_device(dev)
 cfg = MoEConfig(n_routed_experts=16, n_shared_experts=1, n_activated_experts=4, n_expert_groups=1, n_limited_groups=1,
                 train_gate=True, gate_bias_update_factor=1e-3, aux_loss_coeff=1e-3, score_func="sigmoid",
                 route_scale=1.0, dim=256, inter_dim=1024, moe_inter_dim=128, norm_topk_prob=True)
-moe = MoE(cfg, BackendConfig(dispatcher="torch", dispatcher_num_sms=20), device=dev)  # "hybridep" once connected
+torch.manual_seed(0)  # the same replicated parameters (gate, shared experts) on every rank
+moe = MoE(cfg, BackendConfig(dispatcher="torch", dispatcher_num_sms=20), device=dev, group=dist.group.WORLD)
 opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
-torch.manual_seed(0)  # the same teacher on every rank; each rank draws its own tokens below
+# the same teacher on every rank; each rank draws its own tokens below
 teacher = torch.randn(cfg.dim, cfg.dim, device=dev) / cfg.dim**0.5
 for step in range(20):
     x = torch.randn(8, 128, cfg.dim, device=dev, generator=torch.Generator(dev).manual_seed(rank * 1000 + step))

@@ -5,7 +5,11 @@
 #   FLEXEP_GPU_TESTS=0      skip the tests     FLEXEP_BENCH=0   skip the benchmarks
 #   FLEXEP_CTEST_ARGS=...   extra ctest arguments (e.g. -R Permute)
 #   FLEXEP_SANITIZER=memcheck|racecheck   run the GPU test binary under compute-sanitizer instead
-#   FLEXEP_CMAKE_ARGS=...   extra configure arguments (e.g. -DFLEXEP_BUILD_PYTHON=ON)
+#   FLEXEP_CMAKE_ARGS=...   extra configure arguments
+#   FLEXEP_PYTHON=1         also build the Python extension, then run the one-GPU PyTorch tests
+#                           (python/tests/gpu/test_torch_1gpu.py) and bench/automodel_layer_bench.py
+#                           against NeMo Automodel 0.7.0, installed (--no-deps) from the wheel in .whl/
+#                           (pip download --no-deps nemo-automodel==0.7.0 -d .whl; carry .whl)
 set -uo pipefail
 # NVLink multicast can take the host's GPUs out of service: never let anything enable it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -23,8 +27,11 @@ nccl_root="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>
 echo "NCCL (PyTorch wheel): ${nccl_root:-not found}" | tee -a "$out/summary.txt"
 
 step "build"
+python_args=()
+if [ "${FLEXEP_PYTHON:-0}" = 1 ]; then python_args=(-DFLEXEP_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)"); fi
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXEP_CUDA=ON \
- ${nccl_root:+-DFLEXEP_NCCL_ROOT=$nccl_root} ${FLEXEP_CMAKE_ARGS:-} > "$out/configure.log" 2>&1 || { cat "$out/configure.log"; exit 1; }
+ ${nccl_root:+-DFLEXEP_NCCL_ROOT=$nccl_root} "${python_args[@]}" ${FLEXEP_CMAKE_ARGS:-} > "$out/configure.log" 2>&1 \
+ || { cat "$out/configure.log"; exit 1; }
 if ! cmake --build "$build" -j "${FLEXEP_JOBS:-32}" > "$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -40
   exit 1
@@ -52,6 +59,23 @@ if [ "${FLEXEP_GPU_TESTS:-1}" = 1 ]; then
   rc=$?; grep -E "tests passed|tests failed|\*\*\*Failed|Failed|Timeout" "$out/ctest-gpu.log" | tail -30; [ $rc = 0 ] || status=$rc
 fi
 
+if [ "${FLEXEP_PYTHON:-0}" = 1 ]; then
+  step "PyTorch on one GPU against NeMo Automodel 0.7.0"
+  site="$build/automodel-site"
+  wheel="$(ls "$root"/.whl/nemo_automodel-0.7.0-*.whl 2>/dev/null | head -1)"
+  if [ -n "$wheel" ] && [ ! -d "$site/nemo_automodel" ]; then
+    python3 -m pip install --quiet --no-deps --target "$site" "$wheel" > "$out/automodel-install.log" 2>&1 || status=1
+  fi
+  export PYTHONPATH="$build/python:$site${PYTHONPATH:+:$PYTHONPATH}"
+  timeout "${FLEXEP_PYTEST_TIMEOUT:-300}" python3 -m pytest -q -s "$root/python/tests/gpu/test_torch_1gpu.py" \
+    > "$out/pytest-gpu.log" 2>&1
+  rc=$?; grep -E "passed|failed|agree|losses|Error" "$out/pytest-gpu.log" | tail -12; [ $rc = 0 ] || status=$rc
+  mkdir -p "$root/bench/results"
+  timeout "${FLEXEP_TORCH_BENCH_TIMEOUT:-240}" python3 "$root/bench/automodel_layer_bench.py" --out "$root/bench/results" \
+    > "$out/automodel-bench.log" 2>&1
+  rc=$?; tail -8 "$out/automodel-bench.log"; [ $rc = 0 ] || status=$rc
+fi
+
 if [ "${FLEXEP_BENCH:-1}" = 1 ] && [ -f "$root/bench/device-cases.txt" ]; then
   step "benchmarks"
   mkdir -p "$root/bench/results"
@@ -66,5 +90,6 @@ if [ "${FLEXEP_BENCH:-1}" = 1 ] && [ -f "$root/bench/device-cases.txt" ]; then
   tar -C "$root/bench/results" -czf "$out/bench-results.tgz" . 2>/dev/null || true
 fi
 
+[ -d "$root/bench/results" ] && tar -C "$root/bench/results" -czf "$out/bench-results.tgz" . 2>/dev/null || true
 step "done (status $status)"
 exit $status

@@ -4,7 +4,8 @@
 set -euo pipefail
 
 packages=(build-essential cmake ninja-build pkg-config googletest libgtest-dev libbenchmark-dev
-          libcli11-dev libfmt-dev libspdlog-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin)
+          libcli11-dev libfmt-dev libspdlog-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
+          python3 python3-venv)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -19,12 +20,8 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# --python: what the Python extension and its tests need, from PyPI (torch's Linux wheel brings its
-# CUDA libraries: about 5 GB and 1.5 minutes here). Skipped when everything already imports.
+# --python: the project's virtual environment with what the Python extension and its tests need
+# (scripts/python-env.sh; it prints the environment's python).
 if [ "${1:-}" = "--python" ]; then
-  py="${PYTHON:-python3}"
-  if ! "$py" -c "import numpy, pytest, nanobind, scikit_build_core, torch" >/dev/null 2>&1; then
-    echo "install-deps: pip install numpy pytest nanobind scikit-build-core torch"
-    "$py" -m pip install --quiet --disable-pip-version-check numpy pytest nanobind scikit-build-core torch
-  fi
+  "$(dirname "${BASH_SOURCE[0]}")/python-env.sh" >/dev/null
 fi

@@ -5,14 +5,15 @@
 # AddressSanitizer + UBSan, then the main job as a smoke test.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$root/scripts/install-deps.sh" --python
+"$root/scripts/install-deps.sh"
+py="$("$root/scripts/python-env.sh")"   # the project's virtual environment (.venv)
 
 echo "== build (release, with the Python extension)"
-FLEXEP_BUILD_DIR="$root/build" "$root/scripts/build.sh" -DFLEXEP_BUILD_PYTHON=ON
+FLEXEP_BUILD_DIR="$root/build" "$root/scripts/build.sh" -DFLEXEP_BUILD_PYTHON=ON -DPython_EXECUTABLE="$py"
 echo "== CPU tests"
 ctest --test-dir "$root/build" -LE gpu --output-on-failure -j "$(nproc)"
 echo "== Python tests (CPU; python/tests/gpu needs 2 GPUs and is not collected here)"
-PYTHONPATH="$root/build/python" "${PYTHON:-python3}" -m pytest -q "$root/python/tests" --ignore="$root/python/tests/gpu"
+PYTHONPATH="$root/build/python" "$py" -m pytest -q "$root/python/tests" --ignore="$root/python/tests/gpu"
 
 echo "== build (address + undefined sanitizers, host code)"
 FLEXEP_BUILD_DIR="$root/build-sanitize" FLEXEP_BUILD_TYPE=RelWithDebInfo FLEXEP_TARGETS="flexep_tests flexep_cli" \

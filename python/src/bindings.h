@@ -27,6 +27,7 @@ void bind_config(nb::module_& m);
 void bind_comm(nb::module_& m);
 void bind_dispatcher(nb::module_& m);
 void bind_layer(nb::module_& m);
+void bind_moe_compute(nb::module_& m);
 
 // Makes the library's calls on this thread issue their CUDA work on `stream` (the caller's
 // torch.cuda.current_stream()); a no-op in a CPU-only build or for stream 0 on the CPU path.

@@ -45,6 +45,7 @@ NB_MODULE(_flexep, m) {
   bind_comm(m);
   bind_dispatcher(m);
   bind_layer(m);
+  bind_moe_compute(m);
   register_builtin_factories();
   register_hybridep();
 }

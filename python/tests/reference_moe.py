@@ -35,12 +35,21 @@ def activation(name, h, alpha=1.702, limit=7.0):
     raise ValueError(name)
 
 
-class ReferenceMoE(nn.Module):
-    """Automodel's MoE with all E experts local; parameters under Automodel's state_dict names."""
+def _round_bf16(t):
+    """t rounded to bf16, the gradient passed straight through (what the library's backward does)."""
+    return t + (t.to(torch.bfloat16).to(t.dtype) - t).detach()
 
-    def __init__(self, cfg, dtype=torch.float64):
+
+class ReferenceMoE(nn.Module):
+    """Automodel's MoE with all E experts local; parameters under Automodel's state_dict names.
+
+    bf16_router: route as Automodel's Gate does for bf16 x without a gate precision (the GPU layer):
+    logits rounded to bf16, weights rounded to bf16 unless router_weights_fp32."""
+
+    def __init__(self, cfg, dtype=torch.float64, bf16_router=False):
         super().__init__()
         self.cfg = cfg
+        self.bf16_router = bf16_router
         E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
         up = I if cfg.expert_activation == "relu2" else 2 * I
         self.gate = nn.Module()
@@ -69,6 +78,8 @@ class ReferenceMoE(nn.Module):
     def route(self, x, token_mask):
         cfg, g = self.cfg, self.gate
         logits = Fn.linear(x, g.weight, getattr(g, "bias", None))
+        if self.bf16_router:
+            logits = _round_bf16(logits)
         k, E = cfg.n_activated_experts, cfg.n_routed_experts
         bias = getattr(g, "e_score_correction_bias", None)
         if cfg.score_func == "softmax" and not cfg.softmax_before_topk:
@@ -86,6 +97,8 @@ class ReferenceMoE(nn.Module):
         if cfg.norm_topk_prob and k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * cfg.route_scale
+        if self.bf16_router and not getattr(cfg, "router_weights_fp32", False):
+            weights = _round_bf16(weights)
         aux = None
         if self.training and cfg.aux_loss_coeff > 0:
             m = token_mask.to(x.dtype)

@@ -45,11 +45,17 @@ constexpr NameTable<ExpertsKind, 4> kExperts{{{{"torch", ExpertsKind::torch},
                                                {"torch_mm", ExpertsKind::torch_mm},
                                                {"gmm", ExpertsKind::gmm},
                                                {"te", ExpertsKind::te}}}};
-constexpr NameTable<ScoreFunc, 3> kScoreFuncs{{{{"softmax", ScoreFunc::softmax},
+constexpr NameTable<ScoreFunc, 5> kScoreFuncs{{{{"softmax", ScoreFunc::softmax},
                                                 {"softmax_with_bias", ScoreFunc::softmax_with_bias},
-                                                {"sigmoid", ScoreFunc::sigmoid}}}};
-constexpr NameTable<Activation, 3> kActivations{
-    {{{"swiglu", Activation::swiglu}, {"quick_geglu", Activation::quick_geglu}, {"relu2", Activation::relu2}}}};
+                                                {"sigmoid", ScoreFunc::sigmoid},
+                                                {"sigmoid_with_bias", ScoreFunc::sigmoid_with_bias},
+                                                {"sqrtsoftplus", ScoreFunc::sqrtsoftplus}}}};
+constexpr NameTable<Activation, 5> kActivations{{{{"swiglu", Activation::swiglu},
+                                                  {"swigluoai", Activation::swigluoai},
+                                                  {"quick_geglu", Activation::quick_geglu},
+                                                  {"geglu", Activation::geglu},
+                                                  {"relu2", Activation::relu2}}}};
+constexpr NameTable<GroupMask, 2> kGroupMasks{{{{"automodel", GroupMask::automodel}, {"neg_inf", GroupMask::neg_inf}}}};
 
 constexpr int kMaxSms = 1024;
 
@@ -71,11 +77,20 @@ std::string_view to_string(DispatcherKind k) { return kDispatchers.name(k); }
 std::string_view to_string(ExpertsKind k) { return kExperts.name(k); }
 std::string_view to_string(ScoreFunc k) { return kScoreFuncs.name(k); }
 std::string_view to_string(Activation k) { return kActivations.name(k); }
+std::string_view to_string(GroupMask k) { return kGroupMasks.name(k); }
 
-DispatcherKind parse_dispatcher(std::string_view s, const std::string& arg) { return kDispatchers.parse(s, arg); }
+DispatcherKind parse_dispatcher(std::string_view s, const std::string& arg) {
+  // Automodel dispatchers built on libraries flexep does not have: say so rather than "unknown".
+  if (s == "uccl_ep" || s == "mok")
+    throw_argument_error(arg, "is '", s, "', Automodel's ", s == "mok" ? "Mixture-of-Kittens" : "UCCL-EP",
+                         " dispatcher, which flexep does not provide; use 'alltoall' (alias 'torch'), 'hybridep', "
+                         "'deepep' or 'host'");
+  return kDispatchers.parse(s, arg);
+}
 ExpertsKind parse_experts(std::string_view s, const std::string& arg) { return kExperts.parse(s, arg); }
 ScoreFunc parse_score_func(std::string_view s, const std::string& arg) { return kScoreFuncs.parse(s, arg); }
 Activation parse_activation(std::string_view s, const std::string& arg) { return kActivations.parse(s, arg); }
+GroupMask parse_group_mask(std::string_view s, const std::string& arg) { return kGroupMasks.parse(s, arg); }
 
 // The hybridep_*_sms phase overrides win whatever the dispatcher, so a backend built directly from a
 // config (tests, benchmarks) sees them even when `dispatcher` was left at its default.
@@ -88,15 +103,16 @@ int BackendConfig::preprocess_sms() const {
 }
 
 void validate(const BackendConfig& c) {
-  check_sms(c.dispatcher_num_sms, 1, "backend.dispatcher_num_sms");
+  FLEXEP_CHECK_ARG(c.dispatcher_num_sms >= 0 && c.dispatcher_num_sms <= kMaxSms, "backend.dispatcher_num_sms", "is ",
+                   c.dispatcher_num_sms, "; allowed: 0 <= value <= ", kMaxSms, " (0 = the backend's default)");
   check_sms(c.deepep_num_sms, 0, "backend.deepep_num_sms");
   check_sms(c.hybridep_num_sms, 0, "backend.hybridep_num_sms");
   check_sms(c.hybridep_dispatch_sms, 0, "backend.hybridep_dispatch_sms");
   check_sms(c.hybridep_combine_sms, 0, "backend.hybridep_combine_sms");
   check_sms(c.hybridep_preprocess_sms, 0, "backend.hybridep_preprocess_sms");
   // Written so that NaN fails too.
-  FLEXEP_CHECK_ARG(c.fake_gate_noise >= 0.0 && c.fake_gate_noise <= 1.0, "backend.fake_gate_noise", "is ",
-                   c.fake_gate_noise, "; allowed: 0 <= value <= 1");
+  FLEXEP_CHECK_ARG(std::isfinite(c.fake_gate_noise) && c.fake_gate_noise >= 0.0, "backend.fake_gate_noise", "is ",
+                   c.fake_gate_noise, "; allowed: finite and >= 0 (0 = balanced, 1 = fully random)");
   if (c.gate_precision)
     FLEXEP_CHECK_ARG(*c.gate_precision == DType::f32 || *c.gate_precision == DType::f64, "backend.gate_precision",
                      "is ", dtype_name(*c.gate_precision), "; allowed: f32 (float32), f64 (float64) or unset");
@@ -109,19 +125,14 @@ void validate(const MoEConfig& c) {
                    E, ")");
   FLEXEP_CHECK_ARG(c.n_shared_experts >= 0, "moe.n_shared_experts", "is ", c.n_shared_experts, "; allowed: >= 0");
   FLEXEP_CHECK_ARG(G >= 0, "moe.n_expert_groups", "is ", G, "; allowed: >= 0 (0 or 1 = no grouping)");
-  if (G > 1) {
-    // Automodel ignores groups under plain softmax; a user who set them expects them to act.
-    FLEXEP_CHECK_ARG(c.score_func != ScoreFunc::softmax, "moe.n_expert_groups", "is ", G,
-                     " but score_func 'softmax' does not support group-limited routing; allowed: 0 or 1 with "
-                     "'softmax', or score_func 'softmax_with_bias' or 'sigmoid'");
+  if (c.group_limited()) {
     FLEXEP_CHECK_ARG(E % G == 0, "moe.n_expert_groups", "is ", G, ", which does not divide n_routed_experts (", E,
                      "); allowed: a divisor of n_routed_experts, or 0/1 for no grouping");
     FLEXEP_CHECK_ARG(c.n_limited_groups >= 1 && c.n_limited_groups <= G, "moe.n_limited_groups", "is ",
                      c.n_limited_groups, "; allowed: 1 <= value <= n_expert_groups (", G, ")");
     const int group_size = E / G;
-    const bool top2_group_score =
-        c.score_func == ScoreFunc::softmax_with_bias || (c.score_func == ScoreFunc::sigmoid && c.has_correction_bias());
-    FLEXEP_CHECK_ARG(!top2_group_score || group_size >= 2, "moe.n_expert_groups", "is ", G, ", leaving ", group_size,
+    FLEXEP_CHECK_ARG(!c.top2_group_score() || group_size >= 2, "moe.n_expert_groups", "is ", G, ", leaving ",
+                     group_size,
                      " expert per group, but the group score is the sum of the top-2 experts; allowed: "
                      "n_expert_groups <= n_routed_experts / 2 (",
                      E / 2, ")");
@@ -141,16 +152,28 @@ void validate(const MoEConfig& c) {
   FLEXEP_CHECK_ARG(c.dim >= 1, "moe.dim", "is ", c.dim, "; allowed: >= 1");
   FLEXEP_CHECK_ARG(c.inter_dim >= 0, "moe.inter_dim", "is ", c.inter_dim, "; allowed: >= 0");
   FLEXEP_CHECK_ARG(c.moe_inter_dim >= 1, "moe.moe_inter_dim", "is ", c.moe_inter_dim, "; allowed: >= 1");
-  // An infinite limit is a legitimate "no clamp"; NaN is not.
-  FLEXEP_CHECK_ARG(c.activation_limit > 0, "moe.activation_limit", "is ", c.activation_limit, "; allowed: > 0");
+  // An infinite limit is a legitimate "no clamp"; NaN is not. swigluoai clamps only when limit > 0
+  // (Automodel's swiglu_oai), so there any number is valid.
+  if (c.expert_activation == Activation::swigluoai)
+    FLEXEP_CHECK_ARG(!std::isnan(c.activation_limit), "moe.activation_limit", "is ", c.activation_limit,
+                     "; allowed: any number for 'swigluoai' (<= 0 = no clamp)");
+  else
+    FLEXEP_CHECK_ARG(c.activation_limit > 0, "moe.activation_limit", "is ", c.activation_limit, "; allowed: > 0");
+  FLEXEP_CHECK_ARG(c.swiglu_limit >= 0, "moe.swiglu_limit", "is ", c.swiglu_limit,
+                   "; allowed: >= 0 (0 = no clamp; infinity allowed)");
   FLEXEP_CHECK_ARG(std::isfinite(c.activation_alpha), "moe.activation_alpha", "is ", c.activation_alpha,
                    "; allowed: any finite value");
   FLEXEP_CHECK_ARG(c.shared_expert_activation == Activation::swiglu || c.shared_expert_activation == Activation::relu2,
                    "moe.shared_expert_activation", "is '", to_string(c.shared_expert_activation),
-                   "'; allowed: 'swiglu', 'relu2' (shared experts do not support 'quick_geglu')");
+                   "'; allowed: 'swiglu', 'relu2' (Automodel's shared-expert MLP has no other activation)");
   FLEXEP_CHECK_ARG(c.shared_expert_inter_dim >= 0, "moe.shared_expert_inter_dim", "is ", c.shared_expert_inter_dim,
                    "; allowed: >= 0 (0 = use moe_inter_dim)");
   FLEXEP_CHECK_ARG(is_floating(c.dtype), "moe.dtype", "is ", dtype_name(c.dtype), "; allowed: bf16, f16, f32, f64");
+  if (c.gate_dtype)
+    FLEXEP_CHECK_ARG(is_floating(*c.gate_dtype), "moe.gate_dtype", "is ", dtype_name(*c.gate_dtype),
+                     "; allowed: bf16, f16, f32, f64 or unset (= dtype)");
+  FLEXEP_CHECK_ARG(c.moe_latent_size >= 0, "moe.moe_latent_size", "is ", c.moe_latent_size,
+                   "; allowed: >= 1, or 0 (JSON null) for none");
 }
 
 void validate_ep(const MoEConfig& c, int ep_size) {

@@ -153,6 +153,32 @@ const std::vector<Field<MoEConfig>>& moe_fields() {
       bool_field("force_e_score_correction_bias", &M::force_e_score_correction_bias),
       {"dtype", [](const M& c) { return ojson(std::string(long_dtype_name(c.dtype))); },
        [](M& c, const json& v, const std::string& a) { c.dtype = as_dtype(v, a); }},
+      // Automodel 0.7.0's later fields, in its order, then flexep's own.
+      bool_field("apply_router_weight_after_down", &M::apply_router_weight_after_down),
+      double_field("swiglu_limit", &M::swiglu_limit),
+      bool_field("router_weights_fp32", &M::router_weights_fp32),
+      bool_field("router_weight_uses_score_correction_bias", &M::router_weight_uses_score_correction_bias),
+      {"gate_dtype",
+       [](const M& c) { return c.gate_dtype ? ojson(std::string(long_dtype_name(*c.gate_dtype))) : ojson(nullptr); },
+       [](M& c, const json& v, const std::string& a) {
+         if (v.is_null())
+           c.gate_dtype.reset();
+         else
+           c.gate_dtype = as_dtype(v, a);
+       }},
+      // Automodel's None is our 0; an explicit 0 would be a zero-width projection there.
+      {"moe_latent_size", [](const M& c) { return c.moe_latent_size > 0 ? ojson(c.moe_latent_size) : ojson(nullptr); },
+       [](M& c, const json& v, const std::string& a) {
+         if (v.is_null()) {
+           c.moe_latent_size = 0;
+           return;
+         }
+         const int n = as_int(v, a);
+         FLEXEP_CHECK_ARG(n >= 1, a, "is ", n, "; allowed: an integer >= 1, or null for none");
+         c.moe_latent_size = n;
+       }},
+      bool_field("enable_routing_replay", &M::enable_routing_replay),
+      enum_field("group_mask", &M::group_mask, &parse_group_mask),
   };
   return fields;
 }

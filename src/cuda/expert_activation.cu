@@ -3,6 +3,7 @@
 #include "flexep/cuda/expert_activation.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "expert_rows.cuh"
 #include "flexep/cuda/expert_bias.h"
@@ -16,12 +17,16 @@ using detail::kWarpsPerBlock;
 using detail::load_bf16;
 using detail::store_bf16;
 
-enum ActKind : int { kSwiglu = 0, kQuickGeglu = 1, kRelu2 = 2 };
+enum ActKind : int { kSwiglu = 0, kQuickGeglu = 1, kRelu2 = 2, kSwigluOai = 3, kGeglu = 4 };
 
 struct Act {
   int kind;
   float alpha, limit;
+  float swiglu_limit;  // swiglu: > 0 clamps (Automodel's swiglu_limit)
 };
+
+// [gate | up] halves (swiglu, swigluoai, geglu); quick_geglu interleaves, relu2 has no up.
+__host__ __device__ inline bool halves(int kind) { return kind == kSwiglu || kind == kSwigluOai || kind == kGeglu; }
 
 __device__ inline float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
@@ -53,7 +58,7 @@ __device__ inline void load_pre(const Act& act, const bf16_t* h, const bf16_t* b
 #pragma unroll
     for (int j = 0; j < V; ++j) g[j] += y[j];
   }
-  if (act.kind == kSwiglu) {  // halves: gate = [0, inter), up = [inter, 2 inter)
+  if (halves(act.kind)) {  // gate = [0, inter), up = [inter, 2 inter)
     load_bf16<V>(h + inter + i, u);
     if (b) {
       float y[V];
@@ -74,33 +79,57 @@ __device__ inline float clamp_up(float u, float limit) {
   return limit < lo ? limit : lo;
 }
 
+// gelu_tanh(g) = 0.5 g (1 + tanh(k)), k = sqrt(2/pi) (g + 0.044715 g^3) (core/activation.h).
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCoeff = 0.044715f;
+__device__ inline float gelu_tanh_f(float g) {
+  return 0.5f * g * (1.f + tanhf(kSqrt2OverPi * (g + kGeluCoeff * g * g * g)));
+}
+
 __device__ inline float act_forward(const Act& act, float g, float u) {
-  if (act.kind == kSwiglu) return g * sigmoid_f(g) * u;
-  if (act.kind == kQuickGeglu) {
-    const float gc = clamp_gate(g, act.limit), uc = clamp_up(u, act.limit);
+  if (act.kind == kSwiglu) {
+    if (act.swiglu_limit > 0.f) g = clamp_gate(g, act.swiglu_limit), u = clamp_up(u, act.swiglu_limit);
+    return g * sigmoid_f(g) * u;
+  }
+  if (act.kind == kQuickGeglu || act.kind == kSwigluOai) {
+    const bool clamp = act.kind == kQuickGeglu || act.limit > 0.f;  // swigluoai clamps only when limit > 0
+    const float gc = clamp ? clamp_gate(g, act.limit) : g, uc = clamp ? clamp_up(u, act.limit) : u;
     return gc * sigmoid_f(act.alpha * gc) * (uc + 1.f);
   }
+  if (act.kind == kGeglu) return gelu_tanh_f(g) * u;
   const float x = g > 0.f ? g : 0.f;
   return x * x;
 }
 
 // Backward of one output: grad_a is the gradient reaching act (already times p). Returns the
 // activation value in `a` (for grad_probs) and the gradients of the (biased) gate and up inputs.
+// Clamp gradients as torch.clamp's backward: they pass where the input is inside the closed range.
 __device__ inline void act_backward(const Act& act, float g, float u, float grad_a, float& dg, float& du, float& a) {
   if (act.kind == kSwiglu) {
-    const float s = sigmoid_f(g), silu = g * s;
-    a = silu * u;
-    dg = grad_a * u * (s + g * s * (1.f - s));
-    du = grad_a * silu;
-  } else if (act.kind == kQuickGeglu) {
+    const float lim = act.swiglu_limit;
+    const bool clamp = lim > 0.f;
+    const float gc = clamp ? clamp_gate(g, lim) : g, uc = clamp ? clamp_up(u, lim) : u;
+    const float s = sigmoid_f(gc), silu = gc * s;
+    a = silu * uc;
+    dg = !clamp || g <= lim ? grad_a * uc * (s + gc * s * (1.f - s)) : 0.f;
+    du = !clamp || (u >= -lim && u <= lim) ? grad_a * silu : 0.f;
+  } else if (act.kind == kQuickGeglu || act.kind == kSwigluOai) {
     const float lim = act.limit;
-    const float gc = clamp_gate(g, lim), uc = clamp_up(u, lim);
+    const bool clamp = act.kind == kQuickGeglu || lim > 0.f;
+    const float gc = clamp ? clamp_gate(g, lim) : g, uc = clamp ? clamp_up(u, lim) : u;
     const float s = sigmoid_f(act.alpha * gc);
     const float glu = gc * s;
     const float dglu = s + act.alpha * gc * s * (1.f - s);
     a = glu * (uc + 1.f);
-    dg = g <= lim ? grad_a * (uc + 1.f) * dglu : 0.f;
-    du = (u >= -lim && u <= lim) ? grad_a * glu : 0.f;
+    dg = !clamp || g <= lim ? grad_a * (uc + 1.f) * dglu : 0.f;
+    du = !clamp || (u >= -lim && u <= lim) ? grad_a * glu : 0.f;
+  } else if (act.kind == kGeglu) {
+    const float th = tanhf(kSqrt2OverPi * (g + kGeluCoeff * g * g * g));
+    const float dk = kSqrt2OverPi * (1.f + 3.f * kGeluCoeff * g * g);
+    const float gelu = 0.5f * g * (1.f + th);
+    a = gelu * u;
+    dg = grad_a * (0.5f * (1.f + th) + 0.5f * g * (1.f - th * th) * dk) * u;
+    du = grad_a * gelu;
   } else {
     const float x = g > 0.f ? g : 0.f;
     a = x * x;
@@ -109,11 +138,14 @@ __device__ inline void act_backward(const Act& act, float g, float u, float grad
   }
 }
 
-template <int V>
+// One instantiation per activation kind K (act.kind == K): each kernel carries only its own math,
+// which keeps it within its register budget.
+template <int V, int K>
 __global__ void __launch_bounds__(kRowThreads)
     activation_forward_kernel(Act act, const bf16_t* __restrict__ h, const bf16_t* __restrict__ bias,
                               const float* __restrict__ probs, const std::int64_t* offsets, int num_experts,
                               std::int64_t rows, std::int64_t inter, bf16_t* __restrict__ out) {
+  act.kind = K;  // a compile-time constant from here on: the other kinds' branches fold away
   const std::int64_t up = act.kind == kRelu2 ? inter : 2 * inter;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t active = detail::active_rows(offsets, num_experts, rows);
@@ -143,12 +175,13 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-template <int V>
+template <int V, int K>
 __global__ void __launch_bounds__(kRowThreads)
     activation_backward_kernel(Act act, const bf16_t* __restrict__ h, const bf16_t* __restrict__ bias,
                                const float* __restrict__ probs, const std::int64_t* offsets, int num_experts,
                                std::int64_t rows, std::int64_t inter, const bf16_t* __restrict__ grad_ap,
                                bf16_t* __restrict__ grad_h, float* __restrict__ grad_probs) {
+  act.kind = K;  // a compile-time constant from here on: the other kinds' branches fold away
   const std::int64_t up = act.kind == kRelu2 ? inter : 2 * inter;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t active = detail::active_rows(offsets, num_experts, rows);
@@ -190,7 +223,7 @@ __global__ void __launch_bounds__(kRowThreads)
         store_bf16<2 * V>(gh + 2 * i, x);
       } else {
         store_bf16<V>(gh + i, dg);
-        if (act.kind == kSwiglu) store_bf16<V>(gh + inter + i, du);
+        if (halves(act.kind)) store_bf16<V>(gh + inter + i, du);
       }
     }
     dot = detail::warp_sum(dot);
@@ -202,15 +235,31 @@ Act make_act(const ActivationParams& p) {
   Act a{};
   switch (p.kind) {
     case Activation::swiglu: a.kind = kSwiglu; break;
+    case Activation::swigluoai: a.kind = kSwigluOai; break;
     case Activation::quick_geglu: a.kind = kQuickGeglu; break;
+    case Activation::geglu: a.kind = kGeglu; break;
     case Activation::relu2: a.kind = kRelu2; break;
     default: throw_argument_error("act", "unknown activation kind ", static_cast<int>(p.kind));
   }
   FLEXEP_CHECK_ARG(std::isfinite(p.alpha) && std::isfinite(p.limit), "act", "alpha and limit must be finite, got ",
                    p.alpha, " and ", p.limit);
+  FLEXEP_CHECK_ARG(p.swiglu_limit >= 0, "act", "swiglu_limit must be >= 0 (infinity allowed), got ", p.swiglu_limit);
   a.alpha = static_cast<float>(p.alpha);
   a.limit = static_cast<float>(p.limit);
+  a.swiglu_limit = static_cast<float>(p.swiglu_limit);  // an infinite limit stays infinite: no clamp
   return a;
+}
+
+// f(std::integral_constant<int, kind>) for the runtime kind.
+template <class F>
+void with_kind(int kind, F&& f) {
+  switch (kind) {
+    case kSwiglu: f(std::integral_constant<int, kSwiglu>{}); break;
+    case kQuickGeglu: f(std::integral_constant<int, kQuickGeglu>{}); break;
+    case kRelu2: f(std::integral_constant<int, kRelu2>{}); break;
+    case kSwigluOai: f(std::integral_constant<int, kSwigluOai>{}); break;
+    default: f(std::integral_constant<int, kGeglu>{}); break;
+  }
 }
 
 template <class T>
@@ -265,10 +314,13 @@ void activation_forward(const ActivationParams& params, const TensorView& h, con
   auto* pp = ptr_or_null<float>(probs);
   auto* op = ptr_or_null<std::int64_t>(expert_offsets);
   auto* outp = static_cast<bf16_t*>(out.data);
-  if (vec)
-    activation_forward_kernel<8><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, outp);
-  else
-    activation_forward_kernel<1><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, outp);
+  with_kind(act.kind, [&](auto kind) {
+    constexpr int K = decltype(kind)::value;
+    if (vec)
+      activation_forward_kernel<8, K><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, outp);
+    else
+      activation_forward_kernel<1, K><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, outp);
+  });
   FLEXEP_CUDA_CHECK_LAUNCH("activation_forward");
 }
 
@@ -311,12 +363,15 @@ void activation_backward(const ActivationParams& params, const TensorView& h, co
   auto* gap = static_cast<const bf16_t*>(grad_ap.data);
   auto* ghp = static_cast<bf16_t*>(grad_h.data);
   auto* gpp = grad_probs.defined() ? static_cast<float*>(grad_probs.data) : nullptr;
-  if (vec)
-    activation_backward_kernel<8><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, gap, ghp,
-                                                                      gpp);
-  else
-    activation_backward_kernel<1><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, gap, ghp,
-                                                                      gpp);
+  with_kind(act.kind, [&](auto kind) {
+    constexpr int K = decltype(kind)::value;
+    if (vec)
+      activation_backward_kernel<8, K><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, gap,
+                                                                           ghp, gpp);
+    else
+      activation_backward_kernel<1, K><<<blocks, kRowThreads, 0, stream>>>(act, hp, bp, pp, op, E, rows, inter, gap,
+                                                                           ghp, gpp);
+  });
   FLEXEP_CUDA_CHECK_LAUNCH("activation_backward");
   // The bias gradient is the per-expert column sum of grad_h as stored (what a bf16 autograd graph sums).
   if (grad_gate_up_bias.defined()) expert_column_sum(grad_h, TensorView(), expert_offsets, grad_gate_up_bias, stream);

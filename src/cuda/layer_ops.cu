@@ -99,6 +99,22 @@ __global__ void fill_random_kernel(T* t, std::uint64_t seed, float half_width, s
   }
 }
 
+// Integer atomics: the counts do not depend on the order of the adds.
+__global__ void count_expert_load_kernel(const std::int64_t* indices, unsigned long long* load, std::int64_t n,
+                                         std::int64_t experts) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t e = indices[i];
+    if (e >= 0 && e < experts) atomicAdd(load + e, 1ull);
+  }
+}
+
+__global__ void f32_to_bf16_kernel(const float* src, __nv_bfloat16* dst, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = __float2bfloat16(src[i]);
+}
+
 __global__ void fill_kernel(float* t, float v, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
@@ -190,6 +206,32 @@ void add_i64(const TensorView& acc, const TensorView& x, cudaStream_t stream) {
   add_i64_kernel<<<blocks_for(acc.numel()), kThreads, 0, stream>>>(acc.ptr<std::int64_t>(), x.ptr<std::int64_t>(),
                                                                   acc.numel());
   FLEXEP_CUDA_CHECK_LAUNCH("add_i64_kernel");
+}
+
+void count_expert_load(const TensorView& indices, const TensorView& load, cudaStream_t stream) {
+  check::rank(indices, 2, "indices");
+  check::dtype(indices, {DType::i64}, "indices");
+  check::rank(load, 1, "load");
+  check::dtype(load, {DType::i64}, "load");
+  check::same_device(indices, "indices", load, "load");
+  zero_async(load, stream);
+  const std::int64_t n = indices.numel();
+  if (!n) return;
+  static_assert(sizeof(unsigned long long) == sizeof(std::int64_t));
+  count_expert_load_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+      indices.ptr<std::int64_t>(), static_cast<unsigned long long*>(load.data), n, load.size(0));
+  FLEXEP_CUDA_CHECK_LAUNCH("count_expert_load_kernel");
+}
+
+void convert_f32_to_bf16(const TensorView& src, const TensorView& dst, cudaStream_t stream) {
+  check::dtype(src, {DType::f32}, "src");
+  check::dtype(dst, {DType::bf16}, "dst");
+  FLEXEP_CHECK_ARG(src.numel() == dst.numel(), "dst", "has ", dst.numel(), " elements, src has ", src.numel());
+  check::same_device(src, "src", dst, "dst");
+  if (!src.numel()) return;
+  f32_to_bf16_kernel<<<blocks_for(src.numel()), kThreads, 0, stream>>>(
+      src.ptr<float>(), static_cast<__nv_bfloat16*>(dst.data), src.numel());
+  FLEXEP_CUDA_CHECK_LAUNCH("f32_to_bf16_kernel");
 }
 
 void fill_random(const TensorView& t, std::uint64_t seed, float std, cudaStream_t stream) {

@@ -47,14 +47,17 @@ __global__ void __launch_bounds__(kTokenBlockThreads)
   if (!pr.topk_then_softmax) scatter_add_from_slots(g, expert, gw, k, lane);
 
   if (pr.aux && (a.mask == nullptr || a.mask[t])) {
-    // dL/d original_scores = aux_scale * f_e / Lctx, then through their own normalisation.
+    // dL/d original_scores = aux_scale * f_e / Lctx, then through their own normalisation (the
+    // original scores are p, or p + bias: the same sum the forward made in S).
     double local_sum = 0, local_dot = 0;
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
       const int e = lane + kWarpSize * i;
       if (e < E) {
-        local_sum += p[i];
-        local_dot += pr.aux_scale * a.f_over_ctx[e] * p[i];
+        const double orig =
+            a.score_offset ? static_cast<double>(a.scores[t * E + e] + static_cast<S>(a.score_offset[e])) : p[i];
+        local_sum += orig;
+        local_dot += pr.aux_scale * a.f_over_ctx[e] * orig;
       }
     }
     const double denom = pr.normalized ? warp_sum(local_sum) + kNormEps : 1.0;
@@ -70,9 +73,20 @@ __global__ void __launch_bounds__(kTokenBlockThreads)
   }
 
   // Through the score function (p and g are zero outside the row).
-  if (pr.sigmoid) {
+  if (pr.score == kSigmoid) {
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) g[i] = g[i] * p[i] * (1.0 - p[i]);
+  } else if (pr.score == kSqrtSoftplus) {
+    // p = sqrt(softplus(z)): dp/dz = softplus'(z) / (2 p), softplus' = sigmoid (1 beyond 20).
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = lane + kWarpSize * i;
+      if (e < E && g[i] != 0.0) {
+        const double z = static_cast<double>(a.logits[t * E + e]);
+        const double ds = z > 20.0 ? 1.0 : 1.0 / (1.0 + exp(-z));
+        g[i] = g[i] * ds / (2.0 * p[i]);
+      }
+    }
   } else {
     double local = 0;
 #pragma unroll

@@ -27,6 +27,8 @@ __device__ inline void convert(__nv_bfloat16 v, float& out) { out = __bfloat162f
 __device__ inline void convert(__nv_bfloat16 v, double& out) { out = __bfloat162float(v); }
 __device__ inline void convert(float v, __nv_bfloat16& out) { out = __float2bfloat16_rn(v); }
 __device__ inline void convert(double v, __nv_bfloat16& out) { out = __double2bfloat16(v); }  // one rounding
+__device__ inline void convert(float v, double& out) { out = v; }
+__device__ inline void convert(double v, float& out) { out = static_cast<float>(v); }
 
 template <class T>
 struct alignas(16) Vec16 {
@@ -111,6 +113,8 @@ void launch_cast(const bf16* src, float* dst, std::int64_t n, cudaStream_t strea
 void launch_cast(const bf16* src, double* dst, std::int64_t n, cudaStream_t stream) { cast(as_nv(src), dst, n, stream); }
 void launch_cast(const float* src, bf16* dst, std::int64_t n, cudaStream_t stream) { cast(src, as_nv(dst), n, stream); }
 void launch_cast(const double* src, bf16* dst, std::int64_t n, cudaStream_t stream) { cast(src, as_nv(dst), n, stream); }
+void launch_cast(const float* src, double* dst, std::int64_t n, cudaStream_t stream) { cast(src, dst, n, stream); }
+void launch_cast(const double* src, float* dst, std::int64_t n, cudaStream_t stream) { cast(src, dst, n, stream); }
 
 void launch_split_bf16(const float* g, bf16* hl, std::int64_t rows, int cols, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;

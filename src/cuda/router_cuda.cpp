@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "cuda/router_kernels.h"
 #include "flexep/core/checks.h"
@@ -93,14 +94,29 @@ void grad_w_gemm(cudaStream_t s, const void* x, const void* g, int ldg, void* gr
   gemm(s, CUBLAS_OP_N, CUBLAS_OP_T, dim, E, T, x, dim, g, ldg, beta, grad_w, dim, ty);
 }
 
-template <class S>
+// src (bf16 or f32) as a new tensor of T (bf16, f32 or f64).
+template <class T>
 Tensor cast_to(const TensorView& src, Device dev, cudaStream_t stream) {
-  Tensor t = Tensor::empty(src.shape, dtype_of_v<S>, dev);
-  launch_cast(src.ptr<bf16>(), t.data<S>(), src.numel(), stream);
+  Tensor t = Tensor::empty(src.shape, dtype_of_v<T>, dev);
+  if (src.dtype == dtype_of_v<T>) {
+    copy_async(t, src, stream);
+  } else if (src.dtype == DType::bf16) {
+    if constexpr (!std::is_same_v<T, bf16>) launch_cast(src.ptr<bf16>(), t.data<T>(), src.numel(), stream);
+  } else {
+    if constexpr (!std::is_same_v<T, float>) launch_cast(src.ptr<float>(), t.data<T>(), src.numel(), stream);
+  }
   return t;
 }
 
-router::RouteParams route_params(const MoEConfig& c) {
+// The gate weight in the dtype of the unset precision's linear: bf16 (Automodel's weight.to(x.dtype)).
+// A bf16 weight is used in place; an f32 one (gate_dtype float32) is rounded into `storage`.
+const void* bf16_weight(const TensorView& weight, Tensor& storage, cudaStream_t stream) {
+  if (weight.dtype == DType::bf16) return weight.data;
+  storage = cast_to<bf16>(weight, weight.device, stream);
+  return storage.raw();
+}
+
+router::RouteParams route_params(const MoEConfig& c, std::optional<DType> precision) {
   router::RouteParams p;
   p.experts = c.n_routed_experts;
   p.topk = c.n_activated_experts;
@@ -109,29 +125,42 @@ router::RouteParams route_params(const MoEConfig& c) {
     p.limited_groups = c.n_limited_groups;
   }
   p.top2_group_score = top2_group_score(c);
-  p.sigmoid = c.score_func == ScoreFunc::sigmoid;
-  p.topk_then_softmax = c.score_func == ScoreFunc::softmax && !c.softmax_before_topk;
+  p.neg_inf_mask = c.group_mask_neg_inf();
+  p.score = static_cast<int>(gate_rules::score_kind(c));
+  p.topk_then_softmax = gate_rules::topk_then_softmax(c);
+  p.weights_from_biased = gate_rules::weights_from_biased_scores(c);
   p.normalized = normalized(c);
+  p.round_logits_bf16 = gate_rules::rounds_logits(precision, DType::bf16);
+  p.round_weights_bf16 = !c.router_weights_fp32;
   p.route_scale = c.route_scale;
   return p;
 }
 
-template <class S>
+static_assert(static_cast<int>(gate_rules::ScoreKind::softmax) == router::kSoftmax &&
+                  static_cast<int>(gate_rules::ScoreKind::sigmoid) == router::kSigmoid &&
+                  static_cast<int>(gate_rules::ScoreKind::sqrtsoftplus) == router::kSqrtSoftplus,
+              "the kernels' score kinds are gate_rules'");
+
+// logits [T, E] in L's arithmetic (f32 for the unset precision's bf16 GEMM and for f32, f64 for f64).
+template <class L>
 void compute_logits(std::optional<DType> precision, const TensorView& x, const TensorView& weight, const Tensor& logits,
                     cudaStream_t stream) {
   const int T = static_cast<int>(x.size(0)), dim = static_cast<int>(x.size(1)), E = static_cast<int>(weight.size(0));
   if (!precision) {
-    logits_gemm(stream, weight.data, x.data, logits.raw(), T, E, dim, kBf16ToF32);
+    Tensor rounded;
+    logits_gemm(stream, bf16_weight(weight, rounded, stream), x.data, logits.raw(), T, E, dim, kBf16ToF32);
     return;
   }
-  const Tensor xs = cast_to<S>(x, x.device, stream), ws = cast_to<S>(weight, x.device, stream);
-  logits_gemm(stream, ws.raw(), xs.raw(), logits.raw(), T, E, dim, sizeof(S) == 8 ? kF64 : kF32);
+  const Tensor xs = cast_to<L>(x, x.device, stream), ws = cast_to<L>(weight, x.device, stream);
+  logits_gemm(stream, ws.raw(), xs.raw(), logits.raw(), T, E, dim, sizeof(L) == 8 ? kF64 : kF32);
 }
 
-template <class S>
+// S: the routing arithmetic; L: the logits' (differs only for sqrtsoftplus under f64 precision,
+// which scores the f64 logits after rounding them to fp32, as Automodel's logits.float()).
+template <class S, class L>
 RouterOutput forward_impl(const MoEConfig& c, std::optional<DType> precision, const TensorView& x,
                           const TensorView& weight, const TensorView& bias, const TensorView& correction_bias,
-                          const TensorView& token_mask, bool training, cudaStream_t stream) {
+                          const TensorView& token_mask, const TensorView& replay, bool training, cudaStream_t stream) {
   const Device dev = x.device;
   const DType sd = dtype_of_v<S>;
   const std::int64_t T = x.size(0), E = c.n_routed_experts, k = c.n_activated_experts;
@@ -140,6 +169,11 @@ RouterOutput forward_impl(const MoEConfig& c, std::optional<DType> precision, co
   out.gate_precision = precision;
   out.tokens = T;
   out.logits = Tensor::empty({T, E}, sd, dev);
+  const bool biased_weights = gate_rules::weights_from_biased_scores(c);
+  if (biased_weights) {  // the backward's aux term reads the original (biased) scores
+    out.score_offset = Tensor::empty({E}, DType::f32, dev);
+    copy_async(out.score_offset, correction_bias, stream);
+  }
   out.scores = Tensor::empty({T, E}, sd, dev);
   out.topk_scores = Tensor::empty({T, k}, sd, dev);
   out.weights = Tensor::empty({T, k}, DType::f32, dev);
@@ -155,7 +189,13 @@ RouterOutput forward_impl(const MoEConfig& c, std::optional<DType> precision, co
   if (aux && normalized(c)) denominators = Tensor::empty({T}, sd, dev);
 
   if (T > 0) {
-    compute_logits<S>(precision, x, weight, out.logits, stream);
+    if constexpr (std::is_same_v<S, L>) {
+      compute_logits<L>(precision, x, weight, out.logits, stream);
+    } else {
+      const Tensor wide = Tensor::empty({T, E}, dtype_of_v<L>, dev);
+      compute_logits<L>(precision, x, weight, wide, stream);
+      launch_cast(wide.data<L>(), out.logits.data<S>(), wide.numel(), stream);
+    }
     router::RouteArgs<S> a;
     a.tokens = T;
     a.logits = out.logits.data<S>();
@@ -164,13 +204,14 @@ RouterOutput forward_impl(const MoEConfig& c, std::optional<DType> precision, co
     a.correction_bias =
         correction_bias.defined() && c.score_func != ScoreFunc::softmax ? correction_bias.ptr<float>() : nullptr;
     a.mask = token_mask.defined() ? token_mask.ptr<bool>() : nullptr;
+    a.replay = replay.defined() ? replay.ptr<std::int64_t>() : nullptr;
     a.scores = out.scores.data<S>();
     a.topk_scores = out.topk_scores.data<S>();
     a.weights = out.weights.data<float>();
     a.indices = out.indices.data<std::int64_t>();
     a.load = out.expert_load.data<std::int64_t>();
     a.score_denominator = denominators.defined() ? denominators.data<S>() : nullptr;
-    router::launch_route<S>(route_params(c), a, stream);
+    router::launch_route<S>(route_params(c, precision), a, stream);
   }
 
   if (aux) {
@@ -178,9 +219,10 @@ RouterOutput forward_impl(const MoEConfig& c, std::optional<DType> precision, co
     const Tensor partial = Tensor::empty({ch.chunks, E}, DType::f64, dev);
     const Tensor valid = Tensor::empty({ch.chunks}, DType::i32, dev);
     router::launch_column_partial_sums<S>(out.scores.data<S>(), token_mask.defined() ? token_mask.ptr<bool>() : nullptr,
-                                          denominators.defined() ? denominators.data<S>() : nullptr, T,
-                                          static_cast<int>(E), partial.data<double>(),
-                                          valid.data<std::int32_t>(), stream);
+                                          denominators.defined() ? denominators.data<S>() : nullptr,
+                                          biased_weights ? out.score_offset.data<float>() : nullptr, T,
+                                          static_cast<int>(E), partial.data<double>(), valid.data<std::int32_t>(),
+                                          stream);
     out.aux_f_over_ctx = Tensor::empty({E}, DType::f64, dev);
     out.aux_loss = Tensor::empty({1}, sd, dev);
     router::launch_aux_finish(partial.data<double>(), valid.data<std::int32_t>(), ch.chunks,
@@ -199,9 +241,13 @@ void input_grads_bf16(const Tensor& g, const TensorView& x, const TensorView& we
   const Tensor hl = Tensor::empty({T, 2 * E}, DType::bf16, dev);
   router::launch_split_bf16(g.data<float>(), hl.data<bf16>(), T, E, stream);
   {
+    // The weight the forward's linear used: bf16, rounded from an f32 weight.
+    Tensor rounded;
+    const TensorView w16(const_cast<void*>(bf16_weight(weight, rounded, stream)), DType::bf16, weight.shape,
+                         weight.device);
     const Tensor w2 = Tensor::empty({2 * E, dim}, DType::bf16, dev);
-    copy_async(w2.view().rows(0, E), weight, stream);
-    copy_async(w2.view().rows(E, 2 * E), weight, stream);
+    copy_async(w2.view().rows(0, E), w16, stream);
+    copy_async(w2.view().rows(E, 2 * E), w16, stream);
     grad_x_gemm(stream, w2.raw(), hl.raw(), grad_x.raw(), T, 2 * E, dim, kBf16ToBf16);
   }
   if (!grad_weight.defined()) return;
@@ -249,8 +295,8 @@ RouterGrads backward_impl(const RouterOutput& f, const TensorView& grad_weights,
   router::BackwardParams p;
   p.experts = c.n_routed_experts;
   p.topk = c.n_activated_experts;
-  p.sigmoid = c.score_func == ScoreFunc::sigmoid;
-  p.topk_then_softmax = c.score_func == ScoreFunc::softmax && !c.softmax_before_topk;
+  p.score = static_cast<int>(gate_rules::score_kind(c));
+  p.topk_then_softmax = gate_rules::topk_then_softmax(c);
   p.normalized = normalized(c);
   p.route_scale = c.route_scale;
   p.aux = f.aux_loss.defined();
@@ -261,14 +307,23 @@ RouterGrads backward_impl(const RouterOutput& f, const TensorView& grad_weights,
   a.indices = f.indices.data<std::int64_t>();
   a.topk_scores = f.topk_scores.data<S>();
   a.scores = f.scores.data<S>();
+  a.logits = f.logits.data<S>();
+  a.score_offset = f.score_offset.defined() ? f.score_offset.data<float>() : nullptr;
   a.mask = f.token_mask.defined() ? f.token_mask.data<bool>() : nullptr;
   a.f_over_ctx = p.aux ? f.aux_f_over_ctx.data<double>() : nullptr;
   a.grad_logits = out.grad_logits.data<S>();
   router::launch_router_backward<S>(p, a, stream);
 
   if constexpr (sizeof(S) == 4) {
-    if (!f.gate_precision) input_grads_bf16(out.grad_logits, x, weight, out.grad_x, grad_weight, stream);
-    else input_grads_exact<float>(out.grad_logits, x, weight, out.grad_x, grad_weight, stream);
+    if (!f.gate_precision) {
+      input_grads_bf16(out.grad_logits, x, weight, out.grad_x, grad_weight, stream);
+    } else if (*f.gate_precision == DType::f64) {
+      // fp32 routing on f64 logits (sqrtsoftplus): the linear's backward is f64, as its forward.
+      const Tensor g64 = cast_to<double>(out.grad_logits, dev, stream);
+      input_grads_exact<double>(g64, x, weight, out.grad_x, grad_weight, stream);
+    } else {
+      input_grads_exact<float>(out.grad_logits, x, weight, out.grad_x, grad_weight, stream);
+    }
   } else {
     input_grads_exact<double>(out.grad_logits, x, weight, out.grad_x, grad_weight, stream);
   }
@@ -276,8 +331,8 @@ RouterGrads backward_impl(const RouterOutput& f, const TensorView& grad_weights,
   if (grad_bias.defined()) {
     const router::ColumnChunks ch = router::column_chunks(T);
     const Tensor partial = Tensor::empty({ch.chunks, E}, DType::f64, dev);
-    router::launch_column_partial_sums<S>(out.grad_logits.data<S>(), nullptr, nullptr, T, static_cast<int>(E),
-                                          partial.data<double>(), nullptr, stream);
+    router::launch_column_partial_sums<S>(out.grad_logits.data<S>(), nullptr, nullptr, nullptr, T,
+                                          static_cast<int>(E), partial.data<double>(), nullptr, stream);
     router::launch_add_column_sums(partial.data<double>(), ch.chunks, static_cast<int>(E), grad_bias.ptr<float>(),
                                    stream);
   }
@@ -288,7 +343,8 @@ RouterGrads backward_impl(const RouterOutput& f, const TensorView& grad_weights,
 
 RouterOutput router_forward(const MoEConfig& config, std::optional<DType> gate_precision, const TensorView& x,
                             const TensorView& weight, const TensorView& bias, const TensorView& correction_bias,
-                            const TensorView& token_mask, bool training, cudaStream_t stream) {
+                            const TensorView& token_mask, bool training, cudaStream_t stream,
+                            const TensorView& replay_indices) {
   validate_config(config, gate_precision);
   const std::int64_t E = config.n_routed_experts;
   check::shape(x, {-1, config.dim}, "x");
@@ -296,7 +352,7 @@ RouterOutput router_forward(const MoEConfig& config, std::optional<DType> gate_p
   check::dtype(x, {DType::bf16}, "x");
   const std::int64_t T = x.size(0);
   FLEXEP_CHECK_ARG(T <= INT_MAX, "x", "has ", T, " rows; at most ", INT_MAX, " are supported");
-  check_tensor(weight, {E, config.dim}, {DType::bf16}, x.device, "weight");
+  check_tensor(weight, {E, config.dim}, {DType::bf16, DType::f32}, x.device, "weight");
   if (config.router_bias) check_tensor(bias, {E}, {DType::bf16, DType::f32}, x.device, "bias");
   else FLEXEP_CHECK_ARG(!bias.defined(), "bias", "was given but moe.router_bias is false");
   if (config.has_correction_bias()) check_tensor(correction_bias, {E}, {DType::f32}, x.device, "correction_bias");
@@ -305,13 +361,25 @@ RouterOutput router_forward(const MoEConfig& config, std::optional<DType> gate_p
                      "was given but the config has none (moe.gate_bias_update_factor = 0 and "
                      "moe.force_e_score_correction_bias = false)");
   if (token_mask.defined()) check_tensor(token_mask, {T}, {DType::b8}, x.device, "token_mask");
+  if (replay_indices.defined()) {
+    FLEXEP_CHECK_ARG(config.enable_routing_replay, "replay_indices",
+                     "were given but moe.enable_routing_replay is false");
+    check_tensor(replay_indices, {T, config.n_activated_experts}, {DType::i64}, x.device, "replay_indices");
+  }
 
   init();
   DeviceGuard device(x.device.index);
   StreamGuard ordered(stream);  // outlives every temporary below: they are freed on `stream`
-  if (gate_precision == DType::f64)
-    return forward_impl<double>(config, gate_precision, x, weight, bias, correction_bias, token_mask, training, stream);
-  return forward_impl<float>(config, gate_precision, x, weight, bias, correction_bias, token_mask, training, stream);
+  const TensorView& r = replay_indices;
+  if (gate_precision == DType::f64) {
+    if (gate_rules::routes_in_fp32(config))
+      return forward_impl<float, double>(config, gate_precision, x, weight, bias, correction_bias, token_mask, r,
+                                         training, stream);
+    return forward_impl<double, double>(config, gate_precision, x, weight, bias, correction_bias, token_mask, r,
+                                        training, stream);
+  }
+  return forward_impl<float, float>(config, gate_precision, x, weight, bias, correction_bias, token_mask, r, training,
+                                    stream);
 }
 
 RouterGrads router_backward(const RouterOutput& forward, const TensorView& grad_weights, const TensorView& x,
@@ -326,7 +394,7 @@ RouterGrads router_backward(const RouterOutput& forward, const TensorView& grad_
   check::dtype(x, {DType::bf16}, "x");
   FLEXEP_CHECK_ARG(x.device == dev, "x", "is on device ", x.device.str(), " but the forward ran on ", dev.str());
   check_tensor(grad_weights, {T, k}, {DType::f32}, dev, "grad_weights");
-  check_tensor(weight, {E, c.dim}, {DType::bf16}, dev, "weight");
+  check_tensor(weight, {E, c.dim}, {DType::bf16, DType::f32}, dev, "weight");
   if (grad_weight.defined()) check_tensor(grad_weight, {E, c.dim}, {DType::f32}, dev, "grad_weight");
   if (grad_bias.defined()) {
     FLEXEP_CHECK_ARG(c.router_bias, "grad_bias", "was given but the forward ran without a router bias");

@@ -20,8 +20,8 @@ constexpr int kMaxChunks = 65535;  // gridDim.y limit
 
 template <class S>
 __global__ void __launch_bounds__(kColumns* kRowLanes)
-    column_partial_kernel(const S* m, const bool* mask, const S* row_div, std::int64_t rows, int cols,
-                          int rows_per_chunk, double* partial, int* valid_partial) {
+    column_partial_kernel(const S* m, const bool* mask, const S* row_div, const float* col_offset, std::int64_t rows,
+                          int cols, int rows_per_chunk, double* partial, int* valid_partial) {
   __shared__ double acc[kRowLanes][kColumns];
   __shared__ int valid[kRowLanes][kColumns];
   const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);
@@ -30,11 +30,12 @@ __global__ void __launch_bounds__(kColumns* kRowLanes)
   const std::int64_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
   double sum = 0;
   int count = 0;
+  const S offset = col_offset && col < cols ? static_cast<S>(col_offset[col]) : S(0);
   for (std::int64_t r = begin + ty; r < end; r += kRowLanes) {
     const bool on = mask == nullptr || mask[r];
     count += on;
     if (on && col < cols) {
-      const double v = static_cast<double>(m[r * cols + col]);
+      const double v = static_cast<double>(col_offset ? m[r * cols + col] + offset : m[r * cols + col]);
       sum += row_div ? v / static_cast<double>(row_div[r]) : v;
     }
   }
@@ -100,20 +101,20 @@ ColumnChunks column_chunks(std::int64_t rows) {
 }
 
 template <class S>
-void launch_column_partial_sums(const S* m, const bool* mask, const S* row_div, std::int64_t rows, int cols,
-                                double* partial, int* valid_partial, cudaStream_t stream) {
+void launch_column_partial_sums(const S* m, const bool* mask, const S* row_div, const float* col_offset,
+                                std::int64_t rows, int cols, double* partial, int* valid_partial, cudaStream_t stream) {
   const ColumnChunks ch = column_chunks(rows);
   if (ch.chunks == 0 || cols == 0) return;
   const dim3 grid(static_cast<unsigned>((cols + kColumns - 1) / kColumns), static_cast<unsigned>(ch.chunks));
-  column_partial_kernel<S><<<grid, dim3(kColumns, kRowLanes), 0, stream>>>(m, mask, row_div, rows, cols,
-                                                                           ch.rows_per_chunk, partial, valid_partial);
+  column_partial_kernel<S><<<grid, dim3(kColumns, kRowLanes), 0, stream>>>(
+      m, mask, row_div, col_offset, rows, cols, ch.rows_per_chunk, partial, valid_partial);
   FLEXEP_CUDA_CHECK_LAUNCH("column_partial_kernel");
 }
 
-template void launch_column_partial_sums<float>(const float*, const bool*, const float*, std::int64_t, int, double*,
-                                                int*, cudaStream_t);
-template void launch_column_partial_sums<double>(const double*, const bool*, const double*, std::int64_t, int,
-                                                 double*, int*, cudaStream_t);
+template void launch_column_partial_sums<float>(const float*, const bool*, const float*, const float*, std::int64_t,
+                                                int, double*, int*, cudaStream_t);
+template void launch_column_partial_sums<double>(const double*, const bool*, const double*, const float*,
+                                                 std::int64_t, int, double*, int*, cudaStream_t);
 
 void launch_aux_finish(const double* partial, const int* valid_partial, int chunks, const std::int64_t* load,
                        int experts, int topk, double* f_over_ctx, void* loss, bool loss_is_double,

@@ -158,4 +158,19 @@ int sm_count(int device) {
   return n;
 }
 
+std::uint64_t pool_peak_bytes(int device) {
+  cudaMemPool_t pool = nullptr;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t high = 0;
+  FLEXEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  return high;
+}
+
+void reset_pool_peak_bytes(int device) {
+  cudaMemPool_t pool = nullptr;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t zero = 0;  // resets the high-water mark to the current use
+  FLEXEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+}
+
 }  // namespace flexep::cuda

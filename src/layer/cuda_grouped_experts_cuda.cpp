@@ -8,6 +8,7 @@
 #include "flexep/core/random.h"
 #include "flexep/cuda/expert_activation.h"
 #include "flexep/cuda/expert_bias.h"
+#include "flexep/cuda/expert_prob.h"
 #include "flexep/cuda/grouped_gemm.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/grouped_experts.h"
@@ -23,6 +24,7 @@ CudaExpertsSaved::~CudaExpertsSaved() {
   offsets = Tensor();
   h = Tensor();
   ap = Tensor();
+  u = Tensor();
 }
 
 namespace {
@@ -34,7 +36,7 @@ constexpr const char* kGateUpBias = "gate_up_proj_bias";
 constexpr const char* kDownBias = "down_proj_bias";
 
 void check_cuda_tensor(const TensorView& t, std::initializer_list<std::int64_t> shape, DType dtype, int device,
-                       const char* arg) {
+                       const std::string& arg) {
   check::shape(t, shape, arg);
   check::dtype(t, {dtype}, arg);
   check::device(t, Device::cuda(device), arg);
@@ -63,7 +65,16 @@ void renew_grad(Parameter& p, DType dtype, bool zeroed) {
                   : Tensor::empty(p.value.shape(), dtype, p.value.device());
 }
 
-TensorView value_or_undefined(const Parameter& p) { return p.value.defined() ? p.value.view() : TensorView(); }
+// A gradient target: undefined, or the weight's shape in one of `dtypes` on `device`.
+void check_target(const TensorView& t, const TensorView& weight, std::initializer_list<DType> dtypes, int device,
+                  const std::string& name) {
+  if (!t.defined()) return;
+  const std::string arg = name + " (gradient target)";
+  FLEXEP_CHECK_ARG(weight.defined(), arg, "given, but the weight is absent");
+  FLEXEP_CHECK_ARG(t.shape == weight.shape, arg, "has shape ", t.shape.str(), ", expected ", weight.shape.str());
+  check::dtype(t, dtypes, arg);
+  check::device(t, Device::cuda(device), arg);
+}
 
 // Uploads a host tensor (any floating dtype, same element count) into a bf16 device tensor.
 void upload_as_bf16(const Tensor& host, const TensorView& dst, cudaStream_t stream) {
@@ -75,23 +86,53 @@ void upload_as_bf16(const Tensor& host, const TensorView& dst, cudaStream_t stre
 
 }  // namespace
 
-CudaGroupedExperts::CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device,
-                                       GradMode grad_mode)
-    : config_(config), local_(num_local_experts), first_(first_expert), device_(device), grad_mode_(grad_mode) {
-  FLEXEP_CHECK_ARG(config.dtype == DType::bf16, "moe.dtype", "the CUDA grouped experts hold bf16 parameters, got ",
-                   dtype_name(config.dtype));
+CudaGroupedExpertsCompute::CudaGroupedExpertsCompute(const MoEConfig& config, int num_local_experts, int device,
+                                                     std::string name)
+    : config_(config), local_(num_local_experts), device_(device), name_(std::move(name)) {
   FLEXEP_CHECK_ARG(config.dim >= 1, "moe.dim", "must be >= 1, got ", config.dim);
   FLEXEP_CHECK_ARG(config.moe_inter_dim >= 1, "moe.moe_inter_dim", "must be >= 1, got ", config.moe_inter_dim);
   FLEXEP_CHECK_ARG(num_local_experts >= 1 && num_local_experts <= config.n_routed_experts, "num_local_experts",
                    "must be in [1, moe.n_routed_experts = ", config.n_routed_experts, "], got ", num_local_experts);
+  const int devices = cuda::device_count();
+  FLEXEP_CHECK_ARG(device >= 0 && device < devices, "device", "must be in [0, ", devices, "), got ", device);
+  act_ = activation_params(config, config.expert_activation);
+}
+
+void CudaGroupedExpertsCompute::check_weights(const ExpertWeights& w) const {
+  const std::int64_t E = local_, dim = config_.dim, up = config_.up_dim(), inter = config_.moe_inter_dim;
+  check_cuda_tensor(w.gate_and_up_projs, {E, dim, up}, DType::bf16, device_, name_ + "gate_and_up_projs");
+  check_cuda_tensor(w.down_projs, {E, inter, dim}, DType::bf16, device_, name_ + "down_projs");
+  auto bias = [&](const TensorView& v, std::initializer_list<std::int64_t> shape, const char* leaf) {
+    const std::string name = name_ + leaf;
+    FLEXEP_CHECK_ARG(v.defined() == config_.expert_bias, name, v.defined() ? "was given" : "is missing",
+                     " but moe.expert_bias is ", config_.expert_bias ? "true" : "false");
+    if (v.defined()) check_cuda_tensor(v, shape, DType::bf16, device_, name);
+  };
+  bias(w.gate_up_proj_bias, {E, up}, "gate_up_proj_bias");
+  bias(w.down_proj_bias, {E, dim}, "down_proj_bias");
+}
+
+void CudaGroupedExpertsCompute::check_targets(const ExpertWeights& w, const CudaExpertGradTargets& t) const {
+  check_target(t.gate_and_up_projs, w.gate_and_up_projs, {DType::bf16, DType::f32}, device_,
+               name_ + "gate_and_up_projs");
+  check_target(t.down_projs, w.down_projs, {DType::bf16, DType::f32}, device_, name_ + "down_projs");
+  check_target(t.gate_up_proj_bias, w.gate_up_proj_bias, {DType::f32}, device_, name_ + "gate_up_proj_bias");
+  check_target(t.down_proj_bias, w.down_proj_bias, {DType::f32}, device_, name_ + "down_proj_bias");
+}
+
+CudaGroupedExperts::CudaGroupedExperts(const MoEConfig& config, int num_local_experts, int first_expert, int device,
+                                       GradMode grad_mode)
+    : config_(config),
+      local_(num_local_experts),
+      first_(first_expert),
+      device_(device),
+      grad_mode_(grad_mode),
+      compute_(config, num_local_experts, device) {
+  FLEXEP_CHECK_ARG(config.dtype == DType::bf16, "moe.dtype", "the CUDA grouped experts hold bf16 parameters, got ",
+                   dtype_name(config.dtype));
   FLEXEP_CHECK_ARG(first_expert >= 0 && first_expert + num_local_experts <= config.n_routed_experts, "first_expert",
                    "local experts [", first_expert, ", ", first_expert + num_local_experts,
                    ") must lie in [0, moe.n_routed_experts = ", config.n_routed_experts, ")");
-  const int devices = cuda::device_count();
-  FLEXEP_CHECK_ARG(device >= 0 && device < devices, "device", "must be in [0, ", devices, "), got ", device);
-  act_.kind = config.expert_activation;
-  act_.alpha = config.activation_alpha;
-  act_.limit = config.activation_limit;
   cuda::init();
   cuda::DeviceGuard dg(device_);
   cuda::StreamGuard sg(nullptr);
@@ -167,22 +208,41 @@ void CudaGroupedExperts::copy_values_to(GroupedExperts& cpu, cudaStream_t stream
   store(down_bias_, cpu.down_proj_bias());
 }
 
+ExpertWeights CudaGroupedExperts::weights() const {
+  return {gate_and_up_.value, down_.value, gate_up_bias_.value, down_bias_.value};
+}
+
 CudaExpertsOutput CudaGroupedExperts::forward(const TensorView& tokens, const TensorView& probs,
                                               const std::vector<std::int64_t>& tokens_per_expert,
                                               cudaStream_t stream) {
-  return forward_impl(tokens, nullptr, probs, tokens_per_expert, stream);
+  return compute_.forward(weights(), tokens, probs, tokens_per_expert, stream);
 }
 
 CudaExpertsOutput CudaGroupedExperts::forward(const Tensor& tokens, const TensorView& probs,
                                               const std::vector<std::int64_t>& tokens_per_expert,
                                               cudaStream_t stream) {
-  return forward_impl(tokens.view(), &tokens, probs, tokens_per_expert, stream);
+  return compute_.forward(weights(), tokens, probs, tokens_per_expert, stream);
 }
 
-CudaExpertsOutput CudaGroupedExperts::forward_impl(const TensorView& tokens, const Tensor* keep,
-                                                   const TensorView& probs,
-                                                   const std::vector<std::int64_t>& tokens_per_expert,
-                                                   cudaStream_t stream) {
+CudaExpertsOutput CudaGroupedExpertsCompute::forward(const ExpertWeights& weights, const TensorView& tokens,
+                                                     const TensorView& probs,
+                                                     const std::vector<std::int64_t>& tokens_per_expert,
+                                                     cudaStream_t stream) const {
+  return forward_impl(weights, tokens, nullptr, probs, tokens_per_expert, stream);
+}
+
+CudaExpertsOutput CudaGroupedExpertsCompute::forward(const ExpertWeights& weights, const Tensor& tokens,
+                                                     const TensorView& probs,
+                                                     const std::vector<std::int64_t>& tokens_per_expert,
+                                                     cudaStream_t stream) const {
+  return forward_impl(weights, tokens.view(), &tokens, probs, tokens_per_expert, stream);
+}
+
+CudaExpertsOutput CudaGroupedExpertsCompute::forward_impl(const ExpertWeights& weights, const TensorView& tokens,
+                                                          const Tensor* keep, const TensorView& probs,
+                                                          const std::vector<std::int64_t>& tokens_per_expert,
+                                                          cudaStream_t stream) const {
+  check_weights(weights);
   check_cuda_tensor(tokens, {-1, config_.dim}, DType::bf16, device_, "tokens");
   const std::int64_t N = tokens.size(0);
   check_cuda_tensor(probs, {N}, DType::f32, device_, "probs");
@@ -224,11 +284,24 @@ CudaExpertsOutput CudaGroupedExperts::forward_impl(const TensorView& tokens, con
   Tensor y = Tensor::empty({N, dim}, DType::bf16, dev);
   cuda::zero_async(y.view().rows(active, N), stream);
   const TensorView y_active = y.view().rows(0, active);
-  cuda::grouped_gemm_forward(x, gate_and_up_.value, counts, saved->h, stream);
-  cuda::activation_forward(act_, saved->h, value_or_undefined(gate_up_bias_), saved->p, saved->offsets, saved->ap,
-                           stream);
-  cuda::grouped_gemm_forward(saved->ap, down_.value, counts, y_active, stream);
-  if (down_bias_.value.defined()) cuda::down_bias_forward(y_active, down_bias_.value, saved->p, saved->offsets, stream);
+  cuda::grouped_gemm_forward(x, weights.gate_and_up_projs, counts, saved->h, stream);
+  if (config_.apply_router_weight_after_down) {
+    // Automodel's order: act(h) with a prob of 1, u = a W_down (bf16) + b_down (rounded to bf16),
+    // then y = bf16(u * p) in fp32.
+    saved->u = Tensor::empty({active, dim}, DType::bf16, dev);
+    cuda::activation_forward(act_, saved->h, weights.gate_up_proj_bias, TensorView(), saved->offsets,
+                             saved->ap, stream);
+    cuda::grouped_gemm_forward(saved->ap, weights.down_projs, counts, saved->u, stream);
+    if (weights.down_proj_bias.defined())
+      cuda::down_bias_forward(saved->u, weights.down_proj_bias, TensorView(), saved->offsets, stream);
+    cuda::prob_scale_rows(saved->u, saved->p, y_active, stream);
+  } else {
+    cuda::activation_forward(act_, saved->h, weights.gate_up_proj_bias, saved->p, saved->offsets, saved->ap,
+                             stream);
+    cuda::grouped_gemm_forward(saved->ap, weights.down_projs, counts, y_active, stream);
+    if (weights.down_proj_bias.defined())
+      cuda::down_bias_forward(y_active, weights.down_proj_bias, saved->p, saved->offsets, stream);
+  }
 
   CudaExpertsOutput out;
   out.out = std::move(y);
@@ -236,11 +309,40 @@ CudaExpertsOutput CudaGroupedExperts::forward_impl(const TensorView& tokens, con
   return out;
 }
 
+CudaExpertGradTargets CudaGroupedExperts::grad_targets(cudaStream_t stream) {
+  cuda::DeviceGuard dg(device_);
+  cuda::StreamGuard sg(stream);
+  if (grad_mode_ == GradMode::fresh_bf16_weights) renew_grads();
+  const DType weight_grad_dtype = grad_mode_ == GradMode::fresh_bf16_weights ? DType::bf16 : DType::f32;
+  CudaExpertGradTargets t;
+  t.gate_and_up_projs = grad_of(gate_and_up_, weight_grad_dtype);
+  t.down_projs = grad_of(down_, weight_grad_dtype);
+  t.gate_up_proj_bias = grad_of(gate_up_bias_, DType::f32);
+  t.down_proj_bias = grad_of(down_bias_, DType::f32);
+  // After zero_grad the weight gradients are overwritten rather than accumulated (no zero fill).
+  t.accumulate_weights = !weight_grads_stale_;
+  weight_grads_stale_ = false;
+  return t;
+}
+
 CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_output, const TensorView& grad_out,
                                               cudaStream_t stream) {
   FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
+  FLEXEP_CHECK_ARG(forward_output.saved->owner == &compute_, "forward_output",
+                   "was produced by a different CudaGroupedExperts module");
+  check_cuda_tensor(grad_out, {forward_output.saved->rows, config_.dim}, DType::bf16, device_, "grad_out");
+  return compute_.backward(weights(), forward_output, grad_out, grad_targets(stream), stream);
+}
+
+CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weights,
+                                                     const CudaExpertsOutput& forward_output,
+                                                     const TensorView& grad_out, const CudaExpertGradTargets& targets,
+                                                     cudaStream_t stream) const {
+  FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
   const CudaExpertsSaved& s = *forward_output.saved;
-  FLEXEP_CHECK_ARG(s.owner == this, "forward_output", "was produced by a different CudaGroupedExperts module");
+  FLEXEP_CHECK_ARG(s.owner == this, "forward_output", "was produced by a different grouped-experts computation");
+  check_weights(weights);
+  check_targets(weights, targets);
   check_cuda_tensor(grad_out, {s.rows, config_.dim}, DType::bf16, device_, "grad_out");
   cuda::DeviceGuard dg(device_);
   cuda::StreamGuard sg(stream);
@@ -249,36 +351,45 @@ CudaExpertsGrads CudaGroupedExperts::backward(const CudaExpertsOutput& forward_o
   const std::int64_t N = s.rows, A = s.active;
   const std::int64_t dim = config_.dim, up = config_.up_dim(), inter = config_.moe_inter_dim;
   const std::vector<std::int64_t>& counts = s.tokens_per_expert;
-
-  if (grad_mode_ == GradMode::fresh_bf16_weights) renew_grads();
-  const DType weight_grad_dtype = grad_mode_ == GradMode::fresh_bf16_weights ? DType::bf16 : DType::f32;
-  const TensorView g_wgu = grad_of(gate_and_up_, weight_grad_dtype), g_wd = grad_of(down_, weight_grad_dtype);
-  const TensorView g_bgu = grad_of(gate_up_bias_, DType::f32), g_bd = grad_of(down_bias_, DType::f32);
+  const TensorView &g_wgu = targets.gate_and_up_projs, &g_wd = targets.down_projs;
+  const TensorView &g_bgu = targets.gate_up_proj_bias, &g_bd = targets.down_proj_bias;
+  // grad [E, K, M] = a^T d per expert: bf16 targets are written, f32 ones accumulated or overwritten.
+  auto weight_grad = [&](const TensorView& a, const TensorView& d, const TensorView& grad) {
+    if (grad.dtype == DType::bf16) cuda::grouped_gemm_wgrad_bf16(a, d, counts, grad, stream);
+    else cuda::grouped_gemm_wgrad(a, d, counts, grad, stream, targets.accumulate_weights);
+  };
 
   Tensor gx = Tensor::empty({N, dim}, DType::bf16, dev);
   Tensor gp = Tensor::empty({N}, DType::f32, dev);
   cuda::zero_async(gx.view().rows(A, N), stream);
   cuda::zero_async(gp.view().rows(A, N), stream);
-  const TensorView g = grad_out.rows(0, A);
+  const bool after_down = config_.apply_router_weight_after_down;
   const TensorView gp_active = gp.view().rows(0, A);
+  // After the down projection: grad p = <grad_y, u> and the FFN below sees bf16(grad_y * p) with a
+  // prob of 1 (so the activation and the down bias add nothing to grad p).
+  Tensor gu;
+  if (after_down) {
+    gu = Tensor::empty({A, dim}, DType::bf16, dev);
+    cuda::prob_scale_rows_backward(grad_out.rows(0, A), s.u, s.p, gu, gp_active, stream);
+  }
+  const TensorView g = after_down ? gu.view() : grad_out.rows(0, A);
+  const TensorView ffn_probs = after_down ? TensorView() : s.p.view();
+  const TensorView ffn_grad_probs = after_down ? TensorView() : gp_active;
 
   // Down projection: the gradient reaching a_p, and W_down's gradient.
   Tensor gap = Tensor::empty({A, inter}, DType::bf16, dev);
-  cuda::grouped_gemm_dgrad(g, down_.value, counts, gap, stream);
-  // After zero_grad the weight gradients are overwritten rather than accumulated (no zero fill).
-  const bool accumulate = !weight_grads_stale_;
-  weight_grads_stale_ = false;
-  if (g_wd.defined()) weight_grad(s.ap, g, counts, g_wd, accumulate, stream);
+  cuda::grouped_gemm_dgrad(g, weights.down_projs, counts, gap, stream);
+  if (g_wd.defined()) weight_grad(s.ap, g, g_wd);
   // Activation (writes grad_probs), then the down bias (adds to grad_probs).
   Tensor gh = Tensor::empty({A, up}, DType::bf16, dev);
-  cuda::activation_backward(act_, s.h, value_or_undefined(gate_up_bias_), s.p, s.offsets, gap, gh, gp_active, g_bgu,
-                            stream);
-  if (down_bias_.value.defined())
-    cuda::down_bias_backward(g, down_bias_.value, s.p, s.offsets, g_bd, gp_active, stream);
+  cuda::activation_backward(act_, s.h, weights.gate_up_proj_bias, ffn_probs, s.offsets, gap, gh, ffn_grad_probs,
+                            g_bgu, stream);
+  if (weights.down_proj_bias.defined())
+    cuda::down_bias_backward(g, weights.down_proj_bias, ffn_probs, s.offsets, g_bd, ffn_grad_probs, stream);
   // Gate/up projection.
   const TensorView x = s.x.view().rows(0, A);
-  if (g_wgu.defined()) weight_grad(x, gh, counts, g_wgu, accumulate, stream);
-  cuda::grouped_gemm_dgrad(gh, gate_and_up_.value, counts, gx.view().rows(0, A), stream);
+  if (g_wgu.defined()) weight_grad(x, gh, g_wgu);
+  cuda::grouped_gemm_dgrad(gh, weights.gate_and_up_projs, counts, gx.view().rows(0, A), stream);
 
   CudaExpertsGrads out;
   out.tokens = std::move(gx);
@@ -293,16 +404,6 @@ void CudaGroupedExperts::renew_grads() {
   renew_grad(down_, DType::bf16, false);
   renew_grad(gate_up_bias_, DType::f32, true);
   renew_grad(down_bias_, DType::f32, true);
-}
-
-// grad [E, K, M] = a^T d per expert: written in bf16 (fresh_bf16_weights), or in f32 added to the
-// buffer (accumulate) or overwriting it (after a zero_grad).
-void CudaGroupedExperts::weight_grad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
-                                     const TensorView& grad, bool accumulate, cudaStream_t stream) const {
-  if (grad_mode_ == GradMode::fresh_bf16_weights)
-    cuda::grouped_gemm_wgrad_bf16(a, d, counts, grad, stream);
-  else
-    cuda::grouped_gemm_wgrad(a, d, counts, grad, stream, accumulate);
 }
 
 void CudaGroupedExperts::zero_grad(cudaStream_t stream) {

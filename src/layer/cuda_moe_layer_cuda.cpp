@@ -1,87 +1,26 @@
 #include "flexep/layer/cuda_moe_layer.h"
 
-#include <spdlog/spdlog.h>
-
 #include <cmath>
 #include <cstring>
 
 #include "flexep/core/checks.h"
 #include "flexep/core/random.h"
 #include "flexep/cuda/layer_ops.h"
-#include "flexep/cuda/router.h"
 #include "flexep/cuda/runtime.h"
-#include "flexep/dispatch/local_cuda.h"
 #include "flexep/layer/gate.h"
 #include "flexep/layer/moe_layer.h"
+#include "layer/gate_rules.h"
 
 namespace flexep {
 
-// Frees the saved tensors on the layer's stream: device memory is stream-ordered, and every use of
-// these tensors (side-stream ones included, which are joined back) is ordered before that point of
-// the stream.
-struct ReleaseOn {
-  cudaStream_t stream = nullptr;
-  std::optional<cuda::StreamGuard> guard;
-  void activate() { guard.emplace(stream); }
-};
-
-struct CudaMoESaved {
-  ReleaseOn release;  // first member: destroyed last, so it is active while the tensors are freed
-  ~CudaMoESaved() { release.activate(); }
-  std::int64_t tokens = 0;
-  Tensor x;            // [T, dim] bf16, a copy when the backward reads it (router, shared experts)
-  Tensor padding;      // [T] bool or undefined
-  cuda::RouterOutput router;
-  GateOutput fake;     // fake balanced gate: routing computed on the host
-  Tensor indices;      // [T, k] i64, padding slots -1
-  Tensor weights;      // [T, k] f32
-  DispatchResult dispatched;
-  CudaExpertsOutput experts;
-  Tensor shared_gate;  // [T] f32: sigmoid gate or ones
-  CudaExpertsOutput shared;
-};
-
-// Events of the phase timing (enabled by set_timing) and of the side-stream joins.
-struct CudaMoELayer::Events {
-  static constexpr int kMarks = 6;
-  cudaEvent_t mark[kMarks] = {};
-  cudaEvent_t x_ready = nullptr, shared_done = nullptr;
-  Events() {
-    for (cudaEvent_t& e : mark) FLEXEP_CUDA_CHECK(cudaEventCreate(&e));
-    FLEXEP_CUDA_CHECK(cudaEventCreateWithFlags(&x_ready, cudaEventDisableTiming));
-    FLEXEP_CUDA_CHECK(cudaEventCreateWithFlags(&shared_done, cudaEventDisableTiming));
-  }
-  ~Events() {
-    for (cudaEvent_t e : mark) cudaEventDestroy(e);
-    cudaEventDestroy(x_ready);
-    cudaEventDestroy(shared_done);
-  }
-  // Elapsed microseconds between consecutive marks 0..n-1 (synchronises on the last).
-  std::vector<double> elapsed(int n) const {
-    FLEXEP_CUDA_CHECK(cudaEventSynchronize(mark[n - 1]));
-    std::vector<double> us;
-    for (int i = 0; i + 1 < n; ++i) {
-      float ms = 0;
-      FLEXEP_CUDA_CHECK(cudaEventElapsedTime(&ms, mark[i], mark[i + 1]));
-      us.push_back(1000.0 * ms);
-    }
-    return us;
-  }
-};
-
 namespace {
 
-Tensor upload_bf16(const TensorView& host, int device, cudaStream_t stream) {
-  Tensor h = Tensor::wrap(host).to(DType::bf16);
+Tensor upload_as(const TensorView& host, DType dtype, int device, cudaStream_t stream) {
+  Tensor h = Tensor::wrap(host).to(dtype);
   return cuda::to_device(h, device, stream);
 }
 
 Tensor download_f32(const TensorView& d, cudaStream_t stream) { return cuda::to_host(d, stream).to(DType::f32); }
-
-std::vector<std::int64_t> host_counts(const Tensor& t, cudaStream_t stream) {
-  const Tensor h = t.device().is_cpu() ? t : cuda::to_host(t, stream);
-  return std::vector<std::int64_t>(h.data<std::int64_t>(), h.data<std::int64_t>() + h.numel());
-}
 
 MoEConfig shared_expert_config(const MoEConfig& c) {
   MoEConfig s = c;
@@ -90,6 +29,9 @@ MoEConfig shared_expert_config(const MoEConfig& c) {
   s.n_routed_experts = 1;
   s.n_activated_experts = 1;
   s.dtype = DType::bf16;
+  // The shared gate scales inside the FFN (sigmoid(g) * (a W_d + b_d) = (a s) W_d + b_d s): the
+  // routed experts' apply_router_weight_after_down does not concern it.
+  s.apply_router_weight_after_down = false;
   return s;
 }
 
@@ -103,27 +45,15 @@ Parameter* find(std::vector<Parameter*> ps, const std::string& name) {
 
 CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend,
                            std::shared_ptr<TokenDispatcher> dispatcher, const CudaMoELayerOptions& options)
-    : config_(config), backend_(backend), options_(options), dispatcher_(std::move(dispatcher)) {
+    : config_(config),
+      backend_(backend),
+      options_(options),
+      compute_(std::make_unique<CudaMoECompute>(config, backend, std::move(dispatcher), options.device,
+                                                options.dispatch)) {
   config_.dtype = DType::bf16;
-  validate(config_);
-  validate(backend_);
-  cuda::init();
-  FLEXEP_CHECK_ARG(options_.device >= 0 && options_.device < cuda::device_count(), "device", options_.device,
-                   " is out of range [0, ", cuda::device_count(), ")");
-  if (dispatcher_) {
-    ep_rank_ = dispatcher_->rank();
-    ep_size_ = dispatcher_->world_size();
-    FLEXEP_CHECK_ARG(dispatcher_->num_experts() == config_.n_routed_experts, "dispatcher", "was made for ",
-                     dispatcher_->num_experts(), " experts but moe.n_routed_experts is ", config_.n_routed_experts);
-  }
-  validate_ep(config_, ep_size_);
-  const Normalization norm = normalize(backend_, ep_size_);
-  for (const std::string& m : norm.messages) spdlog::warn("flexep: {}", m);
-  if (norm.local_fallback || !dispatcher_) dispatcher_ = make_local_cuda_dispatcher(options_.device, config_.n_routed_experts);
-
   cuda::DeviceGuard guard(options_.device);
   const cudaStream_t init_stream = nullptr;
-  const int E = config_.n_routed_experts, local = E / ep_size_;
+  const int E = config_.n_routed_experts, local = compute_->num_local_experts(), rank = compute_->ep_rank();
   // accumulate_f32: the layer's own gradient buffers, zero, for backward to add to. Fresh mode
   // allocates them per backward instead.
   auto persistent_grad = [&](Shape shape) {
@@ -136,10 +66,12 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
   if (!backend_.fake_balanced_gate) {
     Gate cpu_gate(config_, backend_.gate_precision, DType::f32);
     cpu_gate.init(options_.seed, options_.init_std);
-    gate_weight_ = {"gate.weight", upload_bf16(cpu_gate.weight().value, options_.device, init_stream),
+    // moe.gate_dtype: bf16 (the default, = dtype) or f32 storage; the router casts as Automodel does.
+    const DType gd = config_.gate_storage_dtype();
+    gate_weight_ = {"gate.weight", upload_as(cpu_gate.weight().value, gd, options_.device, init_stream),
                     persistent_grad({E, config_.dim}), config_.train_gate};
     if (config_.router_bias)
-      gate_bias_ = {"gate.bias", upload_bf16(cpu_gate.bias().value, options_.device, init_stream),
+      gate_bias_ = {"gate.bias", upload_as(cpu_gate.bias().value, gd, options_.device, init_stream),
                     persistent_grad({E}), config_.train_gate};
     if (config_.has_correction_bias()) {
       correction_bias_ = Tensor::zeros({E}, DType::f32, Device::cuda(options_.device));
@@ -147,7 +79,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
     }
     cumulative_load_ = Tensor::zeros({E}, DType::i64, Device::cuda(options_.device));
   }
-  experts_ = std::make_unique<CudaGroupedExperts>(config_, local, ep_rank_ * local, options_.device,
+  experts_ = std::make_unique<CudaGroupedExperts>(config_, local, rank * local, options_.device,
                                                   options_.grad_mode);
   auto fast_fill = [&](CudaGroupedExperts& g, std::uint64_t salt) {
     for (Parameter* p : g.parameters())
@@ -156,7 +88,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
                           static_cast<float>(options_.init_std), init_stream);
     FLEXEP_CUDA_CHECK(cudaStreamSynchronize(init_stream));
   };
-  if (options_.fast_init) fast_fill(*experts_, static_cast<std::uint64_t>(ep_rank_) * 7919);
+  if (options_.fast_init) fast_fill(*experts_, static_cast<std::uint64_t>(rank) * 7919);
   else experts_->init(options_.seed, options_.init_std, init_stream);
   if (config_.n_shared_experts > 0) {
     shared_ = std::make_unique<CudaGroupedExperts>(shared_expert_config(config_), 1, 0, options_.device,
@@ -174,206 +106,58 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
       cpu_shared.init(options_.seed, options_.init_std);
       upload_shared(cpu_shared.parameters(), init_stream);
     }
-    FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   }
-  events_ = std::make_unique<Events>();
 }
 
-CudaMoELayer::~CudaMoELayer() {
-  // Before the members: tensors made on the side stream are freed after it is gone (retired first).
-  if (side_stream_) cuda::destroy_stream(side_stream_);
+CudaMoELayer::~CudaMoELayer() = default;
+
+MoEWeights CudaMoELayer::weights() const {
+  MoEWeights w;
+  w.gate = {gate_weight_.value, gate_bias_.value, correction_bias_};
+  w.experts = experts_->weights();
+  if (shared_) w.shared_experts = shared_->weights();
+  w.shared_expert_gate = shared_gate_.value;
+  return w;
 }
 
 CudaMoEOutput CudaMoELayer::forward(const TensorView& x, const TensorView& padding_mask, bool training,
-                                    cudaStream_t stream) {
-  const Device dev = Device::cuda(options_.device);
-  check::shape(x, {-1, config_.dim}, "x");
-  check::dtype(x, {DType::bf16}, "x");
-  check::device(x, dev, "x");
-  const std::int64_t T = x.size(0);
-  if (padding_mask.defined()) {
-    check::shape(padding_mask, {T}, "padding_mask");
-    check::dtype(padding_mask, {DType::b8}, "padding_mask");
-    check::device(padding_mask, dev, "padding_mask");
+                                    cudaStream_t stream, const TensorView& replay_indices) {
+  if (replay_indices.defined()) {
+    // The owner's argument is named as such in errors (the computation calls it routing.indices).
+    FLEXEP_CHECK_ARG(!backend_.fake_balanced_gate, "replay_indices", "were given but the fake balanced gate has no replay");
+    FLEXEP_CHECK_ARG(config_.enable_routing_replay, "replay_indices", "were given but moe.enable_routing_replay is false");
+    check::shape(replay_indices, {x.size(0), config_.n_activated_experts}, "replay_indices");
+    check::dtype(replay_indices, {DType::i64}, "replay_indices");
+    check::device(replay_indices, Device::cuda(options_.device), "replay_indices");
   }
-  cuda::DeviceGuard guard(options_.device);
-  cuda::StreamGuard sg(stream);
-  auto s = std::make_shared<CudaMoESaved>();
-  s->release.stream = stream;
-  Events& ev = *events_;
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[0], stream));
-
-  s->tokens = T;
-  // Only the router's and the shared experts' backwards read x: without them (the fake gate, no
-  // shared experts) the forward reads the caller's x and keeps no copy, unless x is not 16-byte
-  // aligned (the dispatchers move rows as 16-byte words; the copy is).
-  const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0;
-  const bool keep_x = shared_ != nullptr || !backend_.fake_balanced_gate || !aligned;
-  if (keep_x) {
-    s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
-    cuda::copy_async(s->x, x, stream);
+  RoutingOverride replay;
+  replay.indices = replay_indices;
+  CudaMoEOutput out = compute_->forward(weights(), x, padding_mask, training, replay, stream);
+  if (!backend_.fake_balanced_gate && training && config_.gate_bias_update_factor > 0) {
+    cuda::DeviceGuard guard(options_.device);
+    cuda::add_i64(cumulative_load_, out.expert_load, stream);
   }
-  const TensorView x_in = keep_x ? s->x.view() : x;
-  if (padding_mask.defined()) {
-    s->padding = Tensor::empty({T}, DType::b8, dev);
-    cuda::copy_async(s->padding, padding_mask, stream);
-  }
-
-  // Shared experts overlap with routing and dispatch on the side stream.
-  if (shared_) {
-    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.x_ready, stream));
-    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ev.x_ready, 0));
-    cuda::StreamGuard side(side_stream_);
-    s->shared_gate = Tensor::empty({T}, DType::f32, dev);
-    if (config_.shared_expert_gate)
-      cuda::sigmoid_gate_forward(s->x, shared_gate_.value.view().reshape({config_.dim}), s->shared_gate, side_stream_);
-    else
-      cuda::fill(s->shared_gate, 1.0f, side_stream_);
-    s->shared = shared_->forward(s->x, s->shared_gate, {T}, side_stream_);
-    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.shared_done, side_stream_));
-  }
-
-  // Router.
-  Tensor token_mask;
-  if (s->padding.defined()) {
-    token_mask = Tensor::empty({T}, DType::b8, dev);
-    cuda::logical_not(s->padding, token_mask, stream);
-  }
-  if (backend_.fake_balanced_gate && backend_.fake_gate_noise == 0) {
-    // Without noise the fake routing is a fixed pattern of the token index (fake_balanced_gate.cpp):
-    // computed and uploaded once per T, then reused, with no readback of x and no host sync.
-    if (fixed_fake_.tokens != T || fixed_fake_.stream != stream) {
-      {
-        cuda::StreamGuard last_use(fixed_fake_.stream);  // freed after the work that read them
-        fixed_fake_.indices = Tensor();
-        fixed_fake_.weights = Tensor();
-      }
-      const GateOutput g = FakeBalancedGate(config_, 0.0).forward(Tensor::zeros({T, 1}, DType::f32), Tensor());
-      fixed_fake_.indices = cuda::to_device(g.indices, options_.device, stream);
-      fixed_fake_.weights = cuda::to_device(g.weights, options_.device, stream);
-      fixed_fake_.tokens = T;
-      fixed_fake_.stream = stream;
-    }
-    s->router.indices = fixed_fake_.indices;
-    s->weights = fixed_fake_.weights;
-  } else if (backend_.fake_balanced_gate) {
-    // Fake routing with noise depends only on T and the first 4 values of x: compute it on the host
-    // from a [T, min(dim, 4)] probe (the same first 4 values; a [T, dim] one costs ~80 ms of page
-    // faults at T 4096, dim 7168).
-    Tensor probe = Tensor::zeros({T, std::min<std::int64_t>(config_.dim, 4)}, DType::f32);
-    if (T * config_.dim > 0) {
-      const std::int64_t n = std::min<std::int64_t>(4, T * config_.dim);
-      Tensor head = cuda::to_host(x_in.reshape({T * config_.dim}).rows(0, n), stream).to(DType::f32);
-      std::memcpy(probe.raw(), head.raw(), static_cast<std::size_t>(n) * sizeof(float));
-    }
-    FakeBalancedGate fake(config_, backend_.fake_gate_noise);
-    s->fake = fake.forward(probe, Tensor());
-    s->router.indices = cuda::to_device(s->fake.indices, options_.device, stream);
-    s->weights = cuda::to_device(s->fake.weights, options_.device, stream);
-  } else {
-    s->router = cuda::router_forward(config_, backend_.gate_precision, s->x, gate_weight_.value, gate_bias_.value,
-                                     correction_bias_, token_mask, training, stream);
-    s->weights = s->router.weights;
-    if (training && config_.gate_bias_update_factor > 0)
-      cuda::add_i64(cumulative_load_, s->router.expert_load, stream);
-  }
-  if (s->padding.defined()) {
-    s->indices = Tensor::empty(s->router.indices.shape(), DType::i64, dev);
-    cuda::mask_padding_indices(s->router.indices, s->padding, s->indices, stream);
-  } else {
-    s->indices = s->router.indices;
-  }
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
-
-  // Dispatch, experts, combine.
-  DispatchInput in;
-  in.hidden = x_in;
-  in.indices = s->indices;
-  in.weights = s->weights;
-  s->dispatched = dispatcher_->dispatch(in, options_.dispatch);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
-  s->experts = experts_->forward(s->dispatched.tokens, s->dispatched.token_probs,
-                                 host_counts(s->dispatched.tokens_per_expert, stream), stream);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
-  Tensor y = dispatcher_->combine(s->dispatched.handle, s->experts.out);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[4], stream));
-  if (shared_) {
-    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
-    cuda::add_into(y, s->shared.out, stream);
-    s->shared.saved->stream = stream;  // joined: free on the main stream from now on
-  }
-  if (timing_) {
-    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[5], stream));
-    const std::vector<double> us = ev.elapsed(6);
-    times_ = {us[0], us[1], us[2], us[3], us[4]};
-  }
-  CudaMoEOutput out;
-  out.out = y;
-  out.aux_loss = s->router.aux_loss;
-  out.saved = s;
   return out;
 }
 
 Tensor CudaMoELayer::backward(const CudaMoEOutput& forward_output, const TensorView& grad_out, cudaStream_t stream) {
   FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
-  const CudaMoESaved& s = *forward_output.saved;
-  const Device dev = Device::cuda(options_.device);
-  const std::int64_t T = s.tokens;
-  check::shape(grad_out, {T, config_.dim}, "grad_out");
+  // Before the gradient targets: preparing them renews or un-marks the buffers (grad_mode), which a
+  // refused call must leave as they were.
+  check::shape(grad_out, {forward_output.out.size(0), config_.dim}, "grad_out");
   check::dtype(grad_out, {DType::bf16}, "grad_out");
-  check::device(grad_out, dev, "grad_out");
+  check::device(grad_out, Device::cuda(options_.device), "grad_out");
   cuda::DeviceGuard guard(options_.device);
   cuda::StreamGuard sg(stream);
-  Events& ev = *events_;
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[0], stream));
-  // Before the side stream forks: the shared-expert gate's new gradient is zeroed on `stream`.
+  // The gradients this backward writes, per grad_mode (new tensors are allocated on `stream`).
   if (options_.grad_mode == GradMode::fresh_bf16_weights) renew_own_grads();
-
-  Tensor grad_x_shared;
-  if (shared_) {
-    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.x_ready, stream));
-    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ev.x_ready, 0));
-    cuda::StreamGuard side(side_stream_);
-    CudaExpertsGrads sgr = shared_->backward(s.shared, grad_out, side_stream_);
-    grad_x_shared = sgr.tokens;
-    if (config_.shared_expert_gate)
-      cuda::sigmoid_gate_backward(s.x, shared_gate_.value.view().reshape({config_.dim}), s.shared_gate, sgr.probs,
-                                  shared_gate_.grad.view().reshape({config_.dim}), grad_x_shared, side_stream_);
-    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.shared_done, side_stream_));
-  }
-
-  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, grad_out);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
-  CudaExpertsGrads eg = experts_->backward(s.experts, grad_rows, stream);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
-  DispatchGrads dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
-  Tensor grad_x = dg.hidden;
-  if (!backend_.fake_balanced_gate) {
-    cuda::RouterGrads rg = cuda::router_backward(s.router, dg.weights, s.x, gate_weight_.value,
-                                                 config_.train_gate ? gate_weight_.grad.view() : TensorView(),
-                                                 config_.train_gate && config_.router_bias ? gate_bias_.grad.view()
-                                                                                           : TensorView(),
-                                                 1.0, stream);
-    cuda::add_into(grad_x, rg.grad_x, stream);
-  }
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[4], stream));
-  if (shared_) {
-    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
-    cuda::add_into(grad_x, grad_x_shared, stream);
-    s.shared.saved->stream = stream;
-  }
-  if (timing_) {
-    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[5], stream));
-    const std::vector<double> us = ev.elapsed(6);
-    // Backward phases add to the forward's: combine (its backward), experts, dispatch, router.
-    times_.combine += us[0];
-    times_.experts += us[1];
-    times_.dispatch += us[2];
-    times_.router += us[3];
-    times_.shared += us[4];
-  }
-  return grad_x;
+  CudaMoEGradTargets targets;
+  if (config_.train_gate && gate_weight_.value.defined()) targets.gate_weight = gate_weight_.grad;
+  if (config_.train_gate && config_.router_bias && gate_bias_.value.defined()) targets.gate_bias = gate_bias_.grad;
+  if (shared_gate_.value.defined()) targets.shared_expert_gate = shared_gate_.grad;
+  targets.experts = experts_->grad_targets(stream);
+  if (shared_) targets.shared_experts = shared_->grad_targets(stream);
+  return compute_->backward_into(weights(), *forward_output.saved, grad_out, 1.0, targets, stream);
 }
 
 std::vector<Parameter*> CudaMoELayer::parameters() {
@@ -424,11 +208,11 @@ void CudaMoELayer::zero_grad(cudaStream_t stream) {
 
 void CudaMoELayer::load_from(MoELayer& cpu, cudaStream_t stream) {
   cuda::DeviceGuard guard(options_.device);
-  FLEXEP_CHECK_ARG(cpu.ep_rank() == ep_rank_ && cpu.ep_size() == ep_size_, "cpu",
-                   "is rank ", cpu.ep_rank(), " of ", cpu.ep_size(), ", this layer is rank ", ep_rank_, " of ", ep_size_);
+  FLEXEP_CHECK_ARG(cpu.ep_rank() == ep_rank() && cpu.ep_size() == ep_size(), "cpu", "is rank ", cpu.ep_rank(), " of ",
+                   cpu.ep_size(), ", this layer is rank ", ep_rank(), " of ", ep_size());
   if (Gate* g = cpu.gate()) {
-    cuda::copy_async(gate_weight_.value, g->weight().value.to(DType::bf16), stream);
-    if (config_.router_bias) cuda::copy_async(gate_bias_.value, g->bias().value.to(DType::bf16), stream);
+    cuda::copy_async(gate_weight_.value, g->weight().value.to(gate_weight_.value.dtype()), stream);
+    if (config_.router_bias) cuda::copy_async(gate_bias_.value, g->bias().value.to(gate_bias_.value.dtype()), stream);
     if (config_.has_correction_bias()) {
       const Tensor& cb = g->e_score_correction_bias();
       cuda::copy_async(correction_bias_, cb, stream);
@@ -491,7 +275,7 @@ std::vector<std::pair<std::string, Tensor>> CudaMoELayer::host_gradients(cudaStr
   experts_->materialize_grads(stream);
   if (shared_) shared_->materialize_grads(stream);
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (side_stream_) FLEXEP_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+  // Backwards join their side stream back into `stream`, so this synchronisation covers it.
   std::vector<std::pair<std::string, Tensor>> out;
   auto grad_or_zero = [&](Parameter& p) {
     return p.grad.defined() ? download_f32(p.grad, stream) : Tensor::zeros(p.value.shape(), DType::f32);

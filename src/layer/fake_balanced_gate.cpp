@@ -34,7 +34,8 @@ FakeBalancedGate::FakeBalancedGate(const MoEConfig& config, double noise, int sk
   FLEXEP_CHECK_ARG(experts_ >= 1, "moe.n_routed_experts", "must be >= 1, got ", experts_);
   FLEXEP_CHECK_ARG(topk_ >= 1 && topk_ <= experts_, "moe.n_activated_experts", "must be in [1, moe.n_routed_experts = ",
                    experts_, "], got ", topk_);
-  FLEXEP_CHECK_ARG(noise >= 0 && noise <= 1, "noise", "(backend.fake_gate_noise) must be in [0, 1], got ", noise);
+  FLEXEP_CHECK_ARG(std::isfinite(noise) && noise >= 0, "noise",
+                   "(backend.fake_gate_noise) must be finite and >= 0, got ", noise);
   // Automodel accepts fewer than k remaining experts and then repeats experts within a token; a
   // repeated expert breaks the dispatch contract, so we refuse it.
   FLEXEP_CHECK_ARG(skip_ >= 0 && skip_ <= experts_ - topk_, "skip_first_n_experts", "must be in [0, ",

@@ -1,5 +1,6 @@
 #include "layer/gate_rules.h"
 
+#include "flexep/core/checks.h"
 #include "flexep/core/error.h"
 
 namespace flexep::gate_rules {
@@ -9,7 +10,8 @@ void validate_precision_and_groups(const MoEConfig& c, std::optional<DType> prec
   if (precision)
     FLEXEP_CHECK_ARG(*precision == DType::f32 || *precision == DType::f64, "backend.gate_precision", "dtype ",
                      dtype_name(*precision), " is not supported; allowed: f32, f64 (or unset)");
-  FLEXEP_CHECK_ARG(c.n_expert_groups >= 1, "moe.n_expert_groups", "must be >= 1, got ", c.n_expert_groups);
+  FLEXEP_CHECK_ARG(c.n_expert_groups >= 0, "moe.n_expert_groups", "must be >= 0 (0 or 1 = no grouping), got ",
+                   c.n_expert_groups);
   if (!uses_groups(c)) return;
   const int G = c.n_expert_groups;
   FLEXEP_CHECK_ARG(E % G == 0, "moe.n_expert_groups", G, " does not divide moe.n_routed_experts = ", E);
@@ -21,6 +23,25 @@ void validate_precision_and_groups(const MoEConfig& c, std::optional<DType> prec
   FLEXEP_CHECK_ARG(k <= c.n_limited_groups * (E / G), "moe.n_activated_experts", k,
                    " exceeds the experts of the kept groups (moe.n_limited_groups * experts per group = ",
                    c.n_limited_groups * (E / G), ")");
+}
+
+std::vector<std::int64_t> read_replay_indices(const TensorView& r, std::int64_t T, int k, int E) {
+  check::shape(r, {T, k}, "replay_indices");
+  check::dtype(r, {DType::i32, DType::i64}, "replay_indices");
+  check::device(r, Device::cpu(), "replay_indices");
+  std::vector<std::int64_t> v(static_cast<std::size_t>(T * k));
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t i = t * k + j;
+      const std::int64_t e = r.dtype == DType::i64 ? r.ptr<std::int64_t>()[i] : r.ptr<std::int32_t>()[i];
+      FLEXEP_CHECK_ARG(e >= 0 && e < E, "replay_indices", "token ", t, " slot ", j, " is ", e, "; allowed: 0 <= id < ",
+                       E);
+      for (int q = 0; q < j; ++q)
+        FLEXEP_CHECK_ARG(v[static_cast<std::size_t>(t * k + q)] != e, "replay_indices", "token ", t,
+                         " selects expert ", e, " twice (slots ", q, " and ", j, "); an expert at most once per token");
+      v[static_cast<std::size_t>(i)] = e;
+    }
+  return v;
 }
 
 }  // namespace flexep::gate_rules

@@ -14,24 +14,34 @@
 #include "flexep/core/config.h"
 #include "flexep/core/dtype.h"
 #include "flexep/core/tensor.h"
+#include "layer/gate_rules.h"
 
 namespace flexep {
 
+// Roundings (of the logits, of the output weights) are not differentiated: backward is the exact
+// derivative of the unrounded formulas at the rounded forward values.
 struct GateSaved {
   std::int64_t tokens = 0;
   int dim = 0, experts = 0, topk = 0;
   DType x_dtype = DType::f32;
-  ScoreFunc score_func = ScoreFunc::softmax;
-  bool softmax_before_topk = false;
+  gate_rules::ScoreKind kind = gate_rules::ScoreKind::softmax;
+  bool topk_then_softmax = false;  // plain softmax: the weights are a softmax over the k selected logits
   bool normalized = false;  // norm_topk_prob with k > 1: weights and original_scores divided by their sums
   double route_scale = 1.0;
+  bool in_double = false;  // routed in f64 (x f64 or gate precision f64); else in f32
 
-  std::vector<double> x;                // [T, dim] as used for the logits (rounded to the gate precision)
-  std::vector<double> weight;           // [E, dim] snapshot used for the logits
+  std::vector<double> x;                // [T, dim] as used for the logits (cast to the linear's dtype)
   std::vector<std::int64_t> indices;    // [T, k]
   std::vector<double> topk_scores;      // [T, k] weights before normalisation and route_scale
-  std::vector<double> scores;           // [T, E] full softmax or sigmoid (original_scores before normalisation)
+  std::vector<double> scores;           // [T, E] softmax, sigmoid or sqrtsoftplus of the logits
+  std::vector<double> original;         // [T, E] original_scores when they are not `scores` (biased
+                                        // sigmoid weights), else empty
+  std::vector<double> logits;           // [T, E] for sqrtsoftplus (its derivative), else empty
   std::vector<unsigned char> mask;      // [T] 1 = valid token
+
+  // Automodel's original_scores (before their normalisation): what the weights, the aux loss and
+  // the normalisation read.
+  double original_score(std::size_t i) const { return original.empty() ? scores[i] : original[i]; }
 
   // Aux loss (set when the forward produced one): dL/d original_scores[t, e] = aux_f_over_ctx[e] * mask_t,
   // with aux_f_over_ctx[e] = f_e / Lctx; the load is a count, so it carries no gradient.

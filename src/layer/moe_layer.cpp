@@ -1,27 +1,16 @@
 #include "flexep/layer/moe_layer.h"
 
-#include <cstring>
-
-#include <spdlog/spdlog.h>
-
 #include "flexep/core/checks.h"
-#include "flexep/dispatch/host.h"
+#include "layer/shared_layout.h"
 
 namespace flexep {
 
-struct MoESaved {
-  GateOutput gate;
-  Tensor masked_indices;  // [T, k] int64, padding tokens set to -1
-  DispatchResult dispatched;
-  ExpertsOutput experts;
-  SharedOutput shared;
-};
-
 namespace {
-std::vector<std::int64_t> host_counts(const Tensor& tokens_per_expert) {
-  FLEXEP_CHECK(tokens_per_expert.device().is_cpu(), "the CPU reference layer needs tokens_per_expert on the host");
-  const std::int64_t* p = tokens_per_expert.data<std::int64_t>();
-  return std::vector<std::int64_t>(p, p + tokens_per_expert.numel());
+
+const MoELayerOptions& checked(const MoELayerOptions& o) {
+  FLEXEP_CHECK_ARG(o.param_dtype == DType::f32 || o.param_dtype == DType::f64, "param_dtype",
+                   "the CPU reference layer computes in f32 or f64, got ", dtype_name(o.param_dtype));
+  return o;
 }
 
 void add_into(const Tensor& acc, const TensorView& x) {
@@ -36,37 +25,36 @@ void add_into(const Tensor& acc, const TensorView& x) {
     for (std::int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
   }
 }
+
+// A backward's fresh gradient into the parameter: taken over when p has none, else added.
+void accumulate(Parameter& p, const Tensor& g) {
+  if (!p.value.defined() || !p.requires_grad || !g.defined()) return;
+  if (!p.grad.defined()) p.grad = g;
+  else add_into(p.grad, g);
+}
+
 }  // namespace
+
+struct MoELayer::Views {
+  MoEWeights weights;
+  ExpertGradients shared_grouped;  // the grouped copy the shared views point into
+};
 
 MoELayer::MoELayer(const MoEConfig& config, const BackendConfig& backend, std::shared_ptr<TokenDispatcher> dispatcher,
                    const MoELayerOptions& options)
-    : config_(config), backend_(backend), options_(options), dispatcher_(std::move(dispatcher)) {
-  validate(config_);
-  validate(backend_);
-  FLEXEP_CHECK_ARG(options_.param_dtype == DType::f32 || options_.param_dtype == DType::f64, "param_dtype",
-                   "the CPU reference layer computes in f32 or f64, got ", dtype_name(options_.param_dtype));
-  if (dispatcher_) {
-    ep_rank_ = dispatcher_->rank();
-    ep_size_ = dispatcher_->world_size();
-    FLEXEP_CHECK_ARG(dispatcher_->num_experts() == config_.n_routed_experts, "dispatcher",
-                     "was made for ", dispatcher_->num_experts(), " experts but moe.n_routed_experts is ",
-                     config_.n_routed_experts);
-  }
-  validate_ep(config_, ep_size_);
-  // Automodel's rewrites (te/gmm experts without an EP dispatcher; EP dispatcher at EP size 1),
-  // logged rather than silent.
-  const Normalization norm = normalize(backend_, ep_size_);
-  for (const std::string& m : norm.messages) spdlog::warn("flexep: {}", m);
-  if (norm.local_fallback) dispatcher_.reset();
-  if (!dispatcher_) {
-    // EP size 1: the local path is the host backend over a world of one rank (same plan code).
-    dispatcher_ = make_host_dispatcher(std::make_shared<HostWorld>(1), 0, config_.n_routed_experts);
-  }
-
+    : config_(config),
+      backend_(backend),
+      options_(checked(options)),
+      compute_(config, backend, std::move(dispatcher), options.dispatch) {
+  const int local = compute_.num_local_experts(), rank = compute_.ep_rank();
+  FLEXEP_CHECK_ARG(!options.gate_input_dtype || *options.gate_input_dtype == DType::bf16 ||
+                       *options.gate_input_dtype == DType::f16,
+                   "gate_input_dtype", "is ", options.gate_input_dtype ? dtype_name(*options.gate_input_dtype) : "",
+                   "; allowed: bf16, f16 or unset");
+  compute_.set_gate_input_dtype(options.gate_input_dtype);
   if (backend_.fake_balanced_gate) fake_gate_ = std::make_unique<FakeBalancedGate>(config_, backend_.fake_gate_noise);
   else gate_ = std::make_unique<Gate>(config_, backend_.gate_precision, options_.param_dtype);
-  const int local = config_.n_routed_experts / ep_size_;
-  experts_ = std::make_unique<GroupedExperts>(config_, local, ep_rank_ * local, options_.param_dtype);
+  experts_ = std::make_unique<GroupedExperts>(config_, local, rank * local, options_.param_dtype);
   if (config_.n_shared_experts > 0) shared_ = std::make_unique<SharedExperts>(config_, options_.param_dtype);
 
   if (gate_) gate_->init(options_.seed, options_.init_std);
@@ -74,63 +62,70 @@ MoELayer::MoELayer(const MoEConfig& config, const BackendConfig& backend, std::s
   if (shared_) shared_->init(options_.seed, options_.init_std);
 }
 
-MoEOutput MoELayer::forward(const TensorView& x, const TensorView& padding_mask, bool training) {
+MoELayer::Views MoELayer::views() const {
+  Views v;
+  if (gate_) v.weights.gate = gate_->weights();
+  v.weights.experts = experts_->weights();
+  if (shared_) {
+    const SharedMlpWeights lin = shared_->weights();
+    v.shared_grouped = shared_to_grouped(config_, lin);
+    v.weights.shared_experts = views_of(v.shared_grouped);
+    v.weights.shared_expert_gate = lin.shared_expert_gate;
+  }
+  return v;
+}
+
+MoEOutput MoELayer::forward(const TensorView& x, const TensorView& padding_mask, bool training,
+                            const TensorView& replay_indices) {
   check::shape(x, {-1, config_.dim}, "x");
   check::dtype(x, {options_.param_dtype}, "x");
-  const std::int64_t T = x.size(0);
-  Tensor token_mask;
   if (padding_mask.defined()) {
-    check::shape(padding_mask, {T}, "padding_mask");
+    check::shape(padding_mask, {x.size(0)}, "padding_mask");
     check::dtype(padding_mask, {DType::b8}, "padding_mask");
-    token_mask = Tensor::empty({T}, DType::b8);
-    for (std::int64_t t = 0; t < T; ++t) token_mask.data<bool>()[t] = !padding_mask.ptr<bool>()[t];
   }
-  if (options_.dispatch.check_finite) check::finite(x, "x");
-
-  auto saved = std::make_shared<MoESaved>();
-  saved->gate = gate_ ? gate_->forward(x, token_mask, training) : fake_gate_->forward(x, token_mask);
-
-  // Padding tokens are never sent: their slots become -1 (Automodel's masked_fill(~mask, -1)).
-  saved->masked_indices = saved->gate.indices.clone();
-  if (token_mask.defined()) {
-    const std::int64_t k = saved->masked_indices.size(1);
-    for (std::int64_t t = 0; t < T; ++t)
-      if (!token_mask.data<bool>()[t])
-        for (std::int64_t j = 0; j < k; ++j) saved->masked_indices.data<std::int64_t>()[t * k + j] = -1;
+  RoutingOverride replay;
+  replay.indices = replay_indices;
+  MoEOutput out = compute_.forward(views().weights, x, padding_mask, training, replay);
+  if (gate_ && training && config_.gate_bias_update_factor > 0) {
+    const std::int64_t* load = out.expert_load.data<std::int64_t>();
+    gate_->add_to_cumulative_load(std::vector<std::int64_t>(load, load + out.expert_load.numel()));
   }
-
-  DispatchInput in;
-  in.hidden = x;
-  in.indices = saved->masked_indices;
-  in.weights = saved->gate.weights;
-  saved->dispatched = dispatcher_->dispatch(in, options_.dispatch);
-  saved->experts = experts_->forward(saved->dispatched.tokens, saved->dispatched.token_probs,
-                                     host_counts(saved->dispatched.tokens_per_expert));
-  Tensor y = dispatcher_->combine(saved->dispatched.handle, saved->experts.out);
-  if (shared_) {
-    saved->shared = shared_->forward(x);
-    add_into(y, saved->shared.out);
-  }
-  MoEOutput out;
-  out.out = y;
-  out.aux_loss = saved->gate.aux_loss;
-  out.saved = saved;
   return out;
 }
 
 Tensor MoELayer::backward(const MoEOutput& forward_output, const TensorView& grad_out) {
   FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
-  const MoESaved& s = *forward_output.saved;
   check::shape(grad_out, {forward_output.out.size(0), config_.dim}, "grad_out");
   check::dtype(grad_out, {options_.param_dtype}, "grad_out");
-
-  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, grad_out);
-  ExpertsGrads eg = experts_->backward(s.experts, grad_rows);
-  DispatchGrads dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
-  Tensor grad_x = dg.hidden;
-  if (gate_) add_into(grad_x, gate_->backward(s.gate, dg.weights));
-  if (shared_) add_into(grad_x, shared_->backward(s.shared, grad_out));
-  return grad_x;
+  MoEBackward b = compute_.backward(views().weights, *forward_output.saved, grad_out,
+                                    gate_ ? gate_->aux_loss_scale : 1.0);
+  const MoEGradients& g = b.gradients;
+  if (gate_) {
+    accumulate(gate_->weight(), g.gate.weight);
+    accumulate(gate_->bias(), g.gate.bias);
+  }
+  accumulate(experts_->gate_and_up_projs(), g.experts.gate_and_up_projs);
+  accumulate(experts_->down_projs(), g.experts.down_projs);
+  accumulate(experts_->gate_up_proj_bias(), g.experts.gate_up_proj_bias);
+  accumulate(experts_->down_proj_bias(), g.experts.down_proj_bias);
+  if (shared_) {
+    const SharedMlpGradients lin =
+        shared_to_linear(config_, views_of(g.shared_experts), g.shared_expert_gate);
+    const std::vector<Parameter*> ps = shared_->parameters();
+    auto param = [&](const char* name) -> Parameter* {
+      for (Parameter* p : ps)
+        if (p->name == name) return p;
+      return nullptr;
+    };
+    const std::pair<const char*, const Tensor*> named[] = {
+        {"shared_experts.gate_proj.weight", &lin.gate_proj},     {"shared_experts.up_proj.weight", &lin.up_proj},
+        {"shared_experts.down_proj.weight", &lin.down_proj},     {"shared_experts.gate_proj.bias", &lin.gate_proj_bias},
+        {"shared_experts.up_proj.bias", &lin.up_proj_bias},      {"shared_experts.down_proj.bias", &lin.down_proj_bias},
+        {"shared_expert_gate.weight", &lin.shared_expert_gate}};
+    for (const auto& [name, grad] : named)
+      if (Parameter* p = param(name)) accumulate(*p, *grad);
+  }
+  return b.grad_x;
 }
 
 std::vector<Parameter*> MoELayer::parameters() {

@@ -14,7 +14,7 @@ namespace flexep {
 // projection W_in = [gate_proj; up_proj] ([2*inter, dim]), so that its output row is exactly the
 // [gate | up] layout the swiglu activation reads; for relu2 W_in is up_proj alone.
 struct SharedSaved {
-  const SharedExperts* owner = nullptr;
+  const SharedExpertsCompute* owner = nullptr;
   DType x_dtype = DType::f32;
   Tensor x;  // [T, dim]
   Tensor h;  // [T, up]    input projection (+ bias)
@@ -67,7 +67,7 @@ std::vector<T> stacked(const Tensor& gate, const Tensor& up) {
 }
 
 template <class T>
-SharedOutput forward_impl(const Params& P, const SharedExperts* owner, const TensorView& x) {
+SharedOutput forward_impl(const Params& P, const SharedExpertsCompute* owner, const TensorView& x) {
   const DType pt = dtype_of_v<T>;
   const std::int64_t Tn = x.size(0), dim = P.dim, inter = P.inter, up = P.up();
   auto saved = std::make_shared<SharedSaved>();
@@ -152,10 +152,8 @@ Tensor backward_impl(const Params& P, const SharedSaved& S, const TensorView& gr
 
 }  // namespace
 
-SharedExperts::SharedExperts(const MoEConfig& config, DType param_dtype)
-    : config_(config), dtype_(param_dtype), inter_(config.shared_inter()) {
-  FLEXEP_CHECK_ARG(param_dtype == DType::f32 || param_dtype == DType::f64, "param_dtype",
-                   "the CPU reference shared experts compute in f32 or f64, got ", dtype_name(param_dtype));
+SharedExpertsCompute::SharedExpertsCompute(const MoEConfig& config)
+    : config_(config), inter_(config.shared_inter()) {
   FLEXEP_CHECK_ARG(config.dim >= 1, "moe.dim", "must be >= 1, got ", config.dim);
   FLEXEP_CHECK_ARG(config.n_shared_experts >= 1, "moe.n_shared_experts", "must be >= 1 to build shared experts, got ",
                    config.n_shared_experts);
@@ -166,6 +164,37 @@ SharedExperts::SharedExperts(const MoEConfig& config, DType param_dtype)
   FLEXEP_CHECK_ARG(
       config.shared_expert_activation == Activation::swiglu || config.shared_expert_activation == Activation::relu2,
       "moe.shared_expert_activation", "allowed: swiglu, relu2; got ", to_string(config.shared_expert_activation));
+}
+
+DType SharedExpertsCompute::check_weights(const SharedMlpWeights& w) const {
+  const std::int64_t dim = config_.dim, inter = inter_;
+  const bool gated = config_.shared_expert_activation == Activation::swiglu, bias = config_.expert_bias;
+  check::dtype(w.up_proj, {DType::f32, DType::f64}, kUpW);
+  const DType t = w.up_proj.dtype;
+  auto check = [&](const TensorView& v, std::initializer_list<std::int64_t> shape, const char* name, bool present) {
+    FLEXEP_CHECK_ARG(v.defined() == present, name, v.defined() ? "was given" : "is missing",
+                     " but this configuration ", present ? "needs it" : "has none",
+                     " (moe.shared_expert_activation, moe.expert_bias, moe.shared_expert_gate)");
+    if (!present) return;
+    check::shape(v, shape, name);
+    FLEXEP_CHECK_ARG(v.dtype == t, name, "has dtype ", dtype_name(v.dtype),
+                     "; all shared-expert weights must share one dtype (", kUpW, " is ", dtype_name(t), ")");
+    check::device(v, Device::cpu(), name);
+  };
+  check(w.gate_proj, {inter, dim}, kGateW, gated);
+  check(w.up_proj, {inter, dim}, kUpW, true);
+  check(w.down_proj, {dim, inter}, kDownW, true);
+  check(w.gate_proj_bias, {inter}, kGateB, gated && bias);
+  check(w.up_proj_bias, {inter}, kUpB, bias);
+  check(w.down_proj_bias, {dim}, kDownB, bias);
+  check(w.shared_expert_gate, {1, dim}, kScalarGateW, config_.shared_expert_gate);
+  return t;
+}
+
+SharedExperts::SharedExperts(const MoEConfig& config, DType param_dtype)
+    : config_(config), dtype_(param_dtype), compute_(config), inter_(config.shared_inter()) {
+  FLEXEP_CHECK_ARG(param_dtype == DType::f32 || param_dtype == DType::f64, "param_dtype",
+                   "the CPU reference shared experts compute in f32 or f64, got ", dtype_name(param_dtype));
   const std::int64_t dim = config.dim, inter = inter_;
   auto make = [&](Parameter& p, const char* name, Shape shape, bool present) {
     p.name = name;
@@ -194,31 +223,84 @@ void SharedExperts::init(std::uint64_t seed, double init_std) {
     if (b->value.defined()) b->value.fill_zero();
 }
 
-SharedOutput SharedExperts::forward(const TensorView& x) {
-  check::shape(x, {-1, config_.dim}, "x");
-  check::dtype(x, {DType::bf16, DType::f16, DType::f32, DType::f64}, "x");
-  check::device(x, Device::cpu(), "x");
-  const Params P{
-      config_.dim,    inter_, {config_.shared_expert_activation, config_.activation_alpha, config_.activation_limit},
-      &gate_w_,       &up_w_, &down_w_,
-      &gate_b_,       &up_b_, &down_b_,
-      &gate_scalar_w_};
-  return dtype_ == DType::f64 ? forward_impl<double>(P, this, x) : forward_impl<float>(P, this, x);
+namespace {
+
+// The math body reads Parameters: stand-ins over the caller's views (values) and targets (grads;
+// requires_grad marks a target to add to).
+struct Standins {
+  Parameter p[7];
+  Params params(const MoEConfig& c, int inter) {
+    return {c.dim, inter, activation_params(c, c.shared_expert_activation),
+            &p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6]};
+  }
+};
+
+Standins standins(const SharedMlpWeights& w, const SharedMlpGradients* g) {
+  const char* names[7] = {kGateW, kUpW, kDownW, kGateB, kUpB, kDownB, kScalarGateW};
+  const TensorView values[7] = {w.gate_proj,      w.up_proj,        w.down_proj,         w.gate_proj_bias,
+                                w.up_proj_bias,   w.down_proj_bias, w.shared_expert_gate};
+  const Tensor none;
+  const Tensor* grads[7] = {&none, &none, &none, &none, &none, &none, &none};
+  if (g) {
+    const Tensor* gs[7] = {&g->gate_proj,      &g->up_proj,        &g->down_proj,         &g->gate_proj_bias,
+                           &g->up_proj_bias,   &g->down_proj_bias, &g->shared_expert_gate};
+    std::copy(gs, gs + 7, grads);
+  }
+  Standins s;
+  for (int i = 0; i < 7; ++i) {
+    s.p[i] = {names[i], Tensor::wrap(values[i]), *grads[i], grads[i]->defined()};
+    FLEXEP_CHECK_ARG(!s.p[i].requires_grad || s.p[i].value.defined(), names[i],
+                     "gradient target given, but the weight is absent");
+    FLEXEP_CHECK_ARG(!s.p[i].requires_grad || s.p[i].grad.device().is_cpu(), names[i],
+                     "gradient target is on ", s.p[i].grad.device().str(), ", expected cpu");
+  }
+  return s;
 }
+
+}  // namespace
+
+SharedMlpWeights SharedExperts::weights() const {
+  return {gate_w_.value, up_w_.value, down_w_.value, gate_b_.value, up_b_.value, down_b_.value, gate_scalar_w_.value};
+}
+
+SharedOutput SharedExperts::forward(const TensorView& x) { return compute_.forward(weights(), x); }
 
 Tensor SharedExperts::backward(const SharedOutput& forward_output, const TensorView& grad_out) {
   FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
-  const SharedSaved& s = *forward_output.saved;
-  FLEXEP_CHECK_ARG(s.owner == this, "forward_output", "was produced by a different SharedExperts module");
-  check::shape(grad_out, {s.x.size(0), config_.dim}, "grad_out");
+  FLEXEP_CHECK_ARG(forward_output.saved->owner == &compute_, "forward_output",
+                   "was produced by a different SharedExperts module");
+  auto grad_of = [](Parameter& p) {
+    if (!p.value.defined() || !p.requires_grad) return Tensor();
+    if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), p.value.dtype());
+    return p.grad;
+  };
+  const SharedMlpGradients into{grad_of(gate_w_), grad_of(up_w_),   grad_of(down_w_),       grad_of(gate_b_),
+                                grad_of(up_b_),   grad_of(down_b_), grad_of(gate_scalar_w_)};
+  return compute_.backward(weights(), forward_output, grad_out, into);
+}
+
+SharedOutput SharedExpertsCompute::forward(const SharedMlpWeights& weights, const TensorView& x) const {
+  const DType dtype = check_weights(weights);
+  check::shape(x, {-1, config_.dim}, "x");
+  check::dtype(x, {DType::bf16, DType::f16, DType::f32, DType::f64}, "x");
+  check::device(x, Device::cpu(), "x");
+  Standins s = standins(weights, nullptr);
+  const Params P = s.params(config_, inter_);
+  return dtype == DType::f64 ? forward_impl<double>(P, this, x) : forward_impl<float>(P, this, x);
+}
+
+Tensor SharedExpertsCompute::backward(const SharedMlpWeights& weights, const SharedOutput& forward_output,
+                                      const TensorView& grad_out, const SharedMlpGradients& accumulate_into) const {
+  FLEXEP_CHECK_ARG(forward_output.saved != nullptr, "forward_output", "has no saved state (was forward called?)");
+  const SharedSaved& saved = *forward_output.saved;
+  FLEXEP_CHECK_ARG(saved.owner == this, "forward_output", "was produced by a different shared-experts computation");
+  const DType dtype = check_weights(weights);
+  check::shape(grad_out, {saved.x.size(0), config_.dim}, "grad_out");
   check::dtype(grad_out, {DType::bf16, DType::f16, DType::f32, DType::f64}, "grad_out");
   check::device(grad_out, Device::cpu(), "grad_out");
-  const Params P{
-      config_.dim,    inter_, {config_.shared_expert_activation, config_.activation_alpha, config_.activation_limit},
-      &gate_w_,       &up_w_, &down_w_,
-      &gate_b_,       &up_b_, &down_b_,
-      &gate_scalar_w_};
-  return dtype_ == DType::f64 ? backward_impl<double>(P, s, grad_out) : backward_impl<float>(P, s, grad_out);
+  Standins s = standins(weights, &accumulate_into);
+  const Params P = s.params(config_, inter_);
+  return dtype == DType::f64 ? backward_impl<double>(P, saved, grad_out) : backward_impl<float>(P, saved, grad_out);
 }
 
 std::vector<Parameter*> SharedExperts::parameters() {

@@ -155,6 +155,137 @@ TEST(Activation, Relu2BackwardMatchesFiniteDifferences) {
 
 TEST(Activation, IsGated) {
   EXPECT_TRUE(is_gated(Activation::swiglu));
+  EXPECT_TRUE(is_gated(Activation::swigluoai));
   EXPECT_TRUE(is_gated(Activation::quick_geglu));
+  EXPECT_TRUE(is_gated(Activation::geglu));
   EXPECT_FALSE(is_gated(Activation::relu2));
+}
+
+namespace {
+double silu(double x) { return x * sig(x); }
+// torch's gelu(approximate="tanh"), written out.
+double gelu_tanh(double x) { return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
+ActivationParams clamped_swiglu(double limit) {
+  ActivationParams p = params(Activation::swiglu);
+  p.swiglu_limit = limit;
+  return p;
+}
+}  // namespace
+
+TEST(Activation, SwigluLimitClampsGateFromAboveAndUpBothWays) {
+  // limit 2: gate clamped <= 2 only, up to [-2, 2]; the second half of h is up.
+  const std::vector<double> h = {0.5, 3.0, -5.0, 2.0, 1.5, /* up */ -1.25, 0.75, 4.0, -3.0, 2.0};
+  std::vector<double> a(5);
+  activation_forward(h.data(), a.data(), 5, clamped_swiglu(2.0));
+  const double expected[5] = {silu(0.5) * -1.25, silu(2.0) * 0.75, silu(-5.0) * 2.0, silu(2.0) * -2.0,
+                              silu(1.5) * 2.0};
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(a[static_cast<std::size_t>(i)], expected[i], 1e-15) << i;
+  // swiglu_limit 0 is the unclamped swiglu; activation_limit does not act on swiglu.
+  ActivationParams plain = params(Activation::swiglu, 0.1);
+  activation_forward(h.data(), a.data(), 5, plain);
+  for (int i = 0; i < 5; ++i)
+    EXPECT_NEAR(a[static_cast<std::size_t>(i)],
+                silu(h[static_cast<std::size_t>(i)]) * h[static_cast<std::size_t>(5 + i)], 1e-15);
+}
+
+TEST(Activation, SwigluLimitBackwardMatchesFiniteDifferencesAndZeroBeyond) {
+  const std::vector<double> h = {0.3, 2.6, -4.0, 1.2, -0.9, /* up */ 0.7, -3.1, 2.9, -1.4, 0.2};
+  const ActivationParams p = clamped_swiglu(2.0);
+  for (double v : h) ASSERT_GT(std::abs(std::abs(v) - 2.0), 1e-3);
+  expect_backward_matches_fd(h, 5, p);
+  const std::vector<double> ga(5, 1.0);
+  std::vector<double> g(10);
+  activation_backward(h.data(), ga.data(), g.data(), 5, p);
+  EXPECT_EQ(g[1], 0.0);  // gate 2.6 > 2
+  EXPECT_NE(g[2], 0.0);  // gate -4: no lower clamp
+  EXPECT_EQ(g[6], 0.0);  // up -3.1 < -2
+  EXPECT_EQ(g[7], 0.0);  // up 2.9 > 2
+  // At the limits the gradient passes (torch.clamp includes the boundaries).
+  const std::vector<double> edge = {2.0, 0.5, /* up */ 1.0, -2.0};
+  std::vector<double> ge(4);
+  activation_backward(edge.data(), ga.data(), ge.data(), 2, p);
+  const double s2 = sig(2.0);
+  EXPECT_NEAR(ge[0], 1.0 * (s2 + 2.0 * s2 * (1 - s2)), 1e-14);
+  EXPECT_NEAR(ge[3], silu(0.5), 1e-14);
+}
+
+TEST(Activation, SwigluOaiUsesHalvesAlphaAndClamps) {
+  ActivationParams p = params(Activation::swigluoai, 7.0);
+  p.alpha = 1.702;
+  // Concatenated [gate | up] (unlike quick_geglu's interleaving), gate <= 7, up in [-7, 7].
+  const std::vector<double> h = {0.5, 9.0, -12.0, 3.0, /* up */ -1.25, 2.0, 0.75, 8.5};
+  std::vector<double> a(4);
+  activation_forward(h.data(), a.data(), 4, p);
+  const double al = 1.702;
+  const double expected[4] = {0.5 * sig(al * 0.5) * (-1.25 + 1), 7.0 * sig(al * 7.0) * (2.0 + 1),
+                              -12.0 * sig(al * -12.0) * (0.75 + 1), 3.0 * sig(al * 3.0) * (7.0 + 1)};
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(a[static_cast<std::size_t>(i)], expected[i], 1e-14) << i;
+  // limit <= 0: no clamp at all (Automodel clamps only when limit > 0).
+  p.limit = 0.0;
+  activation_forward(h.data(), a.data(), 4, p);
+  EXPECT_NEAR(a[1], 9.0 * sig(al * 9.0) * 3.0, 1e-12);
+  EXPECT_NEAR(a[3], 3.0 * sig(al * 3.0) * 9.5, 1e-12);
+}
+
+TEST(Activation, SwigluOaiBackwardMatchesFiniteDifferences) {
+  const std::vector<double> h = {0.3, -0.7, 2.4, 1.1, -3.0, 1.9, 1.2, -2.2, -0.4, 0.9, 4.0, -0.6, 0.05, 1.7};
+  ActivationParams p = params(Activation::swigluoai, 1.5);
+  p.alpha = 1.3;
+  for (double v : h) ASSERT_GT(std::abs(std::abs(v) - 1.5), 1e-3);
+  expect_backward_matches_fd(h, 7, p);
+  p.limit = -1;  // unclamped
+  expect_backward_matches_fd(h, 7, p);
+  p.limit = 1.5;
+  const std::vector<double> ga(7, 1.0);
+  std::vector<double> g(14);
+  activation_backward(h.data(), ga.data(), g.data(), 7, p);
+  EXPECT_EQ(g[2], 0.0);  // gate 2.4 > 1.5
+  EXPECT_NE(g[4], 0.0);  // gate -3: no lower clamp
+  EXPECT_EQ(g[7 + 0], 0.0);  // up -2.2 < -1.5
+  EXPECT_EQ(g[7 + 3], 0.0);  // up 4.0 > 1.5
+}
+
+TEST(Activation, GegluIsTanhGeluTimesUp) {
+  const std::vector<double> h = {-3.0, -0.5, 0.0, 0.8, 2.5, /* up */ 1.5, -2.0, 3.0, 0.25, -1.0};
+  std::vector<double> a(5);
+  activation_forward(h.data(), a.data(), 5, params(Activation::geglu));
+  for (int i = 0; i < 5; ++i)
+    EXPECT_NEAR(a[static_cast<std::size_t>(i)],
+                gelu_tanh(h[static_cast<std::size_t>(i)]) * h[static_cast<std::size_t>(5 + i)], 1e-15)
+        << i;
+  // The tanh approximation differs from the exact erf gelu (by ~1e-4 near 1): it really is the tanh one.
+  const double exact = 0.5 * 0.8 * (1 + std::erf(0.8 / std::sqrt(2.0)));
+  EXPECT_GT(std::abs(gelu_tanh(0.8) - exact), 1e-5);
+}
+
+TEST(Activation, GegluBackwardMatchesFiniteDifferences) {
+  expect_backward_matches_fd(random_row(2 * 9, 4, 2.0), 9, params(Activation::geglu));
+}
+
+TEST(Activation, NewActivationsFloatAgreeWithDouble) {
+  for (const ActivationParams& p : {params(Activation::swigluoai), params(Activation::geglu), clamped_swiglu(3.0)}) {
+    const int inter = 16;
+    const std::vector<double> h = random_row(2 * inter, 6, 4.0);
+    std::vector<float> hf(h.begin(), h.end());
+    std::vector<double> a(inter);
+    std::vector<float> af(inter);
+    activation_forward(h.data(), a.data(), inter, p);
+    activation_forward(hf.data(), af.data(), inter, p);
+    for (int i = 0; i < inter; ++i)
+      EXPECT_NEAR(af[static_cast<std::size_t>(i)], a[static_cast<std::size_t>(i)],
+                  1e-5 * (1 + std::abs(a[static_cast<std::size_t>(i)])))
+          << to_string(p.kind) << " " << i;
+  }
+}
+
+TEST(Activation, ParamsFromConfig) {
+  MoEConfig c;
+  c.activation_alpha = 1.25;
+  c.activation_limit = 3.5;
+  c.swiglu_limit = 9.0;
+  const ActivationParams p = activation_params(c, Activation::swigluoai);
+  EXPECT_EQ(p.kind, Activation::swigluoai);
+  EXPECT_EQ(p.alpha, 1.25);
+  EXPECT_EQ(p.limit, 3.5);
+  EXPECT_EQ(p.swiglu_limit, 9.0);
 }

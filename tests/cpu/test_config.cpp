@@ -214,10 +214,18 @@ TEST(Config, EnumNamesRoundTrip) {
     EXPECT_EQ(parse_dispatcher(to_string(d)), d);
   for (auto x : {ExpertsKind::torch, ExpertsKind::torch_mm, ExpertsKind::gmm, ExpertsKind::te})
     EXPECT_EQ(parse_experts(to_string(x)), x);
-  for (auto s : {ScoreFunc::softmax, ScoreFunc::softmax_with_bias, ScoreFunc::sigmoid})
+  for (auto s : {ScoreFunc::softmax, ScoreFunc::softmax_with_bias, ScoreFunc::sigmoid, ScoreFunc::sigmoid_with_bias,
+                 ScoreFunc::sqrtsoftplus})
     EXPECT_EQ(parse_score_func(to_string(s)), s);
-  for (auto a : {Activation::swiglu, Activation::quick_geglu, Activation::relu2})
+  for (auto a : {Activation::swiglu, Activation::swigluoai, Activation::quick_geglu, Activation::geglu,
+                 Activation::relu2})
     EXPECT_EQ(parse_activation(to_string(a)), a);
+  for (auto m : {GroupMask::automodel, GroupMask::neg_inf}) EXPECT_EQ(parse_group_mask(to_string(m)), m);
+  EXPECT_EQ(to_string(ScoreFunc::sigmoid_with_bias), "sigmoid_with_bias");
+  EXPECT_EQ(to_string(ScoreFunc::sqrtsoftplus), "sqrtsoftplus");
+  EXPECT_EQ(to_string(Activation::swigluoai), "swigluoai");
+  EXPECT_EQ(to_string(Activation::geglu), "geglu");
+  EXPECT_EQ(to_string(GroupMask::neg_inf), "neg_inf");
   EXPECT_EQ(to_string(DispatcherKind::alltoall), "alltoall");
   EXPECT_EQ(to_string(ExpertsKind::torch_mm), "torch_mm");
   EXPECT_EQ(to_string(ScoreFunc::softmax_with_bias), "softmax_with_bias");
@@ -228,10 +236,21 @@ TEST(Config, ParseErrorsListAllowedValues) {
   expect_arg_error([] { parse_dispatcher("nccl"); }, "backend.dispatcher",
                    "'nccl'; allowed: 'host', 'alltoall', 'torch', 'deepep', 'hybridep'");
   expect_arg_error([] { parse_experts("cutlass"); }, "backend.experts", "allowed: 'torch', 'torch_mm', 'gmm', 'te'");
-  expect_arg_error([] { parse_score_func("sqrtsoftplus"); }, "moe.score_func",
-                   "allowed: 'softmax', 'softmax_with_bias', 'sigmoid'");
+  expect_arg_error([] { parse_score_func("topk_sigmoid"); }, "moe.score_func",
+                   "'topk_sigmoid'; allowed: 'softmax', 'softmax_with_bias', 'sigmoid', 'sigmoid_with_bias', "
+                   "'sqrtsoftplus'");
   expect_arg_error([] { parse_activation("gelu"); }, "moe.expert_activation",
-                   "allowed: 'swiglu', 'quick_geglu', 'relu2'");
+                   "allowed: 'swiglu', 'swigluoai', 'quick_geglu', 'geglu', 'relu2'");
+  expect_arg_error([] { parse_group_mask("zero"); }, "moe.group_mask", "'zero'; allowed: 'automodel', 'neg_inf'");
+  // Automodel's two dispatchers flexep does not have: named, with what flexep offers instead.
+  expect_arg_error([] { parse_dispatcher("uccl_ep"); }, "backend.dispatcher",
+                   "is 'uccl_ep', Automodel's UCCL-EP dispatcher, which flexep does not provide; use 'alltoall' "
+                   "(alias 'torch'), 'hybridep', 'deepep' or 'host'");
+  expect_arg_error(
+      [] { parse_dispatcher("mok"); }, "backend.dispatcher",
+      "is 'mok', Automodel's Mixture-of-Kittens dispatcher, which flexep does not provide; use 'alltoall'");
+  expect_arg_error([] { backend_config_from_json(R"({"dispatcher": "uccl_ep"})"); }, "backend.dispatcher",
+                   "'uccl_ep'");
   expect_arg_error([] { parse_activation("gelu", "moe.shared_expert_activation"); }, "moe.shared_expert_activation",
                    "'gelu'");
   expect_arg_error([] { parse_dispatcher("HybridEP"); }, "backend.dispatcher", "'HybridEP'");  // case matters
@@ -243,6 +262,10 @@ TEST(BackendConfig, ValidateBoundariesAccepted) {
   BackendConfig c;
   c.dispatcher_num_sms = 1;
   c.fake_gate_noise = 1.0;
+  EXPECT_NO_THROW(validate(c));
+  // Automodel takes both: 0 SMs means the backend's default, noise beyond 1 is more random still.
+  c.dispatcher_num_sms = 0;
+  c.fake_gate_noise = 3.0;
   EXPECT_NO_THROW(validate(c));
   c.dispatcher_num_sms = 1024;
   c.hybridep_dispatch_sms = 1024;
@@ -257,18 +280,19 @@ TEST(BackendConfig, ValidateRejectsEachField) {
     std::string arg, needle;
   };
   const std::vector<Case> cases = {
-      {[](BackendConfig& c) { c.dispatcher_num_sms = 0; }, "backend.dispatcher_num_sms",
-       "is 0; allowed: 1 <= value <= 1024"},
-      {[](BackendConfig& c) { c.dispatcher_num_sms = 1025; }, "backend.dispatcher_num_sms", "1 <= value <= 1024"},
+      {[](BackendConfig& c) { c.dispatcher_num_sms = -1; }, "backend.dispatcher_num_sms",
+       "is -1; allowed: 0 <= value <= 1024 (0 = the backend's default)"},
+      {[](BackendConfig& c) { c.dispatcher_num_sms = 1025; }, "backend.dispatcher_num_sms", "0 <= value <= 1024"},
       {[](BackendConfig& c) { c.deepep_num_sms = -1; }, "backend.deepep_num_sms", "is -1; allowed: 0 <= value <= 1024"},
       {[](BackendConfig& c) { c.hybridep_num_sms = 2000; }, "backend.hybridep_num_sms", "0 <= value <= 1024"},
       {[](BackendConfig& c) { c.hybridep_dispatch_sms = -3; }, "backend.hybridep_dispatch_sms", "0 <= value <= 1024"},
       {[](BackendConfig& c) { c.hybridep_combine_sms = -1; }, "backend.hybridep_combine_sms", "0 <= value <= 1024"},
       {[](BackendConfig& c) { c.hybridep_preprocess_sms = 1025; }, "backend.hybridep_preprocess_sms",
        "0 <= value <= 1024"},
-      {[](BackendConfig& c) { c.fake_gate_noise = -0.1; }, "backend.fake_gate_noise", "allowed: 0 <= value <= 1"},
-      {[](BackendConfig& c) { c.fake_gate_noise = 1.5; }, "backend.fake_gate_noise", "allowed: 0 <= value <= 1"},
-      {[](BackendConfig& c) { c.fake_gate_noise = kNaN; }, "backend.fake_gate_noise", "allowed: 0 <= value <= 1"},
+      {[](BackendConfig& c) { c.fake_gate_noise = -0.1; }, "backend.fake_gate_noise",
+       "is -0.1; allowed: finite and >= 0"},
+      {[](BackendConfig& c) { c.fake_gate_noise = kInf; }, "backend.fake_gate_noise", "allowed: finite and >= 0"},
+      {[](BackendConfig& c) { c.fake_gate_noise = kNaN; }, "backend.fake_gate_noise", "allowed: finite and >= 0"},
       {[](BackendConfig& c) { c.gate_precision = DType::bf16; }, "backend.gate_precision",
        "is bf16; allowed: f32 (float32), f64 (float64) or unset"},
   };
@@ -301,7 +325,46 @@ TEST(MoEConfig, OptionalFieldDefaults) {
   EXPECT_EQ(c.shared_expert_inter_dim, 0);
   EXPECT_EQ(c.shared_expert_activation, Activation::swiglu);
   EXPECT_FALSE(c.force_e_score_correction_bias);
+  EXPECT_FALSE(c.apply_router_weight_after_down);
+  EXPECT_EQ(c.swiglu_limit, 0.0);
+  EXPECT_FALSE(c.router_weights_fp32);
+  EXPECT_FALSE(c.router_weight_uses_score_correction_bias);
+  EXPECT_FALSE(c.gate_dtype.has_value());
+  EXPECT_EQ(c.gate_storage_dtype(), DType::bf16);
+  EXPECT_EQ(c.moe_latent_size, 0);
+  EXPECT_FALSE(c.enable_routing_replay);
+  EXPECT_EQ(c.group_mask, GroupMask::automodel);
   EXPECT_NO_THROW(validate(c));
+}
+
+TEST(MoEConfig, NewActivationsAndScoreFunctionsAccepted) {
+  for (Activation a : {Activation::swigluoai, Activation::geglu}) {
+    MoEConfig c;
+    c.expert_activation = a;
+    EXPECT_NO_THROW(validate(c));
+    EXPECT_EQ(c.up_dim(), 2 * c.moe_inter_dim);  // both read [gate | up] halves
+  }
+  MoEConfig oai;
+  oai.expert_activation = Activation::swigluoai;
+  oai.activation_limit = 0;  // swigluoai clamps only when limit > 0: 0 and below mean "no clamp"
+  EXPECT_NO_THROW(validate(oai));
+  oai.activation_limit = -1;
+  EXPECT_NO_THROW(validate(oai));
+  oai.activation_limit = kNaN;
+  expect_arg_error([&] { validate(oai); }, "moe.activation_limit", "any number for 'swigluoai'");
+  MoEConfig limited;
+  limited.swiglu_limit = 10.0;
+  limited.gate_dtype = DType::f32;
+  limited.moe_latent_size = 128;  // accepted by the config; the layers refuse it
+  limited.enable_routing_replay = true;
+  EXPECT_NO_THROW(validate(limited));
+  EXPECT_EQ(limited.gate_storage_dtype(), DType::f32);
+  for (ScoreFunc f : {ScoreFunc::sigmoid_with_bias, ScoreFunc::sqrtsoftplus}) {
+    MoEConfig c;
+    c.score_func = f;
+    c.force_e_score_correction_bias = true;
+    EXPECT_NO_THROW(validate(c));
+  }
 }
 
 TEST(MoEConfig, QuickGegluAccepted) {
@@ -332,6 +395,51 @@ TEST(MoEConfig, ValidGroupingsAccepted) {
   c.n_expert_groups = 16;
   c.n_limited_groups = 8;
   EXPECT_NO_THROW(validate(c));
+  // softmax and sqrtsoftplus ignore groups (Automodel's branches never read them), so any group
+  // settings pass, even ones that would be invalid for a grouped score function.
+  for (ScoreFunc f : {ScoreFunc::softmax, ScoreFunc::sqrtsoftplus}) {
+    MoEConfig g;
+    g.score_func = f;
+    g.n_expert_groups = 3;  // does not divide 16
+    g.n_limited_groups = 9;
+    EXPECT_FALSE(g.group_limited());
+    EXPECT_NO_THROW(validate(g));
+  }
+  // 0 groups (Qwen3-MoE, GPT-OSS write it) under a grouped score function: no grouping, limited ignored.
+  MoEConfig zero;
+  zero.score_func = ScoreFunc::sigmoid_with_bias;
+  zero.n_expert_groups = 0;
+  zero.n_limited_groups = 0;
+  EXPECT_FALSE(zero.group_limited());
+  EXPECT_NO_THROW(validate(zero));
+}
+
+TEST(MoEConfig, GroupRulesPerScoreFunction) {
+  MoEConfig c;
+  c.n_expert_groups = 4;
+  c.n_limited_groups = 2;
+  struct Row {
+    ScoreFunc f;
+    bool corrected, limited, top2, neg_inf;
+  };
+  for (const Row& r : {Row{ScoreFunc::softmax, false, false, true, false},
+                       Row{ScoreFunc::softmax_with_bias, false, true, true, false},
+                       Row{ScoreFunc::sigmoid, false, true, false, false},
+                       Row{ScoreFunc::sigmoid, true, true, true, false},
+                       Row{ScoreFunc::sigmoid_with_bias, false, true, true, true},
+                       Row{ScoreFunc::sqrtsoftplus, true, false, true, false}}) {
+    SCOPED_TRACE(std::string(to_string(r.f)) + (r.corrected ? " corrected" : ""));
+    c.score_func = r.f;
+    c.force_e_score_correction_bias = r.corrected;
+    c.group_mask = GroupMask::automodel;
+    EXPECT_EQ(c.group_limited(), r.limited);
+    if (r.limited) {
+      EXPECT_EQ(c.top2_group_score(), r.top2);
+    }
+    EXPECT_EQ(c.group_mask_neg_inf(), r.neg_inf);
+    c.group_mask = GroupMask::neg_inf;
+    EXPECT_TRUE(c.group_mask_neg_inf());
+  }
 }
 
 TEST(MoEConfig, ValidateRejectsEachField) {
@@ -352,8 +460,8 @@ TEST(MoEConfig, ValidateRejectsEachField) {
        "is 17; allowed: 1 <= value <= n_routed_experts (16)"},
       {[](MoEConfig& c) { c.n_shared_experts = -1; }, "moe.n_shared_experts", "allowed: >= 0"},
       {[](MoEConfig& c) { c.n_expert_groups = -2; }, "moe.n_expert_groups", "allowed: >= 0 (0 or 1 = no grouping)"},
-      {[&](MoEConfig& c) { grouped(c, ScoreFunc::softmax, 4, 2); }, "moe.n_expert_groups",
-       "score_func 'softmax_with_bias' or 'sigmoid'"},
+      {[&](MoEConfig& c) { grouped(c, ScoreFunc::sigmoid_with_bias, 16, 4); }, "moe.n_expert_groups",
+       "top-2"},
       {[&](MoEConfig& c) { grouped(c, ScoreFunc::sigmoid, 3, 1); }, "moe.n_expert_groups",
        "does not divide n_routed_experts (16)"},
       {[&](MoEConfig& c) { grouped(c, ScoreFunc::sigmoid, 4, 0); }, "moe.n_limited_groups",
@@ -394,6 +502,10 @@ TEST(MoEConfig, ValidateRejectsEachField) {
        "allowed: 'swiglu', 'relu2'"},
       {[](MoEConfig& c) { c.shared_expert_inter_dim = -1; }, "moe.shared_expert_inter_dim", "allowed: >= 0"},
       {[](MoEConfig& c) { c.dtype = DType::i32; }, "moe.dtype", "is i32; allowed: bf16, f16, f32, f64"},
+      {[](MoEConfig& c) { c.swiglu_limit = -1; }, "moe.swiglu_limit", "is -1; allowed: >= 0"},
+      {[](MoEConfig& c) { c.swiglu_limit = kNaN; }, "moe.swiglu_limit", "allowed: >= 0"},
+      {[](MoEConfig& c) { c.gate_dtype = DType::i64; }, "moe.gate_dtype", "is i64; allowed: bf16, f16, f32, f64"},
+      {[](MoEConfig& c) { c.moe_latent_size = -4; }, "moe.moe_latent_size", "is -4; allowed: >= 1, or 0"},
   };
   for (const auto& tc : cases) {
     SCOPED_TRACE(tc.arg + " / " + tc.needle);

@@ -70,6 +70,14 @@ MoEConfig custom_moe() {
   c.shared_expert_activation = Activation::relu2;
   c.force_e_score_correction_bias = true;
   c.dtype = DType::f16;
+  c.apply_router_weight_after_down = true;
+  c.swiglu_limit = 10.0;
+  c.router_weights_fp32 = true;
+  c.router_weight_uses_score_correction_bias = true;
+  c.gate_dtype = DType::f32;
+  c.moe_latent_size = 512;
+  c.enable_routing_replay = true;
+  c.group_mask = GroupMask::neg_inf;
   return c;
 }
 
@@ -113,6 +121,14 @@ void expect_same(const MoEConfig& a, const MoEConfig& b) {
   EXPECT_EQ(a.shared_expert_activation, b.shared_expert_activation);
   EXPECT_EQ(a.force_e_score_correction_bias, b.force_e_score_correction_bias);
   EXPECT_EQ(a.dtype, b.dtype);
+  EXPECT_EQ(a.apply_router_weight_after_down, b.apply_router_weight_after_down);
+  EXPECT_EQ(a.swiglu_limit, b.swiglu_limit);
+  EXPECT_EQ(a.router_weights_fp32, b.router_weights_fp32);
+  EXPECT_EQ(a.router_weight_uses_score_correction_bias, b.router_weight_uses_score_correction_bias);
+  EXPECT_EQ(a.gate_dtype, b.gate_dtype);
+  EXPECT_EQ(a.moe_latent_size, b.moe_latent_size);
+  EXPECT_EQ(a.enable_routing_replay, b.enable_routing_replay);
+  EXPECT_EQ(a.group_mask, b.group_mask);
 }
 
 // A temporary file removed at scope exit. ctest runs each test in its own process, in parallel: the
@@ -156,7 +172,15 @@ TEST(ConfigJson, WritesEveryFieldWithEnumsAsStrings) {
   EXPECT_EQ(b.at("gate_precision"), "float64");
   EXPECT_EQ(b.at("hybridep_combine_sms"), 12);
   const auto m = nlohmann::json::parse(to_json(custom_moe()));
-  EXPECT_EQ(m.size(), 25u);
+  EXPECT_EQ(m.size(), 33u);
+  EXPECT_EQ(m.at("gate_dtype"), "float32");
+  EXPECT_EQ(m.at("moe_latent_size"), 512);
+  EXPECT_EQ(m.at("group_mask"), "neg_inf");
+  EXPECT_EQ(m.at("swiglu_limit"), 10.0);
+  const auto d = nlohmann::json::parse(to_json(MoEConfig{}));
+  EXPECT_TRUE(d.at("gate_dtype").is_null());       // None: inherit dtype
+  EXPECT_TRUE(d.at("moe_latent_size").is_null());  // None: no latent projection
+  EXPECT_EQ(d.at("group_mask"), "automodel");
   EXPECT_EQ(m.at("score_func"), "sigmoid");
   EXPECT_EQ(m.at("expert_activation"), "quick_geglu");
   EXPECT_EQ(m.at("shared_expert_activation"), "relu2");
@@ -177,6 +201,26 @@ TEST(ConfigJson, AutomodelSpellingsAccepted) {
   EXPECT_EQ(moe_config_from_json(R"({"shared_expert_inter_dim": null})").shared_expert_inter_dim, 0);
   // Integers are numbers too.
   EXPECT_EQ(moe_config_from_json(R"({"route_scale": 2})").route_scale, 2.0);
+  // Automodel 0.7.0's later fields, as its configs write them.
+  const MoEConfig m = moe_config_from_json(
+      R"({"gate_dtype": "torch.float32", "moe_latent_size": null, "swiglu_limit": 10, "score_func": "sqrtsoftplus",
+          "expert_activation": "swigluoai", "router_weights_fp32": true, "enable_routing_replay": true,
+          "n_expert_groups": 0})");
+  EXPECT_EQ(m.gate_dtype, DType::f32);
+  EXPECT_EQ(m.moe_latent_size, 0);
+  EXPECT_EQ(m.swiglu_limit, 10.0);
+  EXPECT_EQ(m.score_func, ScoreFunc::sqrtsoftplus);
+  EXPECT_EQ(m.expert_activation, Activation::swigluoai);
+  EXPECT_TRUE(m.router_weights_fp32);
+  EXPECT_TRUE(m.enable_routing_replay);
+  EXPECT_NO_THROW(validate(m));
+  EXPECT_FALSE(moe_config_from_json(R"({"gate_dtype": null})").gate_dtype.has_value());
+  EXPECT_EQ(moe_config_from_json(R"({"moe_latent_size": 64})").moe_latent_size, 64);
+  // An explicit 0 would be a zero-width projection in Automodel: null is how "none" is written.
+  expect_arg_error([] { moe_config_from_json(R"({"moe_latent_size": 0})"); }, "moe.moe_latent_size",
+                   "is 0; allowed: an integer >= 1, or null for none");
+  expect_arg_error([] { moe_config_from_json(R"({"group_mask": "zeros"})"); }, "moe.group_mask",
+                   "allowed: 'automodel', 'neg_inf'");
 }
 
 TEST(ConfigJson, OnlyGivenKeysChange) {

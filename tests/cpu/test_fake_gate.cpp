@@ -194,7 +194,9 @@ TEST(FakeBalancedGate, RejectsInvalidArguments) {
     return std::string("(no error)");
   };
   EXPECT_EQ(arg_of(-0.1, 0), "noise");
-  EXPECT_EQ(arg_of(1.5, 0), "noise");
+  EXPECT_EQ(arg_of(1.5, 0), "(no error)");  // Automodel takes any noise level; only [0, 1] is documented
+  EXPECT_EQ(arg_of(std::nan(""), 0), "noise");
+  EXPECT_EQ(arg_of(INFINITY, 0), "noise");
   EXPECT_EQ(arg_of(1.0, 6), "(no error)");
   EXPECT_EQ(arg_of(0.0, 7), "skip_first_n_experts");  // one expert left for top-2
   EXPECT_EQ(arg_of(0.0, -1), "skip_first_n_experts");

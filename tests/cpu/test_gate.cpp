@@ -75,8 +75,10 @@ Reference reference(const MoEConfig& c, const std::vector<double>& x, const std:
       z[e] = acc + (b.empty() ? 0.0 : b[e]);
     }
     std::vector<double> scores(E);
-    if (c.score_func == ScoreFunc::sigmoid) {
+    if (c.score_func == ScoreFunc::sigmoid || c.score_func == ScoreFunc::sigmoid_with_bias) {
       for (int e = 0; e < E; ++e) scores[e] = 1.0 / (1.0 + std::exp(-z[e]));
+    } else if (c.score_func == ScoreFunc::sqrtsoftplus) {
+      for (int e = 0; e < E; ++e) scores[e] = std::sqrt(z[e] > 20 ? z[e] : std::log(1.0 + std::exp(z[e])));
     } else {
       const double m = *std::max_element(z.begin(), z.end());
       double sum = 0;
@@ -86,6 +88,11 @@ Reference reference(const MoEConfig& c, const std::vector<double>& x, const std:
     std::vector<int> chosen;
     std::vector<double> weights;
     std::vector<int> kept;
+    const bool biased = c.score_func != ScoreFunc::softmax && !cb.empty();
+    // Automodel's original_scores: the biased ones for sigmoid with router_weight_uses_score_correction_bias.
+    std::vector<double> original = scores;
+    if (biased && c.score_func == ScoreFunc::sigmoid && c.router_weight_uses_score_correction_bias)
+      for (int e = 0; e < E; ++e) original[e] += cb[e];
     if (c.score_func == ScoreFunc::softmax && !c.softmax_before_topk) {
       const std::vector<int> order = order_desc(z);
       chosen.assign(order.begin(), order.begin() + k);
@@ -94,29 +101,31 @@ Reference reference(const MoEConfig& c, const std::vector<double>& x, const std:
       for (int e : chosen) weights.push_back(std::exp(z[e] - m) / sum);
     } else {
       std::vector<double> choice = scores;
-      const bool biased = c.score_func != ScoreFunc::softmax && !cb.empty();
       if (biased)
         for (int e = 0; e < E; ++e) choice[e] += cb[e];
-      if (c.score_func != ScoreFunc::softmax && c.n_expert_groups > 1) {
+      const bool grouped = c.score_func == ScoreFunc::softmax_with_bias || c.score_func == ScoreFunc::sigmoid ||
+                           c.score_func == ScoreFunc::sigmoid_with_bias;
+      if (grouped && c.n_expert_groups > 1) {
         const int G = c.n_expert_groups, size = E / G;
         std::vector<double> gscore(G);
         for (int g = 0; g < G; ++g) {
           std::vector<double> members(choice.begin() + g * size, choice.begin() + (g + 1) * size);
           std::sort(members.rbegin(), members.rend());
-          const bool top2 = c.score_func == ScoreFunc::softmax_with_bias || biased;
+          const bool top2 = c.score_func != ScoreFunc::sigmoid || biased;
           gscore[g] = top2 ? members[0] + members[1] : members[0];
         }
         const std::vector<int> gorder = order_desc(gscore);
         kept.assign(gorder.begin(), gorder.begin() + c.n_limited_groups);
         std::sort(kept.begin(), kept.end());
+        // Automodel: -inf under sigmoid_with_bias, a multiply by 0 under the others.
+        const bool neg_inf = c.group_mask == GroupMask::neg_inf || c.score_func == ScoreFunc::sigmoid_with_bias;
         for (int e = 0; e < E; ++e)
-          if (std::find(kept.begin(), kept.end(), e / size) == kept.end()) choice[e] = -INFINITY;
+          if (std::find(kept.begin(), kept.end(), e / size) == kept.end()) choice[e] = neg_inf ? -INFINITY : 0.0;
       }
       const std::vector<int> order = order_desc(choice);
       chosen.assign(order.begin(), order.begin() + k);
-      for (int e : chosen) weights.push_back(scores[e]);
+      for (int e : chosen) weights.push_back(original[e]);
     }
-    std::vector<double> original = scores;
     if (c.norm_topk_prob && k > 1) {
       const double ws = std::accumulate(weights.begin(), weights.end(), 0.0) + 1e-20;
       const double os = std::accumulate(original.begin(), original.end(), 0.0) + 1e-20;
@@ -428,19 +437,203 @@ TEST(Gate, GroupScoreRuleMatters) {
   }
 }
 
-TEST(Gate, DroppedGroupsNeverWinEvenWithNegativeScores) {
-  // Biased scores [-0.5, -0.5 | -1.5, -1.5]: group 0 is kept. Automodel's multiply-by-0 would turn
-  // group 1 into zeros, which beat -0.5; we exclude it outright (docs/semantics.md, Router).
-  MoEConfig c = make_config(ScoreFunc::sigmoid, 4, 2, 3);
-  c.n_expert_groups = 2;
-  c.n_limited_groups = 1;
+TEST(Gate, GroupMaskFollowsAutomodelPerScoreFunction) {
+  // Zero weights: every sigmoid score is 0.5; every softmax score is 1/4. The correction bias makes
+  // the biased scores negative, group 0 the kept one (its top-2 sum is the larger). Automodel's
+  // multiply-by-0 turns the dropped group 1 into zeros, which beat group 0's negative scores:
+  // experts 2 and 3 are selected. sigmoid_with_bias masks with -inf: experts 0 and 1. group_mask
+  // "neg_inf" gives -inf everywhere.
+  struct Row {
+    ScoreFunc f;
+    GroupMask mask;
+    std::vector<std::int64_t> chosen;
+    double weight;
+  };
+  const std::vector<std::int64_t> dropped_win = {2, 3, 2, 3, 2, 3}, kept_win = {0, 1, 0, 1, 0, 1};
+  for (const Row& r : {Row{ScoreFunc::sigmoid, GroupMask::automodel, dropped_win, 0.5},
+                       Row{ScoreFunc::softmax_with_bias, GroupMask::automodel, dropped_win, 0.25},
+                       Row{ScoreFunc::sigmoid_with_bias, GroupMask::automodel, kept_win, 0.5},
+                       Row{ScoreFunc::sigmoid, GroupMask::neg_inf, kept_win, 0.5},
+                       Row{ScoreFunc::softmax_with_bias, GroupMask::neg_inf, kept_win, 0.25},
+                       Row{ScoreFunc::sigmoid_with_bias, GroupMask::neg_inf, kept_win, 0.5}}) {
+    SCOPED_TRACE(std::string(to_string(r.f)) + " / " + std::string(to_string(r.mask)));
+    MoEConfig c = make_config(r.f, 4, 2, 3);
+    c.n_expert_groups = 2;
+    c.n_limited_groups = 1;
+    c.force_e_score_correction_bias = true;
+    c.group_mask = r.mask;
+    Gate g(c, std::nullopt);
+    const std::vector<float> cb = {-1, -1, -2, -2};
+    std::copy(cb.begin(), cb.end(), g.e_score_correction_bias().data<float>());
+    const Tensor x = randn({3, 3}, DType::f32, 40);
+    const GateOutput out = g.forward(x, {}, false);
+    EXPECT_EQ(int_values(out.indices), r.chosen);
+    for (double w : values(out.weights)) EXPECT_FLOAT_EQ(w, r.weight);  // unbiased scores
+    expect_matches(out, reference_of(g, x), 1e-7);
+  }
+}
+
+TEST(Gate, GroupMaskOnlyMattersWithNegativeBiasedScores) {
+  // Positive biased scores: the multiply-by-0 and -inf masks select alike (the docs' claim).
+  for (ScoreFunc f : {ScoreFunc::sigmoid, ScoreFunc::softmax_with_bias}) {
+    MoEConfig c = make_config(f, 16, 4, 8);
+    c.n_expert_groups = 4;
+    c.n_limited_groups = 2;
+    c.force_e_score_correction_bias = true;
+    Gate a(c, std::nullopt, DType::f64);
+    a.init(41, 1.0);
+    fill_tensor(a.e_score_correction_bias(), 42, 0.01);
+    for (int e = 0; e < 16; ++e) a.e_score_correction_bias().data<float>()[e] += 0.05f;  // all positive
+    c.group_mask = GroupMask::neg_inf;
+    Gate b(c, std::nullopt, DType::f64);
+    b.weight().value = a.weight().value.clone();
+    std::copy(a.e_score_correction_bias().data<float>(), a.e_score_correction_bias().data<float>() + 16,
+              b.e_score_correction_bias().data<float>());
+    const Tensor x = randn({32, 8}, DType::f64, 43);
+    EXPECT_EQ(int_values(a.forward(x, {}, false).indices), int_values(b.forward(x, {}, false).indices));
+  }
+}
+
+TEST(Gate, SigmoidWithBiasMatchesReferenceWithGroups) {
+  for (bool corrected : {false, true}) {
+    MoEConfig c = make_config(ScoreFunc::sigmoid_with_bias, 16, 4, 8);
+    c.n_expert_groups = 4;
+    c.n_limited_groups = 2;
+    c.norm_topk_prob = true;
+    c.route_scale = 2.5;
+    c.force_e_score_correction_bias = corrected;
+    Gate g(c, std::nullopt, DType::f64);
+    g.init(44, 1.0);
+    if (corrected) fill_tensor(g.e_score_correction_bias(), 45, 0.3);
+    const Tensor x = randn({24, 8}, DType::f64, 46);
+    const GateOutput out = g.forward(x, {}, false);
+    const Reference r = reference_of(g, x);
+    expect_matches(out, r, 1e-13);
+    // Group score = top-2 sum even without a correction bias, and only kept groups are selected.
+    const std::vector<std::int64_t> idx = int_values(out.indices);
+    for (int t = 0; t < 24; ++t)
+      for (int j = 0; j < 4; ++j) {
+        const int group = static_cast<int>(idx[t * 4 + j]) / 4;
+        EXPECT_TRUE(group == r.kept_groups[t][0] || group == r.kept_groups[t][1]) << "token " << t;
+      }
+  }
+  // Without groups (n_expert_groups 0, as Qwen-style configs write it) it is the biased sigmoid.
+  MoEConfig c = make_config(ScoreFunc::sigmoid_with_bias, 8, 2, 6);
+  c.n_expert_groups = 0;
+  c.n_limited_groups = 0;
   c.force_e_score_correction_bias = true;
-  Gate g(c, std::nullopt);  // zero weights: every sigmoid score is 0.5
-  const std::vector<float> cb = {-1, -1, -2, -2};
-  std::copy(cb.begin(), cb.end(), g.e_score_correction_bias().data<float>());
-  const GateOutput out = g.forward(randn({3, 3}, DType::f32, 40), {}, false);
-  EXPECT_EQ(int_values(out.indices), (std::vector<std::int64_t>{0, 1, 0, 1, 0, 1}));
-  for (double w : values(out.weights)) EXPECT_EQ(w, 0.5);
+  Gate g(c, std::nullopt, DType::f64);
+  g.init(47, 0.7);
+  fill_tensor(g.e_score_correction_bias(), 48, 0.2);
+  const Tensor x = randn({10, 6}, DType::f64, 49);
+  expect_matches(g.forward(x, {}, false), reference_of(g, x), 1e-13);
+}
+
+TEST(Gate, SqrtSoftplusMatchesReferenceAndIgnoresGroups) {
+  MoEConfig c = make_config(ScoreFunc::sqrtsoftplus, 16, 4, 8);
+  c.force_e_score_correction_bias = true;
+  c.norm_topk_prob = true;
+  c.route_scale = 1.5;
+  c.router_bias = true;
+  Gate g(c, std::nullopt, DType::f64);
+  g.init(50, 2.0);  // logits beyond softplus's threshold 20 occur too
+  fill_tensor(g.bias().value, 51, 5.0);
+  g.bias().value.data<double>()[3] = 30.0;
+  fill_tensor(g.e_score_correction_bias(), 52, 0.3);
+  const Tensor x = randn({24, 8}, DType::f64, 53);
+  const GateOutput out = g.forward(x, {}, false);
+  expect_matches(out, reference_of(g, x), 1e-13);
+  // Weights from the unbiased scores: sqrt(softplus(z)) for the selected expert, checked directly.
+  const std::vector<double> w = values(out.weights);
+  const std::vector<std::int64_t> idx = int_values(out.indices);
+  for (int t = 0; t < 24; ++t) {
+    double sum = 0;
+    for (int j = 0; j < 4; ++j) {
+      const int e = static_cast<int>(idx[t * 4 + j]);
+      double z = read_as_double(g.bias().value, e);
+      for (int d = 0; d < 8; ++d) z += read_as_double(x, t * 8 + d) * read_as_double(g.weight().value, e * 8 + d);
+      sum += std::sqrt(z > 20 ? z : std::log1p(std::exp(z)));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int e = static_cast<int>(idx[t * 4 + j]);
+      double z = read_as_double(g.bias().value, e);
+      for (int d = 0; d < 8; ++d) z += read_as_double(x, t * 8 + d) * read_as_double(g.weight().value, e * 8 + d);
+      EXPECT_NEAR(w[t * 4 + j], 1.5 * std::sqrt(z > 20 ? z : std::log1p(std::exp(z))) / (sum + 1e-20), 1e-13);
+    }
+  }
+  // Groups are ignored (Automodel's sqrtsoftplus branch has no group limiting).
+  MoEConfig grouped = c;
+  grouped.n_expert_groups = 4;
+  grouped.n_limited_groups = 1;
+  Gate h(grouped, std::nullopt, DType::f64);
+  h.weight().value = g.weight().value.clone();
+  h.bias().value = g.bias().value.clone();
+  std::copy(g.e_score_correction_bias().data<float>(), g.e_score_correction_bias().data<float>() + 16,
+            h.e_score_correction_bias().data<float>());
+  const GateOutput hout = h.forward(x, {}, false);
+  EXPECT_EQ(int_values(hout.indices), idx);
+  EXPECT_EQ(values(hout.weights), w);
+}
+
+TEST(Gate, SqrtSoftplusRoutesInFloatEvenWithFp64Precision) {
+  // Automodel scores sqrt(softplus(logits.float())): with gate_precision f64 the logits are f64 but
+  // everything after them is fp32, so the weights equal an fp32 computation from the f32-rounded
+  // f64 logits exactly.
+  MoEConfig c = make_config(ScoreFunc::sqrtsoftplus, 8, 3, 6);
+  Gate g(c, DType::f64);
+  g.init(54, 0.7);
+  const Tensor x = randn({10, 6}, DType::f32, 55);
+  const GateOutput out = g.forward(x, {}, false);
+  const std::vector<std::int64_t> idx = int_values(out.indices);
+  for (int t = 0; t < 10; ++t)
+    for (int j = 0; j < 3; ++j) {
+      const int e = static_cast<int>(idx[t * 3 + j]);
+      double z = 0;
+      for (int d = 0; d < 6; ++d) z += read_as_double(x, t * 6 + d) * read_as_double(g.weight().value, e * 6 + d);
+      const float zf = static_cast<float>(z);
+      const float want = std::sqrt(std::log1p(std::exp(zf)));
+      EXPECT_EQ(out.weights.data<float>()[t * 3 + j], want) << t << "," << j;
+    }
+}
+
+TEST(Gate, SigmoidWeightsFromBiasedScores) {
+  // router_weight_uses_score_correction_bias: weights = sigmoid + bias at the selected experts, and
+  // the aux loss reads the biased scores too. Other score functions ignore the flag.
+  MoEConfig c = make_config(ScoreFunc::sigmoid, 8, 3, 6);
+  c.router_weight_uses_score_correction_bias = true;
+  c.force_e_score_correction_bias = true;
+  c.norm_topk_prob = true;
+  c.aux_loss_coeff = 0.01;
+  Gate g(c, std::nullopt, DType::f64);
+  g.init(56, 0.7);
+  fill_tensor(g.e_score_correction_bias(), 57, 0.2);
+  const Tensor x = randn({10, 6}, DType::f64, 58);
+  const std::vector<int> mask = {1, 1, 0, 1, 1, 1, 1, 0, 1, 1};
+  const GateOutput out = g.forward(x, bool_mask(mask), true);
+  const Reference r = reference_of(g, x);
+  expect_matches(out, r, 1e-13);
+  EXPECT_NEAR(*out.aux_loss, reference_aux(c, r, mask), 1e-13);
+  MoEConfig unbiased = c;
+  unbiased.router_weight_uses_score_correction_bias = false;
+  const Reference ru =
+      reference(unbiased, values(x), values(g.weight().value), {}, values(g.e_score_correction_bias()));
+  EXPECT_EQ(r.indices, ru.indices);  // the selection is the same; only the weights move
+  bool differs = false;
+  for (std::size_t i = 0; i < r.weights.size(); ++i) differs |= std::fabs(r.weights[i] - ru.weights[i]) > 1e-6;
+  EXPECT_TRUE(differs);
+  for (ScoreFunc f : {ScoreFunc::softmax_with_bias, ScoreFunc::sigmoid_with_bias, ScoreFunc::sqrtsoftplus}) {
+    MoEConfig o = c;
+    o.score_func = f;
+    Gate og(o, std::nullopt, DType::f64);
+    og.weight().value = g.weight().value.clone();
+    std::copy(g.e_score_correction_bias().data<float>(), g.e_score_correction_bias().data<float>() + 8,
+              og.e_score_correction_bias().data<float>());
+    MoEConfig plain = o;
+    plain.router_weight_uses_score_correction_bias = false;
+    expect_matches(og.forward(x, {}, false),
+                   reference(plain, values(x), values(og.weight().value), {}, values(og.e_score_correction_bias())),
+                   1e-13);
+  }
 }
 
 TEST(Gate, CorrectionBiasSteersSelectionButNotWeights) {
@@ -470,6 +663,11 @@ TEST(Gate, CorrectionBiasSteersSelectionButNotWeights) {
 }
 
 TEST(Gate, PlainSoftmaxIgnoresCorrectionBiasAndGroups) {
+  // Groups that would be invalid for a grouped score function (3 does not divide 8) are accepted.
+  MoEConfig odd = make_config(ScoreFunc::softmax, 8, 2, 6);
+  odd.n_expert_groups = 3;
+  odd.n_limited_groups = 5;
+  EXPECT_NO_THROW(Gate(odd, std::nullopt));
   MoEConfig c = make_config(ScoreFunc::softmax, 8, 2, 6);
   Gate ref_gate(c, std::nullopt, DType::f64);
   ref_gate.init(11, 0.7);
@@ -788,6 +986,8 @@ struct GradCase {
   bool before = false, norm = false, bias = false, corrected = false, masked = false;
   double route_scale = 1.0, aux = 0.0;
   int topk = 3, groups = 1, limited = 1;
+  bool biased_weights = false;  // router_weight_uses_score_correction_bias
+  GroupMask mask = GroupMask::automodel;
 };
 
 std::ostream& operator<<(std::ostream& os, const GradCase& c) { return os << c.name; }
@@ -823,6 +1023,8 @@ TEST_P(GateGradient, MatchesFiniteDifferences) {
   c.aux_loss_coeff = p.aux;
   c.n_expert_groups = p.groups;
   c.n_limited_groups = p.limited;
+  c.router_weight_uses_score_correction_bias = p.biased_weights;
+  c.group_mask = p.mask;
   Gate g(c, std::nullopt, DType::f64);
   g.init(100, 0.8);
   g.aux_loss_scale = 1.7;
@@ -883,5 +1085,17 @@ INSTANTIATE_TEST_SUITE_P(
                  2},
         GradCase{"sigmoid_groups_corr_norm_aux", ScoreFunc::sigmoid, false, true, true, true, true, 2.5, 0.2, 3, 4,
                  2},
-        GradCase{"sigmoid_k1_norm_ignored_aux", ScoreFunc::sigmoid, false, true, true, false, false, 1.0, 0.2, 1}),
+        GradCase{"sigmoid_k1_norm_ignored_aux", ScoreFunc::sigmoid, false, true, true, false, false, 1.0, 0.2, 1},
+        GradCase{"sigmoid_with_bias_groups_corr_norm_aux", ScoreFunc::sigmoid_with_bias, false, true, true, true, true,
+                 2.5, 0.2, 3, 4, 2},
+        GradCase{"sigmoid_with_bias_groups", ScoreFunc::sigmoid_with_bias, false, false, false, false, false, 1.0, 0.1,
+                 3, 4, 2},
+        GradCase{"sqrtsoftplus", ScoreFunc::sqrtsoftplus, false, false, false, false, false, 2.0},
+        GradCase{"sqrtsoftplus_corr_norm_bias_aux", ScoreFunc::sqrtsoftplus, false, true, true, true, true, 1.5, 0.2},
+        GradCase{"sigmoid_biased_weights_norm_aux", ScoreFunc::sigmoid, false, true, true, true, true, 1.0, 0.2, 3, 1,
+                 1, true},
+        GradCase{"sigmoid_biased_weights_groups", ScoreFunc::sigmoid, false, false, false, true, false, 2.0, 0.1, 3, 4,
+                 2, true},
+        GradCase{"softmax_with_bias_groups_neg_inf", ScoreFunc::softmax_with_bias, false, true, true, true, true, 2.0,
+                 0.3, 3, 4, 2, false, GroupMask::neg_inf}),
     [](const ::testing::TestParamInfo<GradCase>& info) { return info.param.name; });

@@ -17,7 +17,8 @@ using namespace flexep;
 
 namespace {
 
-constexpr Activation kAllActivations[] = {Activation::swiglu, Activation::quick_geglu, Activation::relu2};
+constexpr Activation kAllActivations[] = {Activation::swiglu, Activation::swigluoai, Activation::quick_geglu,
+                                          Activation::geglu, Activation::relu2};
 
 MoEConfig make_config(Activation act, bool bias, int experts = 4, int dim = 8, int inter = 6) {
   MoEConfig c;
@@ -84,8 +85,18 @@ struct Reference {
     const double L = c.activation_limit;
     switch (c.expert_activation) {
       case Activation::swiglu: {
-        const double g = h[static_cast<std::size_t>(i)], u = h[static_cast<std::size_t>(inter + i)];
+        double g = h[static_cast<std::size_t>(i)], u = h[static_cast<std::size_t>(inter + i)];
+        if (c.swiglu_limit > 0) g = std::min(g, c.swiglu_limit), u = std::clamp(u, -c.swiglu_limit, c.swiglu_limit);
         return g * sig(g) * u;
+      }
+      case Activation::swigluoai: {
+        double g = h[static_cast<std::size_t>(i)], u = h[static_cast<std::size_t>(inter + i)];
+        if (L > 0) g = std::min(g, L), u = std::clamp(u, -L, L);
+        return g * sig(c.activation_alpha * g) * (u + 1.0);
+      }
+      case Activation::geglu: {
+        const double g = h[static_cast<std::size_t>(i)], u = h[static_cast<std::size_t>(inter + i)];
+        return 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g))) * u;
       }
       case Activation::quick_geglu: {
         const double g = std::min(h[static_cast<std::size_t>(2 * i)], L);
@@ -100,14 +111,17 @@ struct Reference {
     return 0.0;
   }
 
-  // y = (act(x Wgu + bgu) * p) Wd + bd * p
+  // y = (act(x Wgu + bgu) * p) Wd + bd * p, or after the down projection (act(x Wgu + bgu) Wd + bd) * p
   std::vector<double> row(int e, const double* x, double p) const {
     const std::vector<double> h = pre_activation(e, x);
     std::vector<double> y(static_cast<std::size_t>(dim));
+    const bool after = c.apply_router_weight_after_down;
     for (int j = 0; j < dim; ++j) {
       double s = 0;
-      for (int i = 0; i < inter; ++i) s += act(h, i) * p * wd[static_cast<std::size_t>((e * inter + i) * dim + j)];
-      y[static_cast<std::size_t>(j)] = s + (bd.empty() ? 0.0 : bd[static_cast<std::size_t>(e * dim + j)] * p);
+      for (int i = 0; i < inter; ++i)
+        s += act(h, i) * (after ? 1.0 : p) * wd[static_cast<std::size_t>((e * inter + i) * dim + j)];
+      const double b = bd.empty() ? 0.0 : bd[static_cast<std::size_t>(e * dim + j)];
+      y[static_cast<std::size_t>(j)] = after ? (s + b) * p : s + b * p;
     }
     return y;
   }
@@ -123,6 +137,11 @@ struct Reference {
       if (c.expert_activation == Activation::relu2) d = std::min(d, std::abs(v));
       if (c.expert_activation == Activation::quick_geglu)
         d = std::min(d, col % 2 == 0 ? std::abs(v - L) : std::abs(std::abs(v) - L));
+      const double halves_limit = c.expert_activation == Activation::swigluoai ? L
+                                  : c.expert_activation == Activation::swiglu  ? c.swiglu_limit
+                                                                               : 0.0;
+      if (halves_limit > 0)
+        d = std::min(d, col < inter ? std::abs(v - halves_limit) : std::abs(std::abs(v) - halves_limit));
     }
     return d;
   }
@@ -586,4 +605,158 @@ TEST(Experts, BadArgumentsNameTheArgument) {
   EXPECT_EQ(argument_of([&] { m.forward_loop(x, TensorView(), Tensor::zeros({3, 2}, DType::f32), idx); }), "weights");
   EXPECT_EQ(argument_of([&] { m.forward_loop(x, Tensor::zeros({4}, DType::f32), w, idx); }), "token_mask");
   EXPECT_EQ(argument_of([&] { m.forward_loop(Tensor::zeros({4, 3}, DType::f32), TensorView(), w, idx); }), "x");
+}
+
+namespace {
+// The module of make_config with one of the Automodel 0.7.0 options switched on.
+MoEConfig variant(Activation act, bool bias, bool after_down, double swiglu_limit) {
+  MoEConfig c = make_config(act, bias);
+  c.apply_router_weight_after_down = after_down;
+  c.swiglu_limit = swiglu_limit;
+  return c;
+}
+}  // namespace
+
+TEST(Experts, AfterDownAndSwigluLimitForwardMatchFp64Reference) {
+  const std::vector<std::int64_t> counts = {2, 0, 3};
+  const int owner[5] = {0, 0, 2, 2, 2};
+  struct V {
+    Activation act;
+    bool after_down;
+    double limit;
+  };
+  for (const V& v : {V{Activation::swiglu, true, 0.0}, V{Activation::quick_geglu, true, 0.0},
+                     V{Activation::relu2, true, 0.0}, V{Activation::swiglu, false, 0.8},
+                     V{Activation::swiglu, true, 0.8}})
+    for (bool bias : {false, true})
+      for (DType pt : {DType::f32, DType::f64}) {
+        SCOPED_TRACE(label(v.act, bias, pt) + (v.after_down ? " after-down" : "") + " limit " +
+                     std::to_string(v.limit));
+        const MoEConfig c = variant(v.act, bias, v.after_down, v.limit);
+        GroupedExperts m(c, 3, 0, pt);
+        randomize(m, 11);
+        Tensor x = Tensor::empty({7, c.dim}, pt), p = Tensor::empty({7}, pt);
+        fill_random(x, 21);
+        fill_random(p, 22, 0.5);
+        const ExpertsOutput out = m.forward(x, p, counts);
+        const Reference ref(m, c);
+        const std::vector<double> xs = as_doubles(x), ps = as_doubles(p);
+        const double tol = pt == DType::f64 ? 1e-12 : 2e-5;
+        for (int n = 0; n < 5; ++n) {
+          const std::vector<double> y = ref.row(owner[n], xs.data() + n * c.dim, ps[static_cast<std::size_t>(n)]);
+          for (int j = 0; j < c.dim; ++j)
+            EXPECT_NEAR(read_as_double(out.out, n * c.dim + j), y[static_cast<std::size_t>(j)],
+                        tol * (1 + std::abs(y[static_cast<std::size_t>(j)])))
+                << "row " << n << " col " << j;
+        }
+        for (std::int64_t i = 5 * c.dim; i < 7 * c.dim; ++i) EXPECT_EQ(read_as_double(out.out, i), 0.0) << i;
+      }
+}
+
+TEST(Experts, AfterDownMultipliesTheFinishedRowOnce) {
+  // After the down projection the prob multiplies the finished row: y(p) == float(y(1) * p) bit for
+  // bit in f32, row by row. With the prob inside the FFN the f32 roundings fall elsewhere, so the
+  // same identity fails somewhere: the two orders are really different computations.
+  for (bool after : {true, false}) {
+    SCOPED_TRACE(after ? "after down" : "inside the FFN");
+    const MoEConfig c = variant(Activation::swiglu, true, after, 0.0);
+    GroupedExperts m(c, 2, 0, DType::f32);
+    randomize(m, 12);
+    Tensor x = Tensor::empty({6, c.dim}, DType::f32), p = Tensor::empty({6}, DType::f32);
+    fill_random(x, 23);
+    fill_random(p, 24, 0.5);
+    Tensor ones = Tensor::empty({6}, DType::f32);
+    for (int n = 0; n < 6; ++n) ones.data<float>()[n] = 1.0f;
+    const Tensor y = m.forward(x, p, {2, 4}).out, y1 = m.forward(x, ones, {2, 4}).out;
+    int exact = 0;
+    for (int n = 0; n < 6; ++n)
+      for (int j = 0; j < c.dim; ++j)
+        exact += y.data<float>()[n * c.dim + j] == y1.data<float>()[n * c.dim + j] * p.data<float>()[n];
+    if (after)
+      EXPECT_EQ(exact, 6 * c.dim);
+    else
+      EXPECT_LT(exact, 6 * c.dim);
+  }
+}
+
+TEST(Experts, AfterDownAndSwigluLimitGradientsMatchFiniteDifferences) {
+  const std::vector<std::int64_t> counts = {2, 0, 2};
+  const int owner[4] = {0, 0, 2, 2};
+  const std::int64_t N = 5;
+  struct V {
+    Activation act;
+    bool after_down;
+    double limit;
+  };
+  for (const V& v : {V{Activation::swiglu, true, 0.0}, V{Activation::swigluoai, true, 0.0},
+                     V{Activation::relu2, true, 0.0}, V{Activation::swiglu, false, 0.7},
+                     V{Activation::swiglu, true, 0.7}, V{Activation::geglu, true, 0.0}})
+    for (bool bias : {true, false}) {
+      SCOPED_TRACE(label(v.act, bias, DType::f64) + (v.after_down ? " after-down" : "") + " limit " +
+                   std::to_string(v.limit));
+      MoEConfig c = variant(v.act, bias, v.after_down, v.limit);
+      c.dim = 4;
+      c.moe_inter_dim = 3;
+      GroupedExperts m(c, 3, 1, DType::f64);
+      randomize(m, 71);
+      Tensor x = Tensor::empty({N, c.dim}, DType::f64), p = Tensor::empty({N}, DType::f64);
+      Tensor R = Tensor::empty({N, c.dim}, DType::f64);
+      fill_random(x, 72);
+      fill_random(p, 73, 0.7);
+      fill_random(R, 74);
+      {
+        const Reference ref(m, c);
+        for (int n = 0; n < 4; ++n) ASSERT_GT(ref.kink_distance(owner[n], x.data<double>() + n * c.dim), 1e-4) << n;
+      }
+      auto loss = [&]() {
+        const ExpertsOutput o = m.forward(x, p, counts);
+        double s = 0;
+        for (std::int64_t i = 0; i < o.out.numel(); ++i) s += o.out.data<double>()[i] * R.data<double>()[i];
+        return s;
+      };
+      const ExpertsGrads grads = m.backward(m.forward(x, p, counts), R);
+      auto check = [&](const Tensor& value, const Tensor& analytic, const std::string& what) {
+        const double eps = 1e-6;
+        double norm = 0;
+        for (std::int64_t i = 0; i < value.numel(); ++i) {
+          double& val = value.data<double>()[i];
+          const double saved = val;
+          val = saved + eps;
+          const double lp = loss();
+          val = saved - eps;
+          const double lm = loss();
+          val = saved;
+          const double fd = (lp - lm) / (2 * eps);
+          norm += std::abs(fd);
+          EXPECT_NEAR(analytic.data<double>()[i], fd, 1e-7 + 1e-6 * std::abs(fd)) << what << " element " << i;
+        }
+        EXPECT_GT(norm, 0) << what;
+      };
+      check(x, grads.tokens, "tokens");
+      check(p, grads.probs, "probs");
+      for (Parameter* prm : m.parameters()) check(prm->value, prm->grad, prm->name);
+    }
+}
+
+TEST(Experts, AfterDownLoopOracleAgreesWithGroupedRows) {
+  // Automodel's loop with apply_router_weight_after_down: each (token, slot) row is finished, then
+  // scaled by its weight, then summed over the slots. Two tokens, two local experts, k = 2.
+  const MoEConfig c = variant(Activation::swiglu, true, true, 0.0);
+  GroupedExperts m(c, 2, 0, DType::f64);
+  randomize(m, 13);
+  Tensor x = Tensor::empty({2, c.dim}, DType::f64);
+  fill_random(x, 25);
+  const Tensor idx = Tensor::from_vector<std::int64_t>({0, 1, 1, 0}, {2, 2});
+  const Tensor w = Tensor::from_vector<double>({0.7, 0.2, 0.4, 0.9}, {2, 2});
+  const Tensor loop = m.forward_loop(x, TensorView(), w, idx);
+  const Reference ref(m, c);
+  for (int t = 0; t < 2; ++t) {
+    const std::vector<double> a = ref.row(static_cast<int>(idx.data<std::int64_t>()[t * 2]),
+                                          x.data<double>() + t * c.dim, w.data<double>()[t * 2]);
+    const std::vector<double> b = ref.row(static_cast<int>(idx.data<std::int64_t>()[t * 2 + 1]),
+                                          x.data<double>() + t * c.dim, w.data<double>()[t * 2 + 1]);
+    for (int j = 0; j < c.dim; ++j)
+      EXPECT_NEAR(loop.data<double>()[t * c.dim + j], a[static_cast<std::size_t>(j)] + b[static_cast<std::size_t>(j)],
+                  1e-12);
+  }
 }

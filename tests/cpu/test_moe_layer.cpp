@@ -300,6 +300,24 @@ std::vector<Variant> forward_variants() {
     c.router_bias = true;
     v.push_back({"softmax_aux", c});
   }
+  {
+    MoEConfig c = small_config(Activation::swigluoai, ScoreFunc::sqrtsoftplus);
+    c.force_e_score_correction_bias = true;
+    c.apply_router_weight_after_down = true;
+    c.expert_bias = true;
+    c.norm_topk_prob = true;
+    v.push_back({"swigluoai_sqrtsoftplus_after_down", c});
+  }
+  {
+    MoEConfig c = small_config(Activation::geglu, ScoreFunc::sigmoid_with_bias);
+    c.n_expert_groups = 4;
+    c.n_limited_groups = 2;
+    c.force_e_score_correction_bias = true;
+    c.n_shared_experts = 1;
+    c.swiglu_limit = 0.3;
+    c.router_weights_fp32 = true;
+    v.push_back({"geglu_sigmoid_with_bias_shared_swiglu_limit", c});
+  }
   return v;
 }
 
@@ -1043,4 +1061,45 @@ TEST(MoELayer, ExpertsNotDivisibleByRanksOrMismatchedDispatcherIsRejected) {
     EXPECT_EQ(e->argument(), "param_dtype");
   }
   EXPECT_NO_THROW(MoELayer(c, BackendConfig{}, std::make_shared<ShapeOnlyDispatcher>(1, 4, 8), f64_options()));
+}
+
+TEST(MoELayer, GateInputDtypeRoutesLikeTheBf16Gate) {
+  // gate_input_dtype bf16: the layer's gate sees x in bf16 (bf16 logits and weights, as the GPU
+  // layer routes) while the experts run in the layer's dtype. The layer's routing equals that of the
+  // gate alone on bf16 x; its weights reach the experts rounded to bf16.
+  MoEConfig c = small_config(Activation::swiglu, ScoreFunc::sigmoid);
+  c.norm_topk_prob = true;
+  MoELayerOptions o;
+  o.seed = 5;
+  o.init_std = 0.3;
+  o.gate_input_dtype = DType::bf16;
+  MoELayer layer(c, BackendConfig{}, nullptr, o);
+  const Tensor x = randn({9, c.dim}, 6, 1.0, DType::f32).to(DType::bf16).to(DType::f32);
+  const MoEOutput out = layer.forward(x, Tensor(), false);
+  const GateOutput g = layer.gate()->forward(x.to(DType::bf16), Tensor(), false);
+  ASSERT_EQ(g.weights.dtype(), DType::bf16);
+  const Tensor want = layer.experts().forward_loop(x, Tensor(), g.weights.to(DType::f32), g.indices);
+  EXPECT_TRUE(same_values(out.out, want));
+  // And its gradient reaches x in the layer's dtype.
+  EXPECT_EQ(layer.backward(out, randn({9, c.dim}, 7, 1.0, DType::f32)).dtype(), DType::f32);
+  MoELayerOptions bad = o;
+  bad.gate_input_dtype = DType::f64;
+  EXPECT_EQ(catch_error<ArgumentError>([&] { MoELayer(c, BackendConfig{}, nullptr, bad); })->argument(),
+            "gate_input_dtype");
+}
+
+TEST(MoELayer, ReplayIndicesReachTheGateAndLatentProjectionIsRefused) {
+  MoEConfig c = small_config(Activation::swiglu, ScoreFunc::sigmoid);
+  c.enable_routing_replay = true;
+  MoELayer layer(c, BackendConfig{}, nullptr, f64_options());
+  const Tensor x = randn({4, c.dim}, 8);
+  const Tensor forced = Tensor::from_vector<std::int64_t>({7, 6, 5, 4, 3, 2, 1, 0}, {4, 2});
+  const MoEOutput out = layer.forward(x, Tensor(), false, forced);
+  const GateOutput g = layer.gate()->forward(x, Tensor(), false, forced);
+  EXPECT_TRUE(same_values(out.out, layer.experts().forward_loop(x, Tensor(), g.weights, forced)));
+  MoEConfig latent = small_config();
+  latent.moe_latent_size = 4;
+  const auto e = catch_error<ArgumentError>([&] { MoELayer(latent, BackendConfig{}, nullptr, f64_options()); });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->argument(), "moe.moe_latent_size");
 }

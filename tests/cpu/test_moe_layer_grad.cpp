@@ -166,6 +166,40 @@ std::vector<GradCase> grad_cases() {
     c.aux_loss_coeff = 0.3;
     v.push_back({"aux_loss_sigmoid_norm_topk", c});
   }
+  {
+    MoEConfig c = base_config();
+    c.score_func = ScoreFunc::sqrtsoftplus;
+    c.force_e_score_correction_bias = true;
+    c.norm_topk_prob = true;
+    c.aux_loss_coeff = 0.2;
+    c.expert_activation = Activation::swigluoai;
+    c.activation_limit = 1.5;
+    c.apply_router_weight_after_down = true;
+    c.expert_bias = true;
+    v.push_back({"sqrtsoftplus_swigluoai_after_down", c});
+  }
+  {
+    MoEConfig c = base_config();
+    c.score_func = ScoreFunc::sigmoid_with_bias;
+    c.n_expert_groups = 4;
+    c.n_limited_groups = 2;
+    c.n_activated_experts = 3;
+    c.force_e_score_correction_bias = true;
+    c.expert_activation = Activation::geglu;
+    c.n_shared_experts = 1;
+    c.swiglu_limit = 0.4;  // the shared swiglu expert is clamped
+    v.push_back({"sigmoid_with_bias_groups_geglu_shared_limit", c});
+  }
+  {
+    MoEConfig c = base_config();
+    c.score_func = ScoreFunc::sigmoid;
+    c.force_e_score_correction_bias = true;
+    c.router_weight_uses_score_correction_bias = true;
+    c.norm_topk_prob = true;
+    c.aux_loss_coeff = 0.2;
+    c.swiglu_limit = 0.5;
+    v.push_back({"sigmoid_biased_weights_swiglu_limit", c});
+  }
   return v;
 }
 

@@ -88,9 +88,11 @@ struct Reference {
     std::vector<double> a(static_cast<std::size_t>(inter));
     if (c.shared_expert_activation == Activation::swiglu) {
       const std::vector<double> g = linear(gw, gb, x, inter, dim);
+      const double L = c.swiglu_limit;
       for (int i = 0; i < inter; ++i) {
-        const double gi = g[static_cast<std::size_t>(i)];
-        a[static_cast<std::size_t>(i)] = gi * sig(gi) * u[static_cast<std::size_t>(i)];
+        double gi = g[static_cast<std::size_t>(i)], ui = u[static_cast<std::size_t>(i)];
+        if (L > 0) gi = std::min(gi, L), ui = std::clamp(ui, -L, L);  // Automodel's MLP with swiglu_limit
+        a[static_cast<std::size_t>(i)] = gi * sig(gi) * ui;
       }
     } else {
       for (int i = 0; i < inter; ++i)
@@ -105,11 +107,25 @@ struct Reference {
     return z;
   }
 
+  // Distance to the nearest kink: relu's 0, or swiglu_limit's clamps.
   double relu_kink_distance(const double* x) const {
     double d = 1e300;
     if (c.shared_expert_activation == Activation::relu2)
       for (double v : linear(uw, ub, x, inter, dim)) d = std::min(d, std::abs(v));
+    if (c.shared_expert_activation == Activation::swiglu && c.swiglu_limit > 0) {
+      for (double v : linear(gw, gb, x, inter, dim)) d = std::min(d, std::abs(v - c.swiglu_limit));
+      for (double v : linear(uw, ub, x, inter, dim)) d = std::min(d, std::abs(std::abs(v) - c.swiglu_limit));
+    }
     return d;
+  }
+
+  // How many gate/up values of this token the clamps act on.
+  int clamped(const double* x) const {
+    int n = 0;
+    if (c.swiglu_limit <= 0 || c.shared_expert_activation != Activation::swiglu) return 0;
+    for (double v : linear(gw, gb, x, inter, dim)) n += v > c.swiglu_limit;
+    for (double v : linear(uw, ub, x, inter, dim)) n += std::abs(v) > c.swiglu_limit;
+    return n;
   }
 };
 
@@ -296,4 +312,86 @@ TEST(SharedExperts, BadArgumentsNameTheArgument) {
   geglu.shared_expert_activation = Activation::quick_geglu;
   EXPECT_EQ(argument_of([&] { SharedExperts{geglu}; }), "moe.shared_expert_activation");
   EXPECT_EQ(argument_of([&] { m.init(1, std::nan("")); }), "init_std");
+}
+
+TEST(SharedExperts, SwigluLimitClampsLikeAutomodelsMlp) {
+  // Automodel's MLP with swiglu_limit: gate clamped <= L and up to [-L, L] in fp32. Limit 0.6 with
+  // unit data: several values are clamped; relu2 ignores the limit.
+  for (Activation act : {Activation::swiglu, Activation::relu2})
+    for (DType pt : {DType::f32, DType::f64}) {
+      SCOPED_TRACE(label(act, true, true, pt));
+      MoEConfig c = make_config(act, true, true);
+      c.swiglu_limit = 0.6;
+      SharedExperts m(c, pt);
+      randomize(m, 21);
+      const std::int64_t T = 6;
+      Tensor x = Tensor::empty({T, c.dim}, pt);
+      fill_random(x, 22);
+      const SharedOutput out = m.forward(x);
+      const Reference ref(m, c);
+      MoEConfig unclamped = c;
+      unclamped.swiglu_limit = 0;
+      const Reference plain(m, unclamped);
+      std::vector<double> xs;
+      for (std::int64_t i = 0; i < x.numel(); ++i) xs.push_back(read_as_double(x, i));
+      const double tol = pt == DType::f64 ? 1e-12 : 2e-5;
+      int clamped = 0;
+      double moved = 0;
+      for (std::int64_t t = 0; t < T; ++t) {
+        clamped += ref.clamped(xs.data() + t * c.dim);
+        const std::vector<double> z = ref.row(xs.data() + t * c.dim), z0 = plain.row(xs.data() + t * c.dim);
+        for (int j = 0; j < c.dim; ++j) {
+          EXPECT_NEAR(read_as_double(out.out, t * c.dim + j), z[static_cast<std::size_t>(j)],
+                      tol * (1 + std::abs(z[static_cast<std::size_t>(j)])));
+          moved += std::abs(z[static_cast<std::size_t>(j)] - z0[static_cast<std::size_t>(j)]);
+        }
+      }
+      if (act == Activation::swiglu) {
+        EXPECT_GT(clamped, 5);  // the clamp is on the tested path
+        EXPECT_GT(moved, 1e-3);
+      } else {
+        EXPECT_EQ(moved, 0.0);
+      }
+    }
+}
+
+TEST(SharedExperts, SwigluLimitGradientsMatchFiniteDifferences) {
+  MoEConfig c = make_config(Activation::swiglu, true, true, 4, 2, 2);
+  c.swiglu_limit = 0.5;
+  SharedExperts m(c, DType::f64);
+  randomize(m, 31);
+  const std::int64_t T = 3;
+  Tensor x = Tensor::empty({T, c.dim}, DType::f64), R = Tensor::empty({T, c.dim}, DType::f64);
+  fill_random(x, 32);
+  fill_random(R, 33);
+  const Reference ref(m, c);
+  int clamped = 0;
+  for (std::int64_t t = 0; t < T; ++t) {
+    ASSERT_GT(ref.relu_kink_distance(x.data<double>() + t * c.dim), 1e-4);
+    clamped += ref.clamped(x.data<double>() + t * c.dim);
+  }
+  EXPECT_GT(clamped, 0);
+  auto loss = [&]() {
+    const SharedOutput o = m.forward(x);
+    double s = 0;
+    for (std::int64_t i = 0; i < o.out.numel(); ++i) s += o.out.data<double>()[i] * R.data<double>()[i];
+    return s;
+  };
+  const Tensor gx = m.backward(m.forward(x), R);
+  auto check = [&](const Tensor& value, const Tensor& analytic, const std::string& what) {
+    const double eps = 1e-6;
+    for (std::int64_t i = 0; i < value.numel(); ++i) {
+      double& v = value.data<double>()[i];
+      const double saved = v;
+      v = saved + eps;
+      const double lp = loss();
+      v = saved - eps;
+      const double lm = loss();
+      v = saved;
+      const double fd = (lp - lm) / (2 * eps);
+      EXPECT_NEAR(analytic.data<double>()[i], fd, 1e-7 + 1e-6 * std::abs(fd)) << what << " element " << i;
+    }
+  };
+  check(x, gx, "x");
+  for (Parameter* p : m.parameters()) check(p->value, p->grad, p->name);
 }

@@ -27,6 +27,20 @@ inline Tensor bf16_exact(Shape shape, std::uint64_t seed, double std = 1.0, doub
   return t.to(DType::bf16).to(DType::f32);
 }
 
+// t's values rounded to multiples of `step` and clamped to [-limit, limit]. Clamped activations
+// make gradients discontinuous at the limit: a pre-activation the GPU rounds to bf16 (its GEMM
+// output) and the f32 CPU reference does not can fall on either side of it. Grid inputs ({-1, 0, 1}
+// tokens) and grid gate/up weights (multiples of 1/32) make every pre-activation exact in bf16 on
+// both sides, so the two take the same side of every clamp.
+inline Tensor on_grid(const Tensor& t, double step, double limit) {
+  Tensor out = t.clone();
+  for (std::int64_t i = 0; i < out.numel(); ++i) {
+    const double v = std::round(read_as_double(t, i) / step) * step;
+    write_from_double(out, i, std::min(limit, std::max(-limit, v)));
+  }
+  return out;
+}
+
 inline Tensor to_gpu_bf16(const Tensor& host) { return cuda::to_device(host.to(DType::bf16), 0, nullptr); }
 inline Tensor to_gpu(const Tensor& host) { return cuda::to_device(host, 0, nullptr); }
 inline Tensor to_cpu_f32(const TensorView& d) { return cuda::to_host(d, nullptr).to(DType::f32); }

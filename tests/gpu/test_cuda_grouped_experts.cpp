@@ -85,22 +85,36 @@ DType grad_dtype(GradMode mode, const Parameter& p) {
   return mode == GradMode::fresh_bf16_weights && is_weight(p) ? DType::bf16 : DType::f32;
 }
 
+// Automodel 0.7.0's expert options on top of make_config.
+struct Options {
+  bool after_down = false;     // apply_router_weight_after_down
+  double swiglu_limit = 0.0;
+  double activation_limit = 7.0;
+};
+
 void check_case(Activation act, bool bias, int dim, int inter, const std::vector<std::int64_t>& counts,
-                std::int64_t N, bool keep_tokens, GradMode mode = GradMode::accumulate_f32) {
+                std::int64_t N, bool keep_tokens, GradMode mode = GradMode::accumulate_f32, Options opt = {}) {
   SCOPED_TRACE(std::string(to_string(act)) + (bias ? " bias" : " no bias") + " dim " + std::to_string(dim) +
                " inter " + std::to_string(inter) + " N " + std::to_string(N) + (keep_tokens ? " Tensor" : " view") +
-               (mode == GradMode::fresh_bf16_weights ? " fresh_bf16_weights" : " accumulate_f32"));
+               (mode == GradMode::fresh_bf16_weights ? " fresh_bf16_weights" : " accumulate_f32") +
+               (opt.after_down ? " after-down" : "") + " swiglu_limit " + std::to_string(opt.swiglu_limit));
   const int local = static_cast<int>(counts.size()), first = kRoutedExperts - local;
-  const MoEConfig cfg = make_config(act, bias, dim, inter);
+  MoEConfig cfg = make_config(act, bias, dim, inter);
+  cfg.apply_router_weight_after_down = opt.after_down;
+  cfg.swiglu_limit = opt.swiglu_limit;
+  cfg.activation_limit = opt.activation_limit;
   const std::int64_t active = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
   ASSERT_LE(active, N);
   const cuda::OwnedStream stream;
   GroupedExperts cpu(cfg, local, first, DType::f32);
   prepare_cpu(cpu, 7);
+  const bool clamped = opt.swiglu_limit > 0 || (act == Activation::swigluoai && opt.activation_limit < 1);
+  if (clamped) cpu.gate_and_up_projs().value = testing::on_grid(cpu.gate_and_up_projs().value, 1.0 / 32, 1.0);
   CudaGroupedExperts gpu(cfg, local, first, 0, mode);
   gpu.load_from(cpu, stream);
 
   Tensor x = bf16_exact({N, dim}, 71);
+  if (clamped) x = testing::on_grid(x, 1.0, 1.0);  // exact pre-activations (testing::on_grid)
   Tensor probs = uniform_probs(N, 72);
   const std::int64_t pad_row = active > 2 ? 1 : -1;  // a padding row inside expert-major rows
   if (pad_row >= 0) {
@@ -108,6 +122,18 @@ void check_case(Activation act, bool bias, int dim, int inter, const std::vector
     probs.data<float>()[pad_row] = 0.f;
   }
   const Tensor x_d = testing::to_gpu_bf16(x), probs_d = testing::to_gpu(probs);
+  if (clamped && active > 0) {
+    // The premise of the clamped cases: some pre-activations of this data lie beyond the limit.
+    const Tensor& w = cpu.gate_and_up_projs().value;
+    const double limit = opt.swiglu_limit > 0 ? opt.swiglu_limit : opt.activation_limit;
+    int beyond = 0;
+    for (std::int64_t c = 0; c < 2 * inter; ++c) {
+      double h = 0;
+      for (std::int64_t d = 0; d < dim; ++d) h += x.data<float>()[d] * w.data<float>()[d * 2 * inter + c];
+      beyond += std::abs(h) > limit;
+    }
+    EXPECT_GT(beyond, 0) << "row 0 of expert 0 crosses no clamp";
+  }
 
   // Forward.
   const CudaExpertsOutput fo =
@@ -178,6 +204,77 @@ TEST(CudaGroupedExperts, OneExpertAndLargerCounts) {
   check_case(Activation::swiglu, false, 128, 64, {300, 5, 0, 211, 1}, 520, false);
   testing::OwnGemmThreshold all_own(0);  // every expert through its own cublasGemmEx
   check_case(Activation::quick_geglu, true, 128, 64, {300, 5, 0, 211, 1}, 520, false);
+}
+
+TEST(CudaGroupedExperts, SwigluOaiAndGeglu) {
+  if (!testing::require_gpus(1)) return;
+  Options low_limit;
+  low_limit.activation_limit = 0.5;  // swigluoai's clamps act on this data (h ~ N(0, 0.8))
+  for (bool bias : {false, true}) {
+    check_case(Activation::swigluoai, bias, 64, 32, {7, 0, 12, 3}, 25, false, GradMode::accumulate_f32, low_limit);
+    check_case(Activation::geglu, bias, 64, 32, {7, 0, 12, 3}, 25, true);
+  }
+  check_case(Activation::swigluoai, true, 20, 12, {5, 0, 4}, 10, false);  // scalar kernels, limit 7
+  check_case(Activation::geglu, true, 20, 12, {5, 4}, 9, true);
+}
+
+TEST(CudaGroupedExperts, SwigluLimit) {
+  if (!testing::require_gpus(1)) return;
+  Options limited;
+  limited.swiglu_limit = 0.5;
+  for (bool bias : {false, true})
+    check_case(Activation::swiglu, bias, 64, 32, {7, 0, 12, 3}, 25, false, GradMode::accumulate_f32, limited);
+  check_case(Activation::swiglu, true, 20, 12, {5, 0, 4}, 10, true, GradMode::fresh_bf16_weights, limited);
+}
+
+// apply_router_weight_after_down against the CPU oracle for every activation, both gradient modes,
+// vector and scalar kernels, a padding row and experts without rows.
+TEST(CudaGroupedExperts, AfterDown) {
+  if (!testing::require_gpus(1)) return;
+  Options after;
+  after.after_down = true;
+  for (Activation act : {Activation::swiglu, Activation::swigluoai, Activation::quick_geglu, Activation::geglu,
+                         Activation::relu2})
+    for (bool bias : {false, true})
+      check_case(act, bias, 64, 32, {7, 0, 12, 3}, 25, bias, GradMode::accumulate_f32, after);
+  check_case(Activation::swiglu, true, 20, 12, {5, 0, 4}, 10, false, GradMode::fresh_bf16_weights, after);
+  after.swiglu_limit = 0.5;
+  check_case(Activation::swiglu, true, 64, 32, {7, 0, 12, 3}, 25, false, GradMode::fresh_bf16_weights, after);
+  check_case(Activation::swiglu, true, 64, 32, {0, 0, 0}, 0, false, GradMode::accumulate_f32, after);
+}
+
+// After the down projection the prob multiplies the finished bf16 row once: the output with probs p
+// equals bf16(y1 * p) bit for bit, y1 being the output with probs 1 (= the row before the prob).
+// With the prob inside the FFN the roundings fall elsewhere: the same identity fails somewhere.
+TEST(CudaGroupedExperts, AfterDownRoundsOnceAfterTheMultiply) {
+  if (!testing::require_gpus(1)) return;
+  const std::vector<std::int64_t> counts = {9, 0, 14};
+  const std::int64_t N = 23, dim = 64;
+  for (bool after : {true, false}) {
+    SCOPED_TRACE(after ? "after down" : "inside the FFN");
+    MoEConfig cfg = make_config(Activation::swiglu, true, 64, 32);
+    cfg.apply_router_weight_after_down = after;
+    const cuda::OwnedStream stream;
+    GroupedExperts cpu(cfg, 3, 0, DType::f32);
+    prepare_cpu(cpu, 9);
+    CudaGroupedExperts gpu(cfg, 3, 0, 0);
+    gpu.load_from(cpu, stream);
+    const Tensor x_d = testing::to_gpu_bf16(bf16_exact({N, dim}, 91));
+    const Tensor probs = uniform_probs(N, 92);
+    Tensor ones = Tensor::empty({N}, DType::f32);
+    for (std::int64_t i = 0; i < N; ++i) ones.data<float>()[i] = 1.f;
+    const Tensor y = host_f32(gpu.forward(x_d.view(), testing::to_gpu(probs), counts, stream).out, stream);
+    const Tensor y1 = host_f32(gpu.forward(x_d.view(), testing::to_gpu(ones), counts, stream).out, stream);
+    std::int64_t exact = 0;
+    for (std::int64_t r = 0; r < N; ++r)
+      for (std::int64_t c = 0; c < dim; ++c)
+        exact += y.data<float>()[r * dim + c] ==
+                 bf16::from_float(y1.data<float>()[r * dim + c] * probs.data<float>()[r]).to_float();
+    if (after)
+      EXPECT_EQ(exact, N * dim);
+    else
+      EXPECT_LT(exact, N * dim);
+  }
 }
 
 TEST(CudaGroupedExperts, ZeroRows) {

@@ -1,7 +1,9 @@
 // The MoE layer on one GPU against the CPU reference layer holding the same (bf16-rounded) weights
-// and inputs. The GPU computes in bf16 with fp32 accumulation, so outputs and gradients agree to
-// bf16 precision: ||gpu - cpu|| / ||cpu|| < 3e-2 (measured values are printed). Routing can differ on
-// near-ties of the logits; the tests require at least 98% of the selections to agree.
+// and inputs, its gate fed bf16 x (MoELayerOptions::gate_input_dtype) so that it rounds the logits
+// and weights as the GPU router does. The GPU computes in bf16 with fp32 accumulation, so outputs
+// and gradients agree to bf16 precision: ||gpu - cpu|| / ||cpu|| < 3e-2 (measured values are
+// printed). Routing can differ on near-ties of the logits; the tests require at least 98% of the
+// selections to agree.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -85,6 +87,42 @@ std::vector<Case> cases() {
     c.moe.force_e_score_correction_bias = true;
     v.push_back(c);
   }
+  {
+    Case c{"sqrtsoftplus_swigluoai_after_down", base_config()};
+    c.moe.score_func = ScoreFunc::sqrtsoftplus;
+    c.moe.gate_bias_update_factor = 1e-3;
+    c.moe.norm_topk_prob = true;
+    c.moe.expert_activation = Activation::swigluoai;
+    c.moe.activation_limit = 0.5;  // clamps act at init-0.1 weights
+    c.moe.apply_router_weight_after_down = true;
+    c.moe.expert_bias = true;
+    v.push_back(c);
+  }
+  {
+    Case c{"sigmoid_with_bias_geglu_shared_swiglu_limit", base_config()};
+    c.moe.score_func = ScoreFunc::sigmoid_with_bias;
+    c.moe.n_expert_groups = 4;
+    c.moe.n_limited_groups = 2;
+    c.moe.force_e_score_correction_bias = true;
+    c.moe.aux_loss_coeff = 1e-2;
+    c.moe.expert_activation = Activation::geglu;
+    c.moe.n_shared_experts = 1;
+    c.moe.shared_expert_gate = true;
+    c.moe.swiglu_limit = 0.5;  // the shared swiglu expert is clamped
+    v.push_back(c);
+  }
+  {
+    Case c{"sigmoid_gate_fp32_weights_fp32_biased", base_config()};
+    c.moe.score_func = ScoreFunc::sigmoid;
+    c.moe.gate_dtype = DType::f32;  // the gate weight and bias stored in f32 on the GPU
+    c.moe.router_bias = true;
+    c.moe.router_weights_fp32 = true;
+    c.moe.force_e_score_correction_bias = true;
+    c.moe.router_weight_uses_score_correction_bias = true;
+    c.moe.norm_topk_prob = true;
+    c.moe.swiglu_limit = 0.5;
+    v.push_back(c);
+  }
   return v;
 }
 
@@ -96,6 +134,7 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
     MoELayerOptions co;
     co.seed = 11;
     co.init_std = 0.1;
+    co.gate_input_dtype = DType::bf16;  // the GPU's bf16 routing
     MoELayer cpu(c.moe, BackendConfig{}, nullptr, co);
     // Same numbers on both sides: round the CPU parameters to bf16 first.
     for (Parameter* p : cpu.parameters()) p->value = round_bf16(p->value);
@@ -103,6 +142,16 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
       for (Parameter* p : cpu.parameters())
         if (p->name.find("bias") != std::string::npos) fill_normal(p->value, 5, stream_id(p->name.c_str()), 0, 0.05);
     for (Parameter* p : cpu.parameters()) p->value = round_bf16(p->value);
+    // Clamped activations: grid tokens and gate/up weights (testing::on_grid), so that the GPU's
+    // bf16 pre-activations equal the CPU's and both take the same side of every clamp.
+    const bool clamped = c.moe.swiglu_limit > 0 ||
+                         ((c.moe.expert_activation == Activation::swigluoai ||
+                           c.moe.expert_activation == Activation::quick_geglu) && c.moe.activation_limit < 1);
+    if (clamped)
+      for (Parameter* p : cpu.parameters())
+        if (p->name.find("gate_and_up_projs") != std::string::npos || p->name.find("gate_proj.weight") !=
+            std::string::npos || p->name.find("up_proj.weight") != std::string::npos)
+          p->value = testing::on_grid(p->value, 1.0 / 32, 1.0);
 
     const cuda::OwnedStream stream;  // before the layer and its tensors: destroyed after them
     CudaMoELayerOptions go;
@@ -113,7 +162,7 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
 
     Tensor x = Tensor::empty({T, D}, DType::f32);
     fill_normal(x, 3, stream_id("x"), 0, 1);
-    x = round_bf16(x);
+    x = clamped ? testing::on_grid(x, 1.0, 1.0) : round_bf16(x);
     Tensor pad = Tensor::zeros({T}, DType::b8);
     for (std::int64_t t = 0; t < T; ++t) pad.data<bool>()[t] = uniform01(3, stream_id("pad"), t) < c.padding;
     Tensor g = Tensor::empty({T, D}, DType::f32);
@@ -141,6 +190,11 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
       const double aux = read_as_double(cuda::to_host(out.aux_loss, stream), 0);
       EXPECT_NEAR(aux, *ref.aux_loss, 2e-2 * std::fabs(*ref.aux_loss) + 1e-6);
     }
+    if (c.moe.gate_dtype == DType::f32)
+      for (Parameter* p : gpu.parameters())
+        if (p->name.rfind("gate.", 0) == 0) {
+          EXPECT_EQ(p->value.dtype(), DType::f32) << p->name;
+        }
     for (const auto& [name, grad] : gpu.host_gradients(stream)) {
       Tensor want;
       for (Parameter* p : cpu.parameters())
@@ -165,6 +219,7 @@ LayerData layer_data(const Case& c, std::int64_t T, std::uint64_t grad_seed) {
   MoELayerOptions co;
   co.seed = 11;
   co.init_std = 0.1;
+  co.gate_input_dtype = DType::bf16;
   d.cpu = std::make_unique<MoELayer>(c.moe, BackendConfig{}, nullptr, co);
   for (Parameter* p : d.cpu->parameters()) {
     if (c.moe.expert_bias && p->name.find("bias") != std::string::npos)
@@ -326,6 +381,66 @@ TEST(CudaMoELayer, FakeGateMatchesCpuAcrossChangingT) {
       EXPECT_LT(rel_error(y, ref.out), 3e-2);
       EXPECT_LT(rel_error(gx, ref_gx), 3e-2);
     }
+  }
+}
+
+// Routing replay through the whole layer: the GPU layer with forced indices against the CPU layer
+// with the same ones (bf16 routing on both); the GPU layer checks the ids on the host.
+TEST(CudaMoELayer, ReplayMatchesCpuAndChecksIds) {
+  if (!testing::require_gpus(1)) return;
+  Case c{"replay", base_config()};
+  c.moe.score_func = ScoreFunc::sigmoid;
+  c.moe.norm_topk_prob = true;
+  c.moe.enable_routing_replay = true;
+  c.moe.n_shared_experts = 1;
+  const std::int64_t T = 96, k = c.moe.n_activated_experts, E = c.moe.n_routed_experts;
+  const LayerData d = layer_data(c, T, 4);
+  std::vector<std::int64_t> forced(static_cast<std::size_t>(T * k));
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t j = 0; j < k; ++j) forced[static_cast<std::size_t>(t * k + j)] = (t * 5 + j * 3) % E;
+  const Tensor forced_host = Tensor::from_vector(forced, {T, k});
+  const cuda::OwnedStream stream;
+  CudaMoELayer gpu(c.moe, BackendConfig{}, nullptr, CudaMoELayerOptions{});
+  gpu.load_from(*d.cpu, stream);
+  const MoEOutput ref = d.cpu->forward(d.x, d.pad, true, forced_host);
+  d.cpu->zero_grad();
+  const Tensor ref_gx = d.cpu->backward(ref, d.g);
+  const Tensor dx = cuda::to_device(d.x.to(DType::bf16), 0, stream), dpad = cuda::to_device(d.pad, 0, stream);
+  const Tensor dforced = cuda::to_device(forced_host, 0, stream);
+  const CudaMoEOutput out = gpu.forward(dx, dpad, true, stream, dforced);
+  const Tensor gx = gpu.backward(out, cuda::to_device(d.g.to(DType::bf16), 0, stream), stream);
+  EXPECT_LT(rel_error(cuda::to_host(out.out, stream).to(DType::f32), ref.out), 3e-2);
+  EXPECT_LT(rel_error(cuda::to_host(gx, stream).to(DType::f32), ref_gx), 3e-2);
+  for (const auto& [name, grad] : gpu.host_gradients(stream))
+    for (Parameter* p : d.cpu->parameters())
+      if (p->name == name && p->grad.defined()) {
+        EXPECT_LT(rel_error(grad, p->grad), 5e-2) << name;
+      }
+  auto arg_of = [&](const TensorView& r) {
+    try {
+      gpu.forward(dx, dpad, true, stream, r);
+    } catch (const ArgumentError& e) {
+      return e.argument();
+    }
+    return std::string("(no error)");
+  };
+  std::vector<std::int64_t> bad = forced;
+  bad[5] = E;  // out of range
+  EXPECT_EQ(arg_of(cuda::to_device(Tensor::from_vector(bad, {T, k}), 0, stream)), "replay_indices");
+  bad = forced;
+  bad[1] = bad[0];  // token 0 picks one expert twice
+  EXPECT_EQ(arg_of(cuda::to_device(Tensor::from_vector(bad, {T, k}), 0, stream)), "replay_indices");
+  bad = forced;
+  bad[2] = -1;
+  EXPECT_EQ(arg_of(cuda::to_device(Tensor::from_vector(bad, {T, k}), 0, stream)), "replay_indices");
+  MoEConfig off = c.moe;
+  off.enable_routing_replay = false;
+  CudaMoELayer plain(off, BackendConfig{}, nullptr, CudaMoELayerOptions{});
+  try {
+    plain.forward(dx, dpad, true, stream, dforced);
+    ADD_FAILURE() << "expected an ArgumentError";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(e.argument(), "replay_indices");
   }
 }
 

@@ -11,6 +11,7 @@
 #include "flexep/core/activation.h"
 #include "flexep/cuda/expert_activation.h"
 #include "flexep/cuda/expert_bias.h"
+#include "flexep/cuda/expert_prob.h"
 #include "flexep/cuda/grouped_gemm.h"
 #include "gpu_test_util.h"
 
@@ -19,6 +20,9 @@ namespace {
 
 using testing::bf16_exact;
 using testing::rel_error;
+
+template <class F>
+void expect_arg_error(F&& f, const std::string& arg);
 
 ActivationParams params_of(Activation kind) {
   ActivationParams p;
@@ -52,14 +56,20 @@ std::vector<float> biased_row(const Tensor& h, const Tensor& bias, std::int64_t 
   return x;
 }
 
+void check_activation(const ActivationParams& act, bool with_bias, std::int64_t inter);
 void check_activation(Activation kind, bool with_bias, std::int64_t inter) {
+  check_activation(params_of(kind), with_bias, inter);
+}
+
+void check_activation(const ActivationParams& act, bool with_bias, std::int64_t inter) {
+  const Activation kind = act.kind;
   SCOPED_TRACE(std::string(to_string(kind)) + (with_bias ? " with bias" : " without bias") + ", inter " +
-               std::to_string(inter));
+               std::to_string(inter) + ", limit " + std::to_string(act.limit) + ", swiglu_limit " +
+               std::to_string(act.swiglu_limit));
   const std::vector<std::int64_t> counts = {5, 0, 9, 3};
   const std::int64_t N = 20, E = 4, active = 17, up = up_of(kind, inter);
   const std::int64_t pad_row = 6;  // a padding row inside expert 2: p = 0
-  const ActivationParams act = params_of(kind);
-  const Tensor h = bf16_exact({N, up}, 21, 3.0);  // std 3: quick_geglu's clamps at +-7 are crossed
+  const Tensor h = bf16_exact({N, up}, 21, 3.0);  // std 3: the clamps at +-7 (and +-2 below) are crossed
   const Tensor bias = with_bias ? bf16_exact({E, up}, 22) : Tensor();
   Tensor probs = uniform_probs(N, 23);
   probs.data<float>()[pad_row] = 0.f;
@@ -137,6 +147,138 @@ TEST(ExpertActivation, Relu2VectorAndScalar) {
   if (!testing::require_gpus(1)) return;
   for (bool bias : {false, true})
     for (std::int64_t inter : {64, 12}) check_activation(Activation::relu2, bias, inter);
+}
+
+// GPT-OSS's swigluoai: [gate | up] halves (not quick_geglu's interleaving), clamped at limit 7, and
+// unclamped with limit 0; alpha other than the default too.
+TEST(ExpertActivation, SwigluOaiVectorAndScalar) {
+  if (!testing::require_gpus(1)) return;
+  for (double limit : {7.0, 0.0})
+    for (bool bias : {false, true})
+      for (std::int64_t inter : {64, 12}) {
+        ActivationParams p = params_of(Activation::swigluoai);
+        p.limit = limit;
+        p.alpha = 1.5;
+        check_activation(p, bias, inter);
+      }
+}
+
+TEST(ExpertActivation, GegluVectorAndScalar) {
+  if (!testing::require_gpus(1)) return;
+  for (bool bias : {false, true})
+    for (std::int64_t inter : {64, 12}) check_activation(Activation::geglu, bias, inter);
+}
+
+// swiglu with swiglu_limit 2 (DeepSeek-V4): gate clamped <= 2, up to [-2, 2]; std-3 data crosses both.
+TEST(ExpertActivation, SwigluLimitVectorAndScalar) {
+  if (!testing::require_gpus(1)) return;
+  for (bool bias : {false, true})
+    for (std::int64_t inter : {64, 12}) {
+      ActivationParams p = params_of(Activation::swiglu);
+      p.swiglu_limit = 2.0;
+      check_activation(p, bias, inter);
+    }
+}
+
+// The clamps really act on the GPU: with swiglu_limit 2 the output differs from plain swiglu's, and
+// the gradient is exactly zero where the inputs lie beyond the limit.
+TEST(ExpertActivation, SwigluLimitClampsAndZeroesGradients) {
+  if (!testing::require_gpus(1)) return;
+  const std::int64_t N = 4, inter = 8, up = 16;
+  Tensor h = Tensor::empty({N, up}, DType::f32);
+  for (std::int64_t i = 0; i < h.numel(); ++i) h.data<float>()[i] = static_cast<float>((i % 7) - 3) * 1.25f;  // +-3.75
+  const Tensor h_d = testing::to_gpu_bf16(h);
+  ActivationParams clamped = params_of(Activation::swiglu), plain = params_of(Activation::swiglu);
+  clamped.swiglu_limit = 2.0;
+  Tensor a_d = testing::poisoned({N, inter}, DType::bf16), b_d = testing::poisoned({N, inter}, DType::bf16);
+  cuda::activation_forward(clamped, h_d, TensorView(), TensorView(), TensorView(), a_d, nullptr);
+  cuda::activation_forward(plain, h_d, TensorView(), TensorView(), TensorView(), b_d, nullptr);
+  EXPECT_GT(rel_error(testing::to_cpu_f32(a_d), testing::to_cpu_f32(b_d)), 1e-2);
+  Tensor gh_d = testing::poisoned({N, up}, DType::bf16);
+  const Tensor ga = bf16_exact({N, inter}, 71);
+  cuda::activation_backward(clamped, h_d, TensorView(), TensorView(), TensorView(), testing::to_gpu_bf16(ga), gh_d,
+                            TensorView(), TensorView(), nullptr);
+  const Tensor gh = testing::to_cpu_f32(gh_d);
+  int zeros = 0;
+  for (std::int64_t r = 0; r < N; ++r)
+    for (std::int64_t i = 0; i < inter; ++i) {
+      const float g = h.data<float>()[r * up + i], u = h.data<float>()[r * up + inter + i];
+      if (g > 2.f) {
+        EXPECT_EQ(gh.data<float>()[r * up + i], 0.f);
+        ++zeros;
+      }
+      if (u > 2.f || u < -2.f) {
+        EXPECT_EQ(gh.data<float>()[r * up + inter + i], 0.f);
+        ++zeros;
+      }
+    }
+  EXPECT_GT(zeros, 4);
+}
+
+// After-down prob multiply (expert_prob.h): y = bf16(u * p) and grad_u = bf16(g * p) bit for bit
+// against the same fp32 products on the host; grad_probs = <g, u> to fp32 summation order.
+TEST(ExpertProb, ScaleRowsForwardBackwardVectorAndScalar) {
+  if (!testing::require_gpus(1)) return;
+  for (std::int64_t dim : {64, 13}) {
+    SCOPED_TRACE("dim " + std::to_string(dim));
+    const std::int64_t N = 37;
+    const Tensor u = bf16_exact({N, dim}, 81, 2.0), g = bf16_exact({N, dim}, 82), probs = uniform_probs(N, 83);
+    const Tensor u_d = testing::to_gpu_bf16(u), g_d = testing::to_gpu_bf16(g), probs_d = testing::to_gpu(probs);
+    Tensor y_d = testing::poisoned({N, dim}, DType::bf16);
+    cuda::prob_scale_rows(u_d, probs_d, y_d, nullptr);
+    Tensor gu_d = testing::poisoned({N, dim}, DType::bf16), gp_d = testing::poisoned({N}, DType::f32);
+    cuda::prob_scale_rows_backward(g_d, u_d, probs_d, gu_d, gp_d, nullptr);
+    const Tensor y = testing::to_cpu_f32(y_d), gu = testing::to_cpu_f32(gu_d), gp = cuda::to_host(gp_d, nullptr);
+    Tensor gp_ref = Tensor::zeros({N}, DType::f32);
+    for (std::int64_t r = 0; r < N; ++r) {
+      const float p = probs.data<float>()[r];
+      double dot = 0;
+      for (std::int64_t c = 0; c < dim; ++c) {
+        const std::int64_t i = r * dim + c;
+        ASSERT_EQ(y.data<float>()[i], bf16::from_float(u.data<float>()[i] * p).to_float()) << r << "," << c;
+        ASSERT_EQ(gu.data<float>()[i], bf16::from_float(g.data<float>()[i] * p).to_float()) << r << "," << c;
+        dot += static_cast<double>(g.data<float>()[i]) * u.data<float>()[i];
+      }
+      gp_ref.data<float>()[r] = static_cast<float>(dot);
+    }
+    EXPECT_LT(rel_error(gp, gp_ref), 1e-5);
+  }
+  // Zero rows: nothing to do, nothing written.
+  const Tensor empty = Tensor::empty({0, 8}, DType::bf16, Device::cuda(0));
+  const Tensor no_probs = Tensor::empty({0}, DType::f32, Device::cuda(0));
+  cuda::prob_scale_rows(empty, no_probs, empty, nullptr);
+}
+
+TEST(ExpertProb, BadArguments) {
+  if (!testing::require_gpus(1)) return;
+  using testing::fake_cuda;
+  const auto u = fake_cuda({10, 8}, DType::bf16), y = fake_cuda({10, 8}, DType::bf16);
+  const auto probs = fake_cuda({10}, DType::f32);
+  expect_arg_error([&] { cuda::prob_scale_rows(fake_cuda({10, 8}, DType::f32), probs, y, nullptr); }, "u");
+  expect_arg_error([&] { cuda::prob_scale_rows(u, fake_cuda({9}, DType::f32), y, nullptr); }, "probs");
+  expect_arg_error([&] { cuda::prob_scale_rows(u, TensorView(), y, nullptr); }, "probs");
+  expect_arg_error([&] { cuda::prob_scale_rows(u, probs, fake_cuda({10, 9}, DType::bf16), nullptr); }, "y");
+  {
+    // The kernels take __restrict__ pointers: in place is refused (real buffers: the check compares
+    // addresses).
+    const Tensor real_u = Tensor::empty({10, 8}, DType::bf16, Device::cuda(0));
+    const Tensor real_g = Tensor::empty({10, 8}, DType::bf16, Device::cuda(0));
+    const Tensor real_p = Tensor::empty({10}, DType::f32, Device::cuda(0));
+    expect_arg_error([&] { cuda::prob_scale_rows(real_u, real_p, real_u, nullptr); }, "y");
+    expect_arg_error([&] { cuda::prob_scale_rows_backward(real_g, real_u, real_p, real_g, TensorView(), nullptr); },
+                     "grad_u");
+    expect_arg_error([&] { cuda::prob_scale_rows_backward(real_g, real_u, real_p, real_u, TensorView(), nullptr); },
+                     "grad_u");
+  }
+  expect_arg_error(
+      [&] { cuda::prob_scale_rows_backward(y, u, probs, fake_cuda({10, 8}, DType::f32), TensorView(), nullptr); },
+      "grad_u");
+  expect_arg_error(
+      [&] {
+        cuda::prob_scale_rows_backward(y, u, probs, fake_cuda({10, 8}, DType::bf16), fake_cuda({11}, DType::f32),
+                                       nullptr);
+      },
+      "grad_probs");
 }
 
 // One expert owning every row, p = 1 (the shared-expert use): undefined offsets and probs.

@@ -100,13 +100,15 @@ struct CudaRank {
 };
 
 // Check 2 on GPUs: gradients of the first step on `ranks` GPUs vs the CPU reference layer (one
-// rank, f32) holding the same bf16-rounded weights, on the same bf16-rounded inputs. Returns the
+// rank, f32, routing bf16 x as the GPU does) holding the same bf16-rounded weights, on the same
+// bf16-rounded inputs. Returns the
 // worst ||gpu - cpu|| / ||cpu|| over the parameters and its name.
 std::pair<double, std::string> gpu_vs_cpu_step(const TrainOptions& o, int ranks) {
   // CPU reference.
   MoELayerOptions co;
   co.seed = o.seed;
   co.init_std = 0.02;
+  co.gate_input_dtype = DType::bf16;  // the GPU router's bf16 logits and weights
   MoEConfig cm = o.moe;
   cm.dtype = DType::f32;
   BackendConfig cb = o.backend;

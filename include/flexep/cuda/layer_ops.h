@@ -1,5 +1,6 @@
 // Small elementwise and reduction kernels the MoE layer glues its pieces with: padding masks on
-// routing indices, the sigmoid gate of the shared experts (a [dim] -> 1 projection), and bf16 adds.
+// routing indices, the sigmoid gate of the shared experts (a [dim] -> 1 projection), bf16 adds, the
+// expert load of given indices and f32 -> bf16 conversion.
 // All asynchronous on `stream`; all reductions run in a fixed order (deterministic).
 #pragma once
 
@@ -27,6 +28,11 @@ void add_into(const TensorView& y, const TensorView& z, cudaStream_t stream);
 void logical_not(const TensorView& mask, const TensorView& out, cudaStream_t stream);
 // acc [n] i64 += x [n] i64.
 void add_i64(const TensorView& acc, const TensorView& x, cudaStream_t stream);
+// load [E] i64 = how many entries of indices [T, k] i64 hold e; -1 (and any id outside [0, E)) is
+// skipped. Overwrites load.
+void count_expert_load(const TensorView& indices, const TensorView& load, cudaStream_t stream);
+// dst [n] bf16 = src [n] f32, rounded to nearest even.
+void convert_f32_to_bf16(const TensorView& src, const TensorView& dst, cudaStream_t stream);
 // Benchmark data: t (bf16 or f32) filled with uniform values of mean 0 and standard deviation
 // `std`, from a counter-based hash of (seed, index): fast, deterministic, not the host generator's
 // numbers.

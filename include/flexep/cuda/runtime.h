@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "flexep/core/tensor.h"
 
 #define FLEXEP_CUDA_CHECK(expr)                                                          \
@@ -25,6 +27,12 @@ int device_count();
 // Registers the device allocator (idempotent, thread-safe). Called by every entry point that
 // creates device tensors.
 void init();
+
+// The library's device memory (the stream-ordered pool of `device`): the most it held at once since
+// the last reset, in bytes (cudaMemPoolAttrUsedMemHigh), and that reset. PyTorch's allocator does not
+// see this memory; a peak of the whole process is the two peaks' sum at most.
+std::uint64_t pool_peak_bytes(int device);
+void reset_pool_peak_bytes(int device);
 
 // The stream device allocations of this thread are ordered on (default: the legacy stream 0).
 // Memory is allocated with cudaMallocAsync on it and freed with cudaFreeAsync on that same stream

@@ -2,6 +2,8 @@
 // constructor arguments, parameter names and shapes, forward and backward. For row n of expert e
 // with prob p:
 //   h = x W_gu[e];  a_p = act(h + b_gu[e]) * p;  y = a_p W_down[e] + b_down[e] * p
+// or, with moe.apply_router_weight_after_down (Automodel's order and roundings):
+//   a = act(h + b_gu[e]);  u = bf16(bf16(a W_down[e]) + b_down[e]);  y = bf16(u * p)
 // Parameters are bf16 device tensors; how backward delivers their gradients is the GradMode below.
 // Tokens and grad_out are bf16, probs f32; all on `device`.
 // Blocking mode: tokens_per_expert is on the host. Rows past sum(tokens_per_expert) produce zero
@@ -17,16 +19,18 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "flexep/core/activation.h"
 #include "flexep/core/config.h"
 #include "flexep/core/tensor.h"
+#include "flexep/layer/moe_weights.h"
 
 namespace flexep {
 
 class GroupedExperts;
-class CudaGroupedExperts;
+class CudaGroupedExpertsCompute;
 
 // Where backward puts the parameter gradients (Parameter::grad), fixed at construction.
 enum class GradMode {
@@ -47,7 +51,7 @@ enum class GradMode {
 
 // What backward needs (device tensors, covering only the rows of an expert).
 struct CudaExpertsSaved {
-  const CudaGroupedExperts* owner = nullptr;
+  const CudaGroupedExpertsCompute* owner = nullptr;
   std::vector<std::int64_t> tokens_per_expert;
   std::int64_t rows = 0;    // N, including the ignored tail
   std::int64_t active = 0;  // sum(tokens_per_expert)
@@ -55,7 +59,8 @@ struct CudaExpertsSaved {
   Tensor p;                 // [active] f32
   Tensor offsets;           // [E + 1] i64, row -> expert
   Tensor h;                 // [active, up] bf16, x W_gu before the bias
-  Tensor ap;                // [active, inter] bf16, act(h + b) * p
+  Tensor ap;                // [active, inter] bf16, act(h + b) * p (after-down: act(h + b))
+  Tensor u;                 // [active, dim] bf16, after-down only: the expert rows before the prob
   mutable cudaStream_t stream = nullptr;  // where the tensors above are freed
   CudaExpertsSaved() = default;
   CudaExpertsSaved(const CudaExpertsSaved&) = delete;
@@ -71,6 +76,54 @@ struct CudaExpertsOutput {
 struct CudaExpertsGrads {
   Tensor tokens;  // [N, dim] bf16
   Tensor probs;   // [N] f32
+};
+
+// Where CudaGroupedExpertsCompute::backward writes the weight gradients; undefined members are not
+// computed. The weight gradients (gate_and_up_projs, down_projs) are bf16 (written by
+// grouped_gemm_wgrad_bf16: fp32 sums, one rounding; experts without rows get exact zeros) or f32
+// (added to when accumulate_weights, else overwritten: no zero fill needed). The bias gradients are
+// f32 and always added to (zero them for a fresh gradient).
+struct CudaExpertGradTargets {
+  TensorView gate_and_up_projs, down_projs;
+  TensorView gate_up_proj_bias, down_proj_bias;
+  bool accumulate_weights = true;
+};
+
+// The grouped experts on one GPU as a function of weights given per call (what CudaMoECompute runs;
+// CudaGroupedExperts below calls it with its own parameters). Holds sizes, the activation and the
+// device only. Streams and the saved state as described above.
+class CudaGroupedExpertsCompute {
+ public:
+  // `name` prefixes the weights' names in errors ("experts." or "shared_experts.").
+  CudaGroupedExpertsCompute(const MoEConfig& config, int num_local_experts, int device,
+                            std::string name = "experts.");
+
+  // weights: bf16 on `device`, the shapes of CudaGroupedExperts' parameters, biases given iff
+  // moe.expert_bias. tokens, probs, tokens_per_expert and the two overloads as CudaGroupedExperts'.
+  CudaExpertsOutput forward(const ExpertWeights& weights, const TensorView& tokens, const TensorView& probs,
+                            const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream) const;
+  CudaExpertsOutput forward(const ExpertWeights& weights, const Tensor& tokens, const TensorView& probs,
+                            const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream) const;
+  // grad_out [N, dim] bf16 -> grads of tokens and probs; the weight gradients go to `targets`.
+  // `weights` hold the forward's values (they need not be the same tensors).
+  CudaExpertsGrads backward(const ExpertWeights& weights, const CudaExpertsOutput& forward_output,
+                            const TensorView& grad_out, const CudaExpertGradTargets& targets,
+                            cudaStream_t stream) const;
+
+  int num_local_experts() const { return local_; }
+  int device() const { return device_; }
+  const ActivationParams& activation() const { return act_; }
+
+ private:
+  CudaExpertsOutput forward_impl(const ExpertWeights& weights, const TensorView& tokens, const Tensor* keep,
+                                 const TensorView& probs, const std::vector<std::int64_t>& tokens_per_expert,
+                                 cudaStream_t stream) const;
+  void check_weights(const ExpertWeights& weights) const;
+  void check_targets(const ExpertWeights& weights, const CudaExpertGradTargets& targets) const;
+  MoEConfig config_;
+  int local_, device_;
+  std::string name_;
+  ActivationParams act_;
 };
 
 class CudaGroupedExperts {
@@ -114,23 +167,26 @@ class CudaGroupedExperts {
   Parameter& gate_up_proj_bias() { return gate_up_bias_; }  // [E_local, up_dim]; undefined without expert_bias
   Parameter& down_proj_bias() { return down_bias_; }        // [E_local, dim]; undefined without expert_bias
   std::vector<Parameter*> parameters();
+  ExpertWeights weights() const;  // views of the values above
+  // What the next backward writes, per grad_mode: fresh_bf16_weights renews every p.grad (allocated on
+  // `stream`); accumulate_f32 allocates missing buffers and overwrites the weight gradients once after
+  // a zero_grad. backward calls this; an owner that runs CudaGroupedExpertsCompute itself calls it
+  // once per backward instead.
+  CudaExpertGradTargets grad_targets(cudaStream_t stream);
+  const CudaGroupedExpertsCompute& compute() const { return compute_; }
   int num_local_experts() const { return local_; }
   int first_expert() const { return first_; }
   int device() const { return device_; }
-  const ActivationParams& activation() const { return act_; }
+  const ActivationParams& activation() const { return compute_.activation(); }
   GradMode grad_mode() const { return grad_mode_; }
 
  private:
-  CudaExpertsOutput forward_impl(const TensorView& tokens, const Tensor* keep, const TensorView& probs,
-                                 const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
   void renew_grads();
-  void weight_grad(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
-                   const TensorView& grad, bool accumulate, cudaStream_t stream) const;
 
   MoEConfig config_;
   int local_, first_, device_;
   GradMode grad_mode_;
-  ActivationParams act_;
+  CudaGroupedExpertsCompute compute_;
   Parameter gate_and_up_, down_, gate_up_bias_, down_bias_;
   bool weight_grads_stale_ = false;  // zero_grad ran; the weight grads hold stale values until backward
 };

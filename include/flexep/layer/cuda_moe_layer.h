@@ -1,18 +1,20 @@
 // The MoE layer on GPUs: the CUDA counterpart of MoELayer (moe_layer.h), same configuration, same
 // parameter names and shapes, forward and backward, for one rank of an expert-parallel group (EP size
-// 1: the single-GPU dispatcher; larger: any GPU TokenDispatcher).
+// 1: the single-GPU dispatcher; larger: any GPU TokenDispatcher). An owner of its parameters:
+// CudaMoECompute (cuda_moe_compute.h) runs the math on views of them.
 //
 //   weights, indices = router(x)                   (cuda/router.h; padding tokens get index -1)
 //   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
 //   y_rows = experts(rows)                         (CudaGroupedExperts, prob inside the FFN)
 //   y = combine(y_rows) + shared_experts(x)       (shared experts on a second stream, joined at the end)
 //
-// Parameters are bf16 device tensors; inputs and outputs bf16. Gradients follow options.grad_mode
-// (GradMode, cuda_grouped_experts.h) for every parameter of the layer: accumulate_f32 (the default)
-// keeps f32 buffers that backward adds to; fresh_bf16_weights gives every parameter a new gradient
-// tensor per backward, owned by the caller, bf16 for the expert weights (routed and shared
-// gate_and_up_projs, down_projs) and f32 for the rest (gate weight and bias, expert biases,
-// shared-expert gate: small, accumulated in f32 by their kernels).
+// Parameters are bf16 device tensors (the gate weight and bias f32 with moe.gate_dtype float32);
+// inputs and outputs bf16. Routing rounds as Automodel's Gate with bf16 x (cuda/router.h).
+// Gradients follow options.grad_mode (GradMode, cuda_grouped_experts.h) for every parameter of the
+// layer: accumulate_f32 (the default) keeps f32 buffers that backward adds to; fresh_bf16_weights
+// gives every parameter a new gradient tensor per backward, owned by the caller, bf16 for the
+// expert weights (routed and shared gate_and_up_projs, down_projs) and f32 for the rest (gate weight
+// and bias, expert biases, shared-expert gate: small, accumulated in f32 by their kernels).
 // Blocking dispatch mode (tokens_per_expert on the host: the grouped GEMMs take host sizes). The
 // shared experts run as a one-expert CudaGroupedExperts whose prob is the sigmoid gate (or 1): the
 // same math as Automodel's MLP, since sigmoid(g) * (a W_d + b_d) = (a * s) W_d + b_d * s.
@@ -27,6 +29,7 @@
 #include "flexep/comm/process_group.h"
 #include "flexep/dispatch/dispatcher.h"
 #include "flexep/layer/cuda_grouped_experts.h"
+#include "flexep/layer/cuda_moe_compute.h"
 
 namespace flexep {
 
@@ -43,27 +46,17 @@ struct CudaMoELayerOptions {
   GradMode grad_mode = GradMode::accumulate_f32;
 };
 
-struct CudaMoESaved;
-
-struct CudaMoEOutput {
-  Tensor out;       // [T, dim] bf16
-  Tensor aux_loss;  // [1] (f32 or f64) on the device; undefined unless training with aux_loss_coeff > 0
-  std::shared_ptr<const CudaMoESaved> saved;
-};
-
-// Time of each phase of the last forward/backward, in microseconds (filled when timing is on).
-struct CudaMoEPhaseTimes {
-  double router = 0, dispatch = 0, experts = 0, combine = 0, shared = 0;
-};
-
 class CudaMoELayer {
  public:
   CudaMoELayer(const MoEConfig& config, const BackendConfig& backend, std::shared_ptr<TokenDispatcher> dispatcher,
                const CudaMoELayerOptions& options = {});
   ~CudaMoELayer();
 
-  // x [T, dim] bf16 on the layer's device; padding_mask [T] bool on the device or undefined.
-  CudaMoEOutput forward(const TensorView& x, const TensorView& padding_mask, bool training, cudaStream_t stream);
+  // x [T, dim] bf16 on the layer's device; padding_mask [T] bool on the device or undefined;
+  // replay_indices [T, k] i64 on the device or undefined (routing replay, cuda::router_forward; checked
+  // on the host like the CPU gate's: ids in [0, E), distinct per token, ArgumentError "replay_indices").
+  CudaMoEOutput forward(const TensorView& x, const TensorView& padding_mask, bool training, cudaStream_t stream,
+                        const TensorView& replay_indices = TensorView());
   Tensor backward(const CudaMoEOutput& forward_output, const TensorView& grad_out, cudaStream_t stream);
 
   // Automodel names: "gate.weight" [E, dim], "gate.bias", "experts.gate_and_up_projs" [E_local, dim, up],
@@ -93,42 +86,30 @@ class CudaMoELayer {
   const Tensor& e_score_correction_bias() const { return correction_bias_; }
   void set_e_score_correction_bias(const TensorView& host_f32, cudaStream_t stream);
 
-  void set_timing(bool on) { timing_ = on; }
-  const CudaMoEPhaseTimes& phase_times() const { return times_; }
+  void set_timing(bool on) { compute_->set_timing(on); }
+  const CudaMoEPhaseTimes& phase_times() const { return compute_->phase_times(); }
 
   const MoEConfig& config() const { return config_; }
   int device() const { return options_.device; }
   GradMode grad_mode() const { return options_.grad_mode; }
-  int ep_rank() const { return ep_rank_; }
-  int ep_size() const { return ep_size_; }
+  int ep_rank() const { return compute_->ep_rank(); }
+  int ep_size() const { return compute_->ep_size(); }
   CudaGroupedExperts& experts() { return *experts_; }
+  CudaMoECompute& compute() { return *compute_; }
+  MoEWeights weights() const;  // views of every parameter and the correction bias
 
  private:
-  struct Events;
   void upload_shared(const std::vector<Parameter*>& cpu_shared_params, cudaStream_t stream);
   void renew_own_grads();
   MoEConfig config_;
   BackendConfig backend_;
   CudaMoELayerOptions options_;
-  std::shared_ptr<TokenDispatcher> dispatcher_;
-  int ep_rank_ = 0, ep_size_ = 1;
+  std::unique_ptr<CudaMoECompute> compute_;  // first: outlives the parameters (its streams retire last)
   Parameter gate_weight_, gate_bias_, shared_gate_;
   Tensor correction_bias_;                  // [E] f32 device
   Tensor cumulative_load_;                  // [E] i64 device
   std::vector<double> correction_master_;  // fp64 master of the correction bias
   std::unique_ptr<CudaGroupedExperts> experts_, shared_;
-  // The fake balanced gate without noise routes by the token index alone: its routing for the last
-  // T and stream, on the device, reused while both stay the same (every use is then ordered on that
-  // stream, and the memory is freed there).
-  struct FixedFakeRouting {
-    std::int64_t tokens = -1;
-    cudaStream_t stream = nullptr;
-    Tensor indices, weights;
-  } fixed_fake_;
-  cudaStream_t side_stream_ = nullptr;
-  bool timing_ = false;
-  CudaMoEPhaseTimes times_;
-  std::unique_ptr<Events> events_;
 };
 
 }  // namespace flexep

@@ -1,11 +1,14 @@
-// The whole MoE layer (Automodel's MoE), CPU reference, for one rank of an expert-parallel group:
+// The whole MoE layer (Automodel's MoE), CPU reference, for one rank of an expert-parallel group, as
+// an owner of its parameters: MoECompute (moe_compute.h) runs the math on views of them.
 //   weights, indices = gate(x, ~padding)           (padding tokens get index -1)
 //   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
 //   y_rows = experts(rows)                         (prob applied inside the FFN)
 //   y = combine(y_rows) (+ shared_experts(x))
-// Backward runs the same chain in reverse and accumulates the gradient of every parameter. The
-// gradients of replicated parameters (gate, shared experts) are this rank's contribution; the
-// training loop all-reduces them like any data-parallel gradient.
+// Backward runs the same chain in reverse and accumulates the gradient of every parameter
+// (Parameter::grad: the fresh gradient when it was undefined, else added to it). The gradients of
+// replicated parameters (gate, shared experts) are this rank's contribution; the training loop
+// all-reduces them like any data-parallel gradient. The shared experts' parameters keep nn.Linear's
+// layout; each call hands MoECompute a grouped-layout copy of them.
 #pragma once
 
 #include <memory>
@@ -16,6 +19,7 @@
 #include "flexep/dispatch/dispatcher.h"
 #include "flexep/layer/gate.h"
 #include "flexep/layer/grouped_experts.h"
+#include "flexep/layer/moe_compute.h"
 #include "flexep/layer/shared_experts.h"
 
 namespace flexep {
@@ -25,14 +29,9 @@ struct MoELayerOptions {
   std::uint64_t seed = 1234;
   double init_std = 0.02;
   DispatchOptions dispatch;
-};
-
-struct MoESaved;
-
-struct MoEOutput {
-  Tensor out;                      // [T, dim]
-  std::optional<double> aux_loss;  // unscaled aux loss of this rank's tokens
-  std::shared_ptr<const MoESaved> saved;
+  // bf16 (or f16): the gate sees x cast to this dtype, with Automodel's roundings for such inputs
+  // (bf16 logits and weights; layer/gate.h), as the GPU layer routes. Unset: x as given.
+  std::optional<DType> gate_input_dtype;
 };
 
 class MoELayer {
@@ -41,8 +40,10 @@ class MoELayer {
   MoELayer(const MoEConfig& config, const BackendConfig& backend, std::shared_ptr<TokenDispatcher> dispatcher,
            const MoELayerOptions& options = {});
 
-  // x [T, dim]; padding_mask [T] bool (true = padding) or undefined.
-  MoEOutput forward(const TensorView& x, const TensorView& padding_mask, bool training);
+  // x [T, dim]; padding_mask [T] bool (true = padding) or undefined; replay_indices [T, k] or
+  // undefined (routing replay, see Gate::forward).
+  MoEOutput forward(const TensorView& x, const TensorView& padding_mask, bool training,
+                    const TensorView& replay_indices = TensorView());
   Tensor backward(const MoEOutput& forward_output, const TensorView& grad_out);  // -> grad x
 
   // Every parameter with Automodel's state_dict name ("gate.weight", "experts.gate_and_up_projs",
@@ -57,15 +58,17 @@ class MoELayer {
   SharedExperts* shared_experts() { return shared_.get(); }
   const MoEConfig& config() const { return config_; }
   const BackendConfig& backend_config() const { return backend_; }
-  int ep_rank() const { return ep_rank_; }
-  int ep_size() const { return ep_size_; }
+  int ep_rank() const { return compute_.ep_rank(); }
+  int ep_size() const { return compute_.ep_size(); }
+  MoECompute& compute() { return compute_; }
 
  private:
+  struct Views;
+  Views views() const;  // every parameter as MoEWeights (the shared experts as a grouped copy)
   MoEConfig config_;
   BackendConfig backend_;
   MoELayerOptions options_;
-  std::shared_ptr<TokenDispatcher> dispatcher_;
-  int ep_rank_ = 0, ep_size_ = 1;
+  MoECompute compute_;
   std::unique_ptr<Gate> gate_;
   std::unique_ptr<FakeBalancedGate> fake_gate_;
   std::unique_ptr<GroupedExperts> experts_;

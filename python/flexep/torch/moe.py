@@ -1,16 +1,13 @@
-"""MoE(nn.Module): Automodel's MoE layer (gate, grouped experts, dispatcher, shared experts) on top of
-the C++ MoELayer (CPU, f32/f64) or CudaMoELayer (GPU, bf16 parameters).
+"""MoE(nn.Module): NeMo Automodel 0.7.0's MoE layer (gate, grouped experts, dispatcher, shared experts),
+computed by the C++ library: the CPU reference layer, or the CUDA layer on a GPU.
 
-The nn.Parameters share memory with the library's parameters (DLPack, zero-copy), under Automodel's
-state_dict names and shapes; one autograd Function runs the library's forward and backward. Only
-shapes, names and autograd plumbing live here.
+The module tree, parameter names, shapes, dtypes and state_dict keys are Automodel's (modules.py);
+PyTorch owns every tensor, and each forward hands the library the tensors the module holds at that
+moment (_layer_call.py). Only shapes, names and autograd plumbing live here.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-import weakref
 from typing import Optional
 
 import torch
@@ -18,221 +15,109 @@ import torch.distributed as dist
 from torch import nn
 
 from flexep import _flexep
+from flexep.torch._layer_call import MoEAuxLossAutoScaler, last_routing, run_moe
 from flexep.torch.config import BackendConfig, MoEConfig
-from flexep.torch.dispatcher import HostRank, get_dispatcher
+from flexep.torch.dispatcher import HostRank
+from flexep.torch.modules import MLP, Gate, GroupedExperts, make_gate
 
-
-class MoEAuxLossAutoScaler:
-    """Automodel's MoEAuxLossAutoScaler knob: the aux loss's backward scale (default 1.0), read by every
-    MoE layer at its forward. The aux loss itself is attached inside the library's gate backward:
-    its gradient coeff * scale * dL reaches the gate weights whenever the layer's output is
-    back-propagated, as Automodel's identity-forward scaler does."""
-
-    main_loss_backward_scale: float = 1.0
-
-    @staticmethod
-    def set_loss_scale(scale) -> None:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = float(scale)
-
-
-class Gate(nn.Module):
-    """Holds gate.weight, gate.bias and the e_score_correction_bias buffer (names as Automodel's)."""
-
-    def __init__(self, owner: "MoE"):
-        super().__init__()
-        self._owner = weakref.ref(owner)
-        self._last_aux_loss = None
-
-    def update_bias(self) -> None:
-        self._owner().update_bias()
-
-
-class _Container(nn.Module):
-    """A name level of the state_dict (experts, shared_experts, shared_experts.gate_proj, ...)."""
-
-
-class _MoEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, module, x, padding_mask, *params):
-        layer = module._layer
-        if module._cuda:
-            stream = torch.cuda.current_stream(x.device).cuda_stream
-            out, aux, state = layer.forward(x, padding_mask, module.training, stream)
-            aux = None if aux is None else torch.from_dlpack(aux)
-        else:
-            out, aux, state = layer.forward(x, padding_mask, module.training)
-            aux = None if aux is None else torch.tensor(aux, dtype=x.dtype)
-        module.gate._last_aux_loss = aux
-        ctx.module, ctx.state = module, state
-        return torch.from_dlpack(out)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        module = ctx.module
-        g = grad_out.contiguous()
-        if module._cuda:
-            grad_x, grads = module._layer.backward(ctx.state, g, torch.cuda.current_stream(g.device).cuda_stream)
-        else:
-            grad_x, grads = module._layer.backward(ctx.state, g)
-        result = [None, torch.from_dlpack(grad_x), None]
-        for i, (name, p) in enumerate(module._flat_params):
-            cpp_grad = grads.get(name)
-            if cpp_grad is None or not ctx.needs_input_grad[3 + i]:
-                result.append(None)
-                continue
-            t = torch.from_dlpack(cpp_grad)
-            if module._copy_grads:
-                # grad_mode "accumulate_f32": the library's f32 buffers are reused by the next
-                # backward, so copy (into the parameter's dtype, as autograd would).
-                t = t.to(p.dtype, copy=True)
-            elif t.dtype != p.dtype:
-                # A fresh f32 gradient of a bf16 parameter (gate, biases: small); the expert weights'
-                # come in bf16 and, like the CPU path's, pass zero-copy.
-                t = t.to(p.dtype)
-            result.append(t)
-        return tuple(result)
+__all__ = ["MoE", "Gate", "MoEAuxLossAutoScaler"]
 
 
 def _ep_size(group) -> int:
+    if group is None:
+        return 1
     if isinstance(group, HostRank):
         return group.size()
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1
     return dist.get_world_size(group)
 
 
 class MoE(nn.Module):
     """Automodel's MoE: forward(x, padding_mask=None, cp_mesh=None) -> tensor of x's shape.
 
-    device: "cpu" (the C++ reference layer; parameters f64 when config.dtype is float64, else f32) or
-    a CUDA device (bf16 parameters). group: None (EP size 1, or the default torch.distributed group
-    when one is initialised and device is CUDA), a torch.distributed group, or HostRank(world, rank)
-    for simulated ranks on the CPU. Expert tensors hold this rank's experts [E_local, ...].
-    grad_mode (CUDA only): "fresh_bf16_weights" (default: every backward's gradients are new tensors,
-    the expert weights' in bf16 straight from the wgrad GEMMs, handed to autograd without a copy) or
-    "accumulate_f32" (the library's f32 buffers, copied into the parameters' dtype at each backward).
+    config / backend: flexep's MoEConfig / BackendConfig or Automodel's own (converted field by
+    field). device: where the parameters are made (default: the current default device, so
+    construction under torch.device("meta") makes meta tensors; call to_empty() and init_weights()
+    later). group: None (EP size 1, or the mesh of DTensor-sharded experts), a torch.distributed
+    group (GPU: this module then holds this rank's E/R experts), or HostRank(world, rank) for
+    simulated ranks on the CPU. The parameters are initialised as Automodel's init_weights does
+    (normal(0, init_std), biases zero) unless they are on the meta device.
+    Computation follows the input: a CUDA input runs the CUDA layer (bf16), a CPU input the CPU
+    reference (float64 when x is float64, else float32 arithmetic; bf16 inputs and parameters are
+    accepted there too).
     """
 
-    def __init__(self, config: MoEConfig, backend: Optional[BackendConfig] = None, *, device=None, group=None,
-                 seed: int = 1234, init_std: float = 0.02, fast_init: bool = False, pad_multiple: int = 1,
-                 grad_mode: str = "fresh_bf16_weights"):
+    def __init__(self, config, backend=None, *, device=None, group=None, init_std: float = 0.02,
+                 pad_multiple: int = 1):
         super().__init__()
-        backend = backend if backend is not None else BackendConfig()
-        device = torch.device(device if device is not None else "cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.config, self.device_ = config, device
-        self._cuda = device.type == "cuda"
-        if not self._cuda and group is not None and not isinstance(group, HostRank):
-            raise _flexep.ArgumentError("flexep: invalid argument 'group': on the CPU, expert parallelism runs "
-                                        "simulated ranks: pass HostRank(world, rank)")
-        if self._cuda and isinstance(group, HostRank):
-            raise _flexep.ArgumentError("flexep: invalid argument 'group': HostRank is for the CPU; pass a "
-                                        "torch.distributed group")
-        ep_size = _ep_size(group) if (self._cuda or isinstance(group, HostRank)) else 1
-        backend, messages, local_fallback = backend.normalized(ep_size)
-        for m in messages:
-            warnings.warn(f"flexep: {m}", UserWarning, stacklevel=2)
+        config = MoEConfig.from_automodel(config)
+        backend = BackendConfig.from_automodel(backend) if backend is not None else BackendConfig()
+        if config.moe_latent_size is not None:
+            raise _flexep.ArgumentError(
+                f"flexep: invalid argument 'moe.moe_latent_size': latent expert projections (got "
+                f"{config.moe_latent_size}) are not offered by flexep's layer yet; allowed: None")
+        if group is not None and not isinstance(group, HostRank) and not (dist.is_available()
+                                                                          and dist.is_initialized()):
+            raise _flexep.ArgumentError("flexep: invalid argument 'group': a torch.distributed group needs "
+                                        "torch.distributed initialised; for simulated CPU ranks pass "
+                                        "HostRank(world, rank)")
+        ep_size = _ep_size(group)
+        _flexep.config.check_ep(config._cpp_json(), ep_size)
         self.backend = backend
-        self._group = group
-        dispatcher = None if local_fallback or ep_size == 1 else get_dispatcher(
-            backend, config.n_routed_experts, group, device, hidden=config.dim,
-            max_tokens_per_rank=int(os.environ.get("FLEXEP_MAX_TOKENS_PER_RANK", "8192")),
-            max_topk=config.n_activated_experts, owner=self)
-        moe_json, backend_json = config._cpp_json(), backend._cpp_json()
-        if self._cuda:
-            if not _flexep.HAS_CUDA:
-                raise _flexep.Error("flexep: this build has no CUDA (build with FLEXEP_CUDA=ON)")
-            self._layer = _flexep.CudaMoELayer(moe_json, backend_json, dispatcher, device.index, seed, init_std,
-                                               fast_init, pad_multiple, grad_mode)
+        self.dim = config.dim
+        self.n_routed_experts = config.n_routed_experts
+        self.n_activated_experts = config.n_activated_experts
+        self._flexep_config, self._flexep_backend = config, backend
+        self._flexep_group, self._flexep_pad_multiple, self._flexep_warned = group, pad_multiple, set()
+
+        self.gate = make_gate(config, backend, device)
+        self.gate._flexep_load_group = group if ep_size > 1 else None
+        self.experts = GroupedExperts(config, config.n_routed_experts // ep_size, device=device)
+        if config.n_shared_experts > 0:
+            inter = config.n_shared_experts * (config.shared_expert_inter_dim or config.moe_inter_dim)
+            self.shared_experts = MLP(config.dim, inter, dtype=config.dtype, activation=config.shared_expert_activation,
+                                      bias=config.expert_bias, swiglu_limit=config.swiglu_limit, device=device)
+            self.shared_expert_gate = (nn.Linear(config.dim, 1, bias=False, dtype=config.dtype, device=device)
+                                       if config.shared_expert_gate else None)
         else:
-            param_dtype = "float64" if config.dtype == torch.float64 else "float32"
-            self._layer = _flexep.MoELayer(moe_json, backend_json, dispatcher, param_dtype, seed, init_std,
-                                           pad_multiple)
-        # Only the GPU's accumulate_f32 mode returns buffers the library reuses; the CPU layer and
-        # fresh_bf16_weights return new tensors per backward.
-        self._copy_grads = self._cuda and not self._layer.fresh_grads
-        self.gate = Gate(self)
-        self._flat_params = []
-        self._register_library_parameters()
+            self.shared_experts = None
+            self.shared_expert_gate = None
+        self.fc1_latent_proj = None
+        self.fc2_latent_proj = None
+        self.cp_mesh = None
+        if self.experts.gate_and_up_projs.device.type != "meta":
+            self.init_weights(self.experts.gate_and_up_projs.device, init_std)
 
-    # -- parameters ------------------------------------------------------------------------------
-    def _submodule(self, path: list[str]) -> nn.Module:
-        mod: nn.Module = self
-        for part in path:
-            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
-                mod.add_module(part, _Container())
-            mod = getattr(mod, part)
-        return mod
+    @property
+    def config(self) -> MoEConfig:
+        return self._flexep_config
 
-    def _register_library_parameters(self) -> None:
-        for name, value, requires_grad in self._layer.parameters():
-            t = torch.from_dlpack(value)
-            p = nn.Parameter(t, requires_grad=requires_grad)
-            *path, leaf = name.split(".")
-            self._submodule(path).register_parameter(leaf, p)
-            self._flat_params.append((name, p))
-        self._data_ptrs = [p.data_ptr() for _, p in self._flat_params]
-        # The library's own buffer, shared (CPU and GPU): update_bias() changes what state_dict()
-        # returns, and load_state_dict() writes the library's values in place.
-        bias = self._layer.e_score_correction_bias()
-        if bias is not None:
-            self.gate.register_buffer("e_score_correction_bias", torch.from_dlpack(bias))
-        elif self._cuda and (self.config.gate_bias_update_factor > 0 or self.config.force_e_score_correction_bias):
-            # The fake balanced gate has no router, hence no bias: the key is kept for state_dict
-            # parity with Automodel.
-            self.gate.register_buffer("e_score_correction_bias",
-                                      torch.zeros(self.config.n_routed_experts, dtype=torch.float32,
-                                                  device=self.device_))
-        if self._cuda and self.config.n_shared_experts > 0:
-            from flexep.torch import _shared_layout
-
-            _shared_layout.install_hooks(self)
-
-    def _check_shared_memory(self) -> None:
-        for (name, p), ptr in zip(self._flat_params, self._data_ptrs):
-            if p.data_ptr() != ptr:
-                raise _flexep.Error(
-                    f"flexep: parameter '{name}' no longer shares memory with the library (was it replaced, "
-                    "e.g. by .to(), load_state_dict(assign=True) or a new .data?); update it in place instead")
-
-    def replicated_parameters(self):
-        """Parameters every EP rank holds whole (gate, shared experts): their gradients are this rank's
-        contribution and need an all-reduce over the group, like any data-parallel gradient."""
-        return [p for name, p in self._flat_params if not name.startswith("experts.")]
-
-    # -- forward / bias update --------------------------------------------------------------------
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, cp_mesh=None) -> torch.Tensor:
-        if cp_mesh is not None:
-            raise _flexep.ArgumentError("flexep: invalid argument 'cp_mesh': context parallelism is not supported")
-        self._check_shared_memory()
-        if not self._cuda:
-            self._layer.aux_loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        mask = None if padding_mask is None else padding_mask.reshape(-1).to(torch.bool).contiguous()
-        params = [p for _, p in self._flat_params]
-        out = _MoEFunction.apply(self, x2, mask, *params)
-        return out.view(shape)
+        if (cp_mesh if cp_mesh is not None else self.cp_mesh) is not None:
+            raise _flexep.ArgumentError("flexep: invalid argument 'cp_mesh': context parallelism is not offered "
+                                        "by flexep's layer; allowed: None")
+        return run_moe(self, x, padding_mask)
+
+    def init_weights(self, buffer_device: torch.device, init_std: float = 0.02) -> None:
+        """Automodel's init_weights: normal(0, init_std) weights, zero biases and correction bias."""
+        for m in (self.gate, self.experts, self.shared_experts):
+            if m is not None:
+                m.init_weights(buffer_device, init_std)
 
     def update_bias(self) -> None:
-        """Aux-loss-free balancing (Automodel's Gate.update_bias): the load accumulated over training
-        forwards, summed over the EP group, moves the correction bias by sign(mean - load) * factor."""
-        if isinstance(self._group, HostRank):
-            group = self._group.process_group
-        elif self._cuda and self._layer.ep_size > 1:
-            from flexep.torch.dispatcher import create_communicator
+        """Automodel's gate.update_bias() (aux-loss-free balancing)."""
+        self.gate.update_bias()
 
-            group = create_communicator(self._group, self.device_)
-        else:
-            group = None
-        with torch.no_grad():
-            if self._cuda:
-                self._layer.update_bias(group, torch.cuda.current_stream(self.device_).cuda_stream)
-            else:
-                self._layer.update_bias(group)
+    def last_routing(self):
+        """(indices [T, k], weights [T, k]) of the last forward (flexep.torch.last_routing)."""
+        return last_routing(self)
+
+    def replicated_parameters(self):
+        """Parameters every EP rank holds whole (gate, shared experts): with a group given at
+        construction their gradients are this rank's contribution and need an all-reduce over the
+        group, like any data-parallel gradient."""
+        return [p for name, p in self.named_parameters() if not name.startswith("experts.")]
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"dim={c.dim}, experts={c.n_routed_experts} (local {c.n_routed_experts // self._layer.ep_size}), "
-                f"topk={c.n_activated_experts}, dispatcher={self.backend.dispatcher}, device={self.device_}")
+        return (f"dim={c.dim}, experts={c.n_routed_experts}, topk={c.n_activated_experts}, "
+                f"dispatcher={self.backend.dispatcher}")

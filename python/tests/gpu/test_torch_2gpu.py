@@ -1,7 +1,6 @@
 """Device tests (2 GPUs, a CUDA build): the alltoall and hybridep backends through PyTorch across 2
-processes, against the pure-PyTorch reference (the layer with its default grad_mode, fresh bf16
-weight gradients); the two grad_modes against each other over micro-batches; state_dict round trip
-with the reference module.
+processes, against the pure-PyTorch reference; micro-batch accumulation; state_dict round trip
+with the reference module; the correction bias update over the group.
 Each test launches `torchrun --nproc-per-node 2 worker.py CASE BACKEND`; CI does not collect this folder.
 
 Run: PYTHONPATH=build/python python -m pytest -q python/tests/gpu
@@ -48,8 +47,8 @@ def test_moe_layer_matches_reference(backend):
     launch("layer", backend)
 
 
-def test_fresh_bf16_grads_match_accumulate_f32_over_micro_batches():
-    launch("grad_modes", "torch")
+def test_micro_batches_accumulate_fresh_gradients():
+    launch("micro_batches", "torch")
 
 
 def test_state_dict_round_trip_with_reference_module():

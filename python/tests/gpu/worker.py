@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 import flexep.torch as ft
-from flexep.torch import _shared_layout
 from reference_moe import ReferenceMoE, reference_combine, reference_dispatch
 
 BASE = dict(n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1,
@@ -35,7 +34,7 @@ def functions(backend, rank, dev):
     up_out = torch.randn(T, H, generator=g).to(torch.bfloat16)
     d = ft.get_dispatcher(ft.BackendConfig(dispatcher=backend), E, None, dev, hidden=H, max_tokens_per_rank=64,
                           max_topk=k)
-    fn = ft.hybrid_ep_dispatch if backend == "hybridep" else ft.dispatch
+    fn = ft.hybrid_ep_dispatch_topk if backend == "hybridep" else ft.dispatch
     xd, wd = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
     tokens, probs, tpe, handle = fn(d, xd, idx.to(dev), wd)
     out = ft.combine(d, handle, tokens * 2)
@@ -60,8 +59,9 @@ def functions(backend, rank, dev):
 
 
 def reference_with(m, cfg):
-    """A CPU f64 reference holding all experts (gathered) and rank 0's replicated parameters."""
-    ref = ReferenceMoE(cfg)
+    """A CPU f64 reference holding all experts (gathered) and rank 0's replicated parameters, routing
+    with the GPU layer's (Automodel's) bf16 logits and weights."""
+    ref = ReferenceMoE(cfg, bf16_router=True)
     sd = m.state_dict()
     full = {k: (torch.cat(gather(v)) if k.startswith("experts.") else v.cpu()).double()
             if v.is_floating_point() and k != "gate.e_score_correction_bias" else v.cpu() for k, v in sd.items()}
@@ -69,23 +69,16 @@ def reference_with(m, cfg):
     return ref
 
 
-def grads_by_automodel_name(m):
-    """{Automodel parameter name: gradient}: the shared experts' grouped gradients in nn.Linear layout."""
-    out, grouped = {}, {}
-    for n, p in m.named_parameters():
-        head, _, leaf = n.partition(".")
-        if head == "shared_experts" and leaf in _shared_layout._GROUPED:
-            grouped[leaf] = p.grad
-        else:
-            out[n] = p.grad
-    if grouped:
-        out.update({"shared_experts." + k: v for k, v in _shared_layout.to_automodel(m, grouped).items()})
-    return out
+def make(cfg, backend, dev, seed=3):
+    """flexep's layer with this rank's experts; the same seed on every rank, so the replicated
+    parameters (gate, shared experts) start equal, as a data-parallel job's do."""
+    torch.manual_seed(seed)
+    return ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, group=dist.group.WORLD, init_std=0.05)
 
 
 def layer(backend, rank, dev):
     cfg = ft.MoEConfig(**BASE)
-    m = ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, seed=3, init_std=0.05)
+    m = make(cfg, backend, dev)
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(4, 16, cfg.dim, generator=g).to(torch.bfloat16)
     gy = torch.randn(4, 16, cfg.dim, generator=g).to(torch.bfloat16)
@@ -102,7 +95,7 @@ def layer(backend, rank, dev):
     # Expert gradients summed over both ranks' tokens: compare this rank's slice after an all-reduce of the
     # reference's own grads (each rank ran the reference on its tokens only).
     local = cfg.n_routed_experts // 2
-    grads = grads_by_automodel_name(m)
+    grads = {n: p.grad for n, p in m.named_parameters()}
     assert set(grads) == {n for n, _ in ref.named_parameters()}, set(grads) ^ {n for n, _ in ref.named_parameters()}
     for n, grad in grads.items():
         if n.startswith("experts."):
@@ -116,38 +109,32 @@ def layer(backend, rank, dev):
                                    msg=lambda s: f"{n}: {s}")
 
 
-def grad_modes(backend, rank, dev):
-    """grad_mode "fresh_bf16_weights" (the default: new gradient tensors per backward, handed to autograd
-    without a copy) against "accumulate_f32" (the library's f32 buffers, copied into bf16) over two
-    micro-batches that autograd accumulates into .grad. Were a fresh tensor written again after its
-    backward (it becomes .grad, which the second micro-batch adds to in place), the sums would differ."""
+def micro_batches(backend, rank, dev):
+    """Two micro-batches that autograd accumulates into .grad give the sum of the two single-batch
+    gradients. Each backward's gradients are new tensors the library never writes again: were one
+    written after its backward (it becomes .grad, which the second micro-batch adds to in place), the
+    sum would differ."""
     cfg = ft.MoEConfig(**{**BASE, "expert_bias": True})
-    modes = ("fresh_bf16_weights", "accumulate_f32")
-    mods = [ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, seed=3, init_std=0.05, grad_mode=mode)
-            for mode in modes]
+    m = make(cfg, backend, dev)
     g = torch.Generator().manual_seed(11 + rank)
     batches = [(torch.randn(32, cfg.dim, generator=g).to(torch.bfloat16), torch.randn(32, cfg.dim, generator=g))
                for _ in range(2)]
-    for m in mods:
-        for x, gy in batches:
-            y = m(x.to(dev))
-            (y.float() * gy.to(dev)).sum().backward()
-    fresh, acc = (dict(m.named_parameters()) for m in mods)
-    assert fresh.keys() == acc.keys()
-    for n, p in fresh.items():
-        q = acc[n]
-        assert p.grad is not None and p.grad.dtype == p.dtype == torch.bfloat16, (n, p.grad)
-        # Each micro-batch's gradient is rounded to bf16 once in either mode (from cuBLAS's or from an
-        # f32 copy; fp32 sums in different orders can round to neighbours), then the bf16 sum: a few
-        # bf16 ulps (2^-8 relative each) apart at most.
-        scale = q.grad.float().abs().max().item() + 1e-6
-        torch.testing.assert_close(p.grad.float() / scale, q.grad.float() / scale, rtol=2 ** -6, atol=1e-3,
-                                   msg=lambda s: f"{n}: {s}")
+    singles = []
+    for x, gy in batches:
+        m.zero_grad(set_to_none=True)
+        (m(x.to(dev)).float() * gy.to(dev)).sum().backward()
+        singles.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    m.zero_grad(set_to_none=True)
+    for x, gy in batches:
+        (m(x.to(dev)).float() * gy.to(dev)).sum().backward()
+    for n, p in m.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype, (n, p.grad)
+        assert torch.equal(p.grad, singles[0][n] + singles[1][n]), n
 
 
 def state_dict(backend, rank, dev):
     cfg = ft.MoEConfig(**{**BASE, "gate_bias_update_factor": 0.0, "expert_bias": True})
-    m = ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, seed=3)
+    m = make(cfg, backend, dev)
     ref = ReferenceMoE(cfg, dtype=torch.bfloat16)
     local = cfg.n_routed_experts // 2
     with torch.no_grad():
@@ -167,7 +154,7 @@ def state_dict(backend, rank, dev):
     m.eval()
     y = m(x.to(dev))
     full = {k: (torch.cat(gather(v.to(dev))) if k.startswith("experts.") else v).double() for k, v in sd.items()}
-    r = ReferenceMoE(cfg)
+    r = ReferenceMoE(cfg, bf16_router=True)
     r.load_state_dict(full)
     r.eval()
     # N(0, 1) weights make large intermediates that the bf16 layer rounds (the f64 reference does not):
@@ -178,11 +165,11 @@ def state_dict(backend, rank, dev):
 
 
 def correction_bias(backend, rank, dev):
-    """The GPU layer's e_score_correction_bias is the library's buffer: update_bias() shows in
-    state_dict(), and a loaded value is what the next update_bias() starts from."""
+    """The correction bias is the module's buffer: update_bias() (the load summed over the EP group)
+    shows in state_dict(), and a loaded value is what the next update_bias() starts from."""
     f = 1e-3
     cfg = ft.MoEConfig(**{**BASE, "gate_bias_update_factor": f})
-    m = ft.MoE(cfg, ft.BackendConfig(dispatcher=backend), device=dev, seed=5)
+    m = make(cfg, backend, dev, seed=5)
     key = "gate.e_score_correction_bias"
     assert torch.equal(m.state_dict()[key].cpu(), torch.zeros(cfg.n_routed_experts)), m.state_dict()[key]
 
@@ -202,6 +189,7 @@ def correction_bias(backend, rank, dev):
 
     loaded = torch.arange(cfg.n_routed_experts, dtype=torch.float32) * 0.25
     m.load_state_dict({**m.state_dict(), key: loaded})
+    m.gate.e_score_correction_bias_master = None  # a checkpoint load starts the fp32 master afresh
     assert torch.equal(m.state_dict()[key].cpu(), loaded)
     second = train_and_update()
     step = second - loaded
@@ -214,7 +202,7 @@ def main():
     rank = dist.get_rank()
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    cases = {"functions": functions, "layer": layer, "grad_modes": grad_modes, "state_dict": state_dict,
+    cases = {"functions": functions, "layer": layer, "micro_batches": micro_batches, "state_dict": state_dict,
              "correction_bias": correction_bias}
     cases[case](backend, rank, dev)
     torch.cuda.synchronize()

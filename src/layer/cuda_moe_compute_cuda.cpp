@@ -1,0 +1,459 @@
+#include "flexep/layer/cuda_moe_compute.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "flexep/core/checks.h"
+#include "flexep/cuda/layer_ops.h"
+#include "flexep/cuda/router.h"
+#include "flexep/cuda/runtime.h"
+#include "flexep/dispatch/local_cuda.h"
+#include "flexep/layer/gate.h"
+#include "layer/gate_rules.h"
+
+namespace flexep {
+
+// Frees the saved tensors on the forward's stream: device memory is stream-ordered, and every use of
+// these tensors (side-stream ones included, which are joined back) is ordered before that point of
+// the stream.
+struct ReleaseOn {
+  cudaStream_t stream = nullptr;
+  std::optional<cuda::StreamGuard> guard;
+  void activate() { guard.emplace(stream); }
+};
+
+struct CudaMoESaved {
+  ReleaseOn release;  // first member: destroyed last, so it is active while the tensors are freed
+  ~CudaMoESaved() { release.activate(); }
+  const CudaMoECompute* owner = nullptr;
+  bool routing_override = false;
+  std::int64_t tokens = 0;
+  Tensor x;            // [T, dim] bf16, a copy when the backward reads it (router, shared experts)
+  Tensor padding;      // [T] bool or undefined
+  cuda::RouterOutput router;
+  GateOutput fake;     // fake balanced gate: routing computed on the host
+  Tensor indices;      // [T, k] i64, padding slots -1
+  Tensor weights;      // [T, k] f32
+  DispatchResult dispatched;
+  CudaExpertsOutput experts;
+  Tensor shared_gate;  // [T] f32: sigmoid gate or ones
+  CudaExpertsOutput shared;
+};
+
+// Events of the phase timing (enabled by set_timing) and of the side-stream joins.
+struct CudaMoECompute::Events {
+  static constexpr int kMarks = 6;
+  cudaEvent_t mark[kMarks] = {};
+  cudaEvent_t x_ready = nullptr, shared_done = nullptr;
+  Events() {
+    for (cudaEvent_t& e : mark) FLEXEP_CUDA_CHECK(cudaEventCreate(&e));
+    FLEXEP_CUDA_CHECK(cudaEventCreateWithFlags(&x_ready, cudaEventDisableTiming));
+    FLEXEP_CUDA_CHECK(cudaEventCreateWithFlags(&shared_done, cudaEventDisableTiming));
+  }
+  ~Events() {
+    for (cudaEvent_t e : mark) cudaEventDestroy(e);
+    cudaEventDestroy(x_ready);
+    cudaEventDestroy(shared_done);
+  }
+  // Elapsed microseconds between consecutive marks 0..n-1 (synchronises on the last).
+  std::vector<double> elapsed(int n) const {
+    FLEXEP_CUDA_CHECK(cudaEventSynchronize(mark[n - 1]));
+    std::vector<double> us;
+    for (int i = 0; i + 1 < n; ++i) {
+      float ms = 0;
+      FLEXEP_CUDA_CHECK(cudaEventElapsedTime(&ms, mark[i], mark[i + 1]));
+      us.push_back(1000.0 * ms);
+    }
+    return us;
+  }
+};
+
+namespace {
+
+// What the router takes as its weight: bf16, or f32 (moe.gate_dtype float32; the router casts it
+// as Automodel's F.linear does).
+const std::vector<DType> kGateWeightTypes = {DType::bf16, DType::f32};
+
+std::vector<std::int64_t> host_counts(const Tensor& t, cudaStream_t stream) {
+  const Tensor h = t.device().is_cpu() ? t : cuda::to_host(t, stream);
+  return std::vector<std::int64_t>(h.data<std::int64_t>(), h.data<std::int64_t>() + h.numel());
+}
+
+MoEConfig shared_expert_config(const MoEConfig& c) {
+  MoEConfig s = c;
+  s.expert_activation = c.shared_expert_activation;
+  s.moe_inter_dim = c.shared_inter();
+  s.n_routed_experts = 1;
+  s.n_activated_experts = 1;
+  s.dtype = DType::bf16;
+  return s;
+}
+
+// A copy of `src` on the current stream (saved state must not alias the caller's tensors).
+Tensor device_copy(const TensorView& src, cudaStream_t stream) {
+  Tensor t = Tensor::empty(src.shape, src.dtype, src.device);
+  cuda::copy_async(t, src, stream);
+  return t;
+}
+
+Tensor zeros_f32_like(const TensorView& t) {
+  return t.defined() ? Tensor::zeros(t.shape, DType::f32, t.device) : Tensor();
+}
+
+// An f32 gradient in its weight's dtype (bf16: one rounding; f32: as it is).
+Tensor in_dtype_of(const Tensor& grad32, const TensorView& weight, cudaStream_t stream) {
+  if (!grad32.defined() || weight.dtype == DType::f32) return grad32;
+  FLEXEP_CHECK(weight.dtype == DType::bf16, "CudaMoECompute: no conversion of gradients to ", dtype_name(weight.dtype));
+  Tensor g = Tensor::empty(grad32.shape(), DType::bf16, grad32.device());
+  cuda::convert_f32_to_bf16(grad32, g, stream);
+  return g;
+}
+
+}  // namespace
+
+CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& backend,
+                               std::shared_ptr<TokenDispatcher> dispatcher, int device, const DispatchOptions& dispatch)
+    : config_(config), backend_(backend), dispatch_(dispatch), device_(device), dispatcher_(std::move(dispatcher)) {
+  config_.dtype = DType::bf16;
+  validate(config_);
+  validate(backend_);
+  FLEXEP_CHECK_ARG(config_.moe_latent_size == 0, "moe.moe_latent_size", "is ", config_.moe_latent_size,
+                   "; latent expert projections are not offered by flexep's layer yet; allowed: null (0)");
+  FLEXEP_CHECK_ARG(config_.gate_storage_dtype() == DType::bf16 || config_.gate_storage_dtype() == DType::f32,
+                   "moe.gate_dtype", "is ", dtype_name(config_.gate_storage_dtype()),
+                   "; the GPU router reads its weight in bf16 or f32; allowed: bfloat16, float32 or null");
+  cuda::init();
+  FLEXEP_CHECK_ARG(device_ >= 0 && device_ < cuda::device_count(), "device", device_, " is out of range [0, ",
+                   cuda::device_count(), ")");
+  if (dispatcher_) {
+    ep_rank_ = dispatcher_->rank();
+    ep_size_ = dispatcher_->world_size();
+    FLEXEP_CHECK_ARG(dispatcher_->num_experts() == config_.n_routed_experts, "dispatcher", "was made for ",
+                     dispatcher_->num_experts(), " experts but moe.n_routed_experts is ", config_.n_routed_experts);
+  }
+  validate_ep(config_, ep_size_);
+  const Normalization norm = normalize(backend_, ep_size_);
+  for (const std::string& m : norm.messages) spdlog::warn("flexep: {}", m);
+  if (norm.local_fallback || !dispatcher_) dispatcher_ = make_local_cuda_dispatcher(device_, config_.n_routed_experts);
+  // The CPU gate's configuration checks (the router repeats them, plus its kernel limits, per call).
+  if (!backend_.fake_balanced_gate) static_cast<void>(GateCompute(config_, backend_.gate_precision));
+
+  cuda::DeviceGuard guard(device_);
+  experts_.emplace(config_, num_local_experts(), device_, "experts.");
+  if (config_.n_shared_experts > 0) {
+    shared_.emplace(shared_expert_config(config_), 1, device_, "shared_experts.");
+    FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  }
+  events_ = std::make_unique<Events>();
+}
+
+CudaMoECompute::~CudaMoECompute() {
+  // Before the members: tensors made on the side stream are freed after it is gone (retired first).
+  if (side_stream_) cuda::destroy_stream(side_stream_);
+}
+
+std::vector<MoEWeightSpec> CudaMoECompute::weight_specs() const {
+  return moe_weight_specs(config_, backend_, num_local_experts());
+}
+
+void CudaMoECompute::check_weights(const MoEWeights& weights, bool routing_override) const {
+  const Device dev = Device::cuda(device_);
+  check_moe_weights(
+      weights, weight_specs(),
+      [&](const MoEWeightSpec& s) {
+        if (s.name == "gate.weight") return MoEWeightRule{kGateWeightTypes, dev};
+        if (s.name == "gate.bias") return MoEWeightRule{{DType::bf16, DType::f32}, dev};
+        if (s.name == "gate.e_score_correction_bias") return MoEWeightRule{{DType::f32}, dev};
+        return MoEWeightRule{{DType::bf16}, dev};
+      },
+      routing_override);
+}
+
+CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, const TensorView& padding_mask,
+                                      bool training, const RoutingOverride& routing, cudaStream_t stream) {
+  const Device dev = Device::cuda(device_);
+  check::shape(x, {-1, config_.dim}, "x");
+  check::dtype(x, {DType::bf16}, "x");
+  check::device(x, dev, "x");
+  const std::int64_t T = x.size(0);
+  if (padding_mask.defined()) {
+    check::shape(padding_mask, {T}, "padding_mask");
+    check::dtype(padding_mask, {DType::b8}, "padding_mask");
+    check::device(padding_mask, dev, "padding_mask");
+  }
+  const bool override = routing.replaces_router();
+  if (routing.given()) {
+    const std::int64_t k = config_.n_activated_experts;
+    check::shape(routing.indices, {T, k}, "routing.indices");
+    check::dtype(routing.indices, {DType::i64}, "routing.indices");
+    check::device(routing.indices, dev, "routing.indices");
+  }
+  if (override) {
+    const std::int64_t k = config_.n_activated_experts;
+    check::shape(routing.weights, {T, k}, "routing.weights");
+    check::dtype(routing.weights, {DType::f32}, "routing.weights");
+    check::device(routing.weights, dev, "routing.weights");
+  } else if (routing.replay()) {
+    FLEXEP_CHECK_ARG(config_.enable_routing_replay, "routing.indices",
+                     "were given without routing.weights (a routing replay) but moe.enable_routing_replay is false");
+    FLEXEP_CHECK_ARG(!backend_.fake_balanced_gate, "routing.indices",
+                     "were given without routing.weights (a routing replay), but the fake balanced gate has no "
+                     "router to replay; give the weights too");
+    // The router passes bad ids on unchecked (it never syncs); check them first, as the CPU gate
+    // does (one small copy and a sync: replay is a rollout-matching forward, not the hot path).
+    gate_rules::read_replay_indices(cuda::to_host(routing.indices, stream), T, config_.n_activated_experts,
+                                    config_.n_routed_experts);
+  }
+  check_weights(w, override);
+  cuda::DeviceGuard guard(device_);
+  cuda::StreamGuard sg(stream);
+  auto s = std::make_shared<CudaMoESaved>();
+  s->release.stream = stream;
+  s->owner = this;
+  s->routing_override = override;
+  Events& ev = *events_;
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[0], stream));
+
+  s->tokens = T;
+  const bool router = !override && !backend_.fake_balanced_gate;
+  // Only the router's and the shared experts' backwards read x: without them the forward reads the
+  // caller's x and keeps no copy, unless x is not 16-byte aligned (the dispatchers move rows as
+  // 16-byte words; the copy is).
+  const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0;
+  const bool keep_x = shared_.has_value() || router || !aligned;
+  if (keep_x) {
+    s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
+    cuda::copy_async(s->x, x, stream);
+  }
+  const TensorView x_in = keep_x ? s->x.view() : x;
+  if (padding_mask.defined()) {
+    s->padding = Tensor::empty({T}, DType::b8, dev);
+    cuda::copy_async(s->padding, padding_mask, stream);
+  }
+
+  // Shared experts overlap with routing and dispatch on the side stream.
+  if (shared_) {
+    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.x_ready, stream));
+    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ev.x_ready, 0));
+    cuda::StreamGuard side(side_stream_);
+    s->shared_gate = Tensor::empty({T}, DType::f32, dev);
+    if (config_.shared_expert_gate)
+      cuda::sigmoid_gate_forward(s->x, w.shared_expert_gate.reshape({config_.dim}), s->shared_gate, side_stream_);
+    else
+      cuda::fill(s->shared_gate, 1.0f, side_stream_);
+    s->shared = shared_->forward(w.shared_experts, s->x, s->shared_gate, {T}, side_stream_);
+    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.shared_done, side_stream_));
+  }
+
+  // Router.
+  Tensor token_mask;
+  if (s->padding.defined()) {
+    token_mask = Tensor::empty({T}, DType::b8, dev);
+    cuda::logical_not(s->padding, token_mask, stream);
+  }
+  if (override) {
+    s->router.indices = device_copy(routing.indices, stream);
+    s->weights = device_copy(routing.weights, stream);
+  } else if (backend_.fake_balanced_gate && backend_.fake_gate_noise == 0) {
+    // Without noise the fake routing is a fixed pattern of the token index (fake_balanced_gate.cpp):
+    // computed and uploaded once per T, then reused, with no readback of x and no host sync.
+    if (fixed_fake_.tokens != T || fixed_fake_.stream != stream) {
+      {
+        cuda::StreamGuard last_use(fixed_fake_.stream);  // freed after the work that read them
+        fixed_fake_.indices = Tensor();
+        fixed_fake_.weights = Tensor();
+      }
+      const GateOutput g = FakeBalancedGate(config_, 0.0).forward(Tensor::zeros({T, 1}, DType::f32), Tensor());
+      fixed_fake_.indices = cuda::to_device(g.indices, device_, stream);
+      fixed_fake_.weights = cuda::to_device(g.weights, device_, stream);
+      fixed_fake_.tokens = T;
+      fixed_fake_.stream = stream;
+    }
+    s->router.indices = fixed_fake_.indices;
+    s->weights = fixed_fake_.weights;
+  } else if (backend_.fake_balanced_gate) {
+    // Fake routing with noise depends only on T and the first 4 values of x: compute it on the host
+    // from a [T, min(dim, 4)] probe (the same first 4 values; a [T, dim] one costs ~80 ms of page
+    // faults at T 4096, dim 7168).
+    Tensor probe = Tensor::zeros({T, std::min<std::int64_t>(config_.dim, 4)}, DType::f32);
+    if (T * config_.dim > 0) {
+      const std::int64_t n = std::min<std::int64_t>(4, T * config_.dim);
+      Tensor head = cuda::to_host(x_in.reshape({T * config_.dim}).rows(0, n), stream).to(DType::f32);
+      std::memcpy(probe.raw(), head.raw(), static_cast<std::size_t>(n) * sizeof(float));
+    }
+    FakeBalancedGate fake(config_, backend_.fake_gate_noise);
+    s->fake = fake.forward(probe, Tensor());
+    s->router.indices = cuda::to_device(s->fake.indices, device_, stream);
+    s->weights = cuda::to_device(s->fake.weights, device_, stream);
+  } else {
+    s->router = cuda::router_forward(config_, backend_.gate_precision, s->x, w.gate.weight, w.gate.bias,
+                                     w.gate.e_score_correction_bias, token_mask, training, stream,
+                                     routing.replay() ? routing.indices : TensorView());
+    s->weights = s->router.weights;
+  }
+  if (s->padding.defined()) {
+    s->indices = Tensor::empty(s->router.indices.shape(), DType::i64, dev);
+    cuda::mask_padding_indices(s->router.indices, s->padding, s->indices, stream);
+  } else {
+    s->indices = s->router.indices;
+  }
+  Tensor expert_load = s->router.expert_load;
+  if (!router) {
+    expert_load = Tensor::empty({config_.n_routed_experts}, DType::i64, dev);
+    cuda::count_expert_load(s->indices, expert_load, stream);
+  }
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
+
+  // Dispatch, experts, combine.
+  DispatchInput in;
+  in.hidden = x_in;
+  in.indices = s->indices;
+  in.weights = s->weights;
+  s->dispatched = dispatcher_->dispatch(in, dispatch_);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
+  s->experts = experts_->forward(w.experts, s->dispatched.tokens, s->dispatched.token_probs,
+                                 host_counts(s->dispatched.tokens_per_expert, stream), stream);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
+  Tensor y = dispatcher_->combine(s->dispatched.handle, s->experts.out);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[4], stream));
+  if (shared_) {
+    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
+    cuda::add_into(y, s->shared.out, stream);
+    s->shared.saved->stream = stream;  // joined: free on the main stream from now on
+  }
+  if (timing_) {
+    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[5], stream));
+    const std::vector<double> us = ev.elapsed(6);
+    times_ = {us[0], us[1], us[2], us[3], us[4]};
+  }
+  CudaMoEOutput out;
+  out.out = y;
+  out.aux_loss = s->router.aux_loss;
+  out.expert_load = expert_load;
+  out.indices = s->router.indices;
+  out.weights = s->weights;
+  out.saved = s;
+  return out;
+}
+
+Tensor CudaMoECompute::backward_into(const MoEWeights& w, const CudaMoESaved& s, const TensorView& grad_out,
+                                     double aux_loss_scale, const CudaMoEGradTargets& targets, cudaStream_t stream) {
+  FLEXEP_CHECK_ARG(s.owner == this, "saved", "comes from another CudaMoECompute; pass the state of this one's forward");
+  const Device dev = Device::cuda(device_);
+  const std::int64_t T = s.tokens;
+  check::shape(grad_out, {T, config_.dim}, "grad_out");
+  check::dtype(grad_out, {DType::bf16}, "grad_out");
+  check::device(grad_out, dev, "grad_out");
+  check_weights(w, s.routing_override);
+  const bool router = !s.routing_override && !backend_.fake_balanced_gate;
+  cuda::DeviceGuard guard(device_);
+  cuda::StreamGuard sg(stream);
+  Events& ev = *events_;
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[0], stream));
+  // The shared gate's kernel always writes a weight gradient: a scratch one when none is wanted
+  // (zeroed on `stream`, before the side stream forks).
+  Tensor shared_gate_scratch;
+  TensorView shared_gate_grad = targets.shared_expert_gate;
+  if (shared_ && config_.shared_expert_gate && !shared_gate_grad.defined()) {
+    shared_gate_scratch = Tensor::zeros({1, config_.dim}, DType::f32, dev);
+    shared_gate_grad = shared_gate_scratch;
+  }
+
+  Tensor grad_x_shared;
+  if (shared_) {
+    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.x_ready, stream));
+    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ev.x_ready, 0));
+    cuda::StreamGuard side(side_stream_);
+    CudaExpertsGrads sgr =
+        shared_->backward(w.shared_experts, s.shared, grad_out, targets.shared_experts, side_stream_);
+    grad_x_shared = sgr.tokens;
+    if (config_.shared_expert_gate)
+      cuda::sigmoid_gate_backward(s.x, w.shared_expert_gate.reshape({config_.dim}), s.shared_gate, sgr.probs,
+                                  shared_gate_grad.reshape({config_.dim}), grad_x_shared, side_stream_);
+    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.shared_done, side_stream_));
+  }
+
+  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, grad_out);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
+  CudaExpertsGrads eg = experts_->backward(w.experts, s.experts, grad_rows, targets.experts, stream);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
+  DispatchGrads dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
+  Tensor grad_x = dg.hidden;
+  if (router) {
+    cuda::RouterGrads rg = cuda::router_backward(s.router, dg.weights, s.x, w.gate.weight, targets.gate_weight,
+                                                 targets.gate_bias, aux_loss_scale, stream);
+    cuda::add_into(grad_x, rg.grad_x, stream);
+  }
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[4], stream));
+  if (shared_) {
+    FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
+    cuda::add_into(grad_x, grad_x_shared, stream);
+    s.shared.saved->stream = stream;
+  }
+  if (timing_) {
+    FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[5], stream));
+    const std::vector<double> us = ev.elapsed(6);
+    // Backward phases add to the forward's: combine (its backward), experts, dispatch, router.
+    times_.combine += us[0];
+    times_.experts += us[1];
+    times_.dispatch += us[2];
+    times_.router += us[3];
+    times_.shared += us[4];
+  }
+  return grad_x;
+}
+
+MoEBackward CudaMoECompute::backward(const MoEWeights& w, const CudaMoESaved& s, const TensorView& grad_out,
+                                     double aux_loss_scale, cudaStream_t stream) {
+  FLEXEP_CHECK_ARG(s.owner == this, "saved", "comes from another CudaMoECompute; pass the state of this one's forward");
+  check_weights(w, s.routing_override);
+  const bool router = !s.routing_override && !backend_.fake_balanced_gate;
+  cuda::DeviceGuard guard(device_);
+  cuda::StreamGuard sg(stream);  // every gradient below is allocated on `stream`
+  // The expert weights' gradients are written whole by the bf16 wgrad GEMMs (no fill); the small
+  // ones are f32 zeros that their kernels add to, rounded to the weights' dtype at the end.
+  auto expert_targets = [&](const ExpertWeights& e, ExpertGradients& fresh, Tensor& bgu32, Tensor& bd32) {
+    CudaExpertGradTargets t;
+    fresh.gate_and_up_projs = Tensor::empty(e.gate_and_up_projs.shape, DType::bf16, e.gate_and_up_projs.device);
+    fresh.down_projs = Tensor::empty(e.down_projs.shape, DType::bf16, e.down_projs.device);
+    bgu32 = zeros_f32_like(e.gate_up_proj_bias);
+    bd32 = zeros_f32_like(e.down_proj_bias);
+    t.gate_and_up_projs = fresh.gate_and_up_projs;
+    t.down_projs = fresh.down_projs;
+    t.gate_up_proj_bias = bgu32.defined() ? bgu32.view() : TensorView();
+    t.down_proj_bias = bd32.defined() ? bd32.view() : TensorView();
+    t.accumulate_weights = false;
+    return t;
+  };
+  MoEBackward out;
+  MoEGradients& g = out.gradients;
+  CudaMoEGradTargets targets;
+  Tensor bgu32, bd32, sbgu32, sbd32, gate_w32, gate_b32, shared_gate32;
+  targets.experts = expert_targets(w.experts, g.experts, bgu32, bd32);
+  if (shared_) targets.shared_experts = expert_targets(w.shared_experts, g.shared_experts, sbgu32, sbd32);
+  if (router && config_.train_gate) {
+    gate_w32 = zeros_f32_like(w.gate.weight);
+    gate_b32 = zeros_f32_like(w.gate.bias);
+    if (gate_w32.defined()) targets.gate_weight = gate_w32;
+    if (gate_b32.defined()) targets.gate_bias = gate_b32;
+  }
+  shared_gate32 = zeros_f32_like(w.shared_expert_gate);
+  if (shared_gate32.defined()) targets.shared_expert_gate = shared_gate32;
+
+  out.grad_x = backward_into(w, s, grad_out, aux_loss_scale, targets, stream);
+
+  g.experts.gate_up_proj_bias = in_dtype_of(bgu32, w.experts.gate_up_proj_bias, stream);
+  g.experts.down_proj_bias = in_dtype_of(bd32, w.experts.down_proj_bias, stream);
+  g.shared_experts.gate_up_proj_bias = in_dtype_of(sbgu32, w.shared_experts.gate_up_proj_bias, stream);
+  g.shared_experts.down_proj_bias = in_dtype_of(sbd32, w.shared_experts.down_proj_bias, stream);
+  g.gate.weight = in_dtype_of(gate_w32, w.gate.weight, stream);
+  g.gate.bias = in_dtype_of(gate_b32, w.gate.bias, stream);
+  g.shared_expert_gate = in_dtype_of(shared_gate32, w.shared_expert_gate, stream);
+  return out;
+}
+
+}  // namespace flexep

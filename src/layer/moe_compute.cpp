@@ -1,0 +1,279 @@
+#include "flexep/layer/moe_compute.h"
+
+#include <spdlog/spdlog.h>
+
+#include "flexep/core/checks.h"
+#include "flexep/dispatch/host.h"
+#include "layer/shared_layout.h"
+
+namespace flexep {
+
+struct MoESaved {
+  const MoECompute* owner = nullptr;
+  std::int64_t tokens = 0;
+  DType x_dtype = DType::f32, compute = DType::f32;
+  bool routing_override = false;
+  GateOutput gate;
+  Tensor masked_indices;  // [T, k] int64, padding tokens set to -1
+  DispatchResult dispatched;
+  ExpertsOutput experts;
+  SharedOutput shared;
+};
+
+namespace {
+
+const std::initializer_list<DType> kFloatTypes = {DType::bf16, DType::f16, DType::f32, DType::f64};
+
+std::vector<std::int64_t> host_counts(const Tensor& tokens_per_expert) {
+  FLEXEP_CHECK(tokens_per_expert.device().is_cpu(), "the CPU reference layer needs tokens_per_expert on the host");
+  const std::int64_t* p = tokens_per_expert.data<std::int64_t>();
+  return std::vector<std::int64_t>(p, p + tokens_per_expert.numel());
+}
+
+void add_into(const Tensor& acc, const TensorView& x) {
+  FLEXEP_CHECK(acc.dtype() == x.dtype && acc.numel() == x.numel(), "add_into: mismatched tensors");
+  if (acc.dtype() == DType::f64) {
+    double* a = acc.data<double>();
+    const double* b = x.ptr<double>();
+    for (std::int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
+  } else {
+    float* a = acc.data<float>();
+    const float* b = x.ptr<float>();
+    for (std::int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
+  }
+}
+
+// `t` in dtype `to`: the caller's memory when it already is, else a converted copy.
+Tensor as_dtype(const TensorView& t, DType to) {
+  if (!t.defined()) return Tensor();
+  return t.dtype == to ? Tensor::wrap(t) : Tensor::wrap(t).to(to);
+}
+
+Tensor as_dtype(const Tensor& t, DType to) { return t.defined() && t.dtype() != to ? t.to(to) : t; }
+
+Tensor zeros_like(const TensorView& t, DType dtype) { return t.defined() ? Tensor::zeros(t.shape, dtype) : Tensor(); }
+
+// The weights as the pieces compute with them, for one call: expert and shared weights in the
+// compute dtype (shared ones in nn.Linear layout), the gate's as given, the correction bias in f32. Converted copies live here; weights already in the right dtype are the caller's memory.
+struct ComputeWeights {
+  GateWeights gate;
+  ExpertWeights experts;
+  SharedMlpGradients shared;  // tensors (layout copies)
+  std::vector<Tensor> keep;
+
+  ComputeWeights(const MoEConfig& c, const MoEWeights& w, DType compute) {
+    auto view = [&](const TensorView& t, DType to) {
+      if (!t.defined() || t.dtype == to) return t;
+      keep.push_back(Tensor::wrap(t).to(to));
+      return keep.back().view();
+    };
+    // The gate casts its weights itself, as Automodel's F.linear does (gate.h).
+    gate = {w.gate.weight, w.gate.bias, view(w.gate.e_score_correction_bias, DType::f32)};
+    experts = {view(w.experts.gate_and_up_projs, compute), view(w.experts.down_projs, compute),
+               view(w.experts.gate_up_proj_bias, compute), view(w.experts.down_proj_bias, compute)};
+    if (w.shared_experts.gate_and_up_projs.defined()) {
+      const ExpertWeights grouped{view(w.shared_experts.gate_and_up_projs, compute),
+                                  view(w.shared_experts.down_projs, compute),
+                                  view(w.shared_experts.gate_up_proj_bias, compute),
+                                  view(w.shared_experts.down_proj_bias, compute)};
+      shared = shared_to_linear(c, grouped, view(w.shared_expert_gate, compute));
+    }
+  }
+};
+
+// Gradients computed in the compute dtype, handed back in each weight's dtype.
+ExpertGradients in_weight_dtypes(const ExpertGradients& g, const ExpertWeights& w) {
+  return {as_dtype(g.gate_and_up_projs, w.gate_and_up_projs.dtype), as_dtype(g.down_projs, w.down_projs.dtype),
+          as_dtype(g.gate_up_proj_bias, w.gate_up_proj_bias.dtype), as_dtype(g.down_proj_bias, w.down_proj_bias.dtype)};
+}
+
+void check_routing(const RoutingOverride& r, std::int64_t T, const MoEConfig& c, bool fake_gate) {
+  const std::int64_t k = c.n_activated_experts;
+  check::shape(r.indices, {T, k}, "routing.indices");
+  check::dtype(r.indices, {DType::i64}, "routing.indices");
+  check::device(r.indices, Device::cpu(), "routing.indices");
+  check::expert_indices(r.indices, c.n_routed_experts, "routing.indices");
+  if (r.replay()) {
+    FLEXEP_CHECK_ARG(c.enable_routing_replay, "routing.indices",
+                     "were given without routing.weights (a routing replay) but moe.enable_routing_replay is false");
+    FLEXEP_CHECK_ARG(!fake_gate, "routing.indices",
+                     "were given without routing.weights (a routing replay), but the fake balanced gate has no "
+                     "router to replay; give the weights too");
+    return;
+  }
+  check::shape(r.weights, {T, k}, "routing.weights");
+  check::dtype(r.weights, {DType::f32}, "routing.weights");
+  check::device(r.weights, Device::cpu(), "routing.weights");
+}
+
+// load[e] = (unmasked token, slot) pairs routed to e, -1 slots skipped (Gate._compute_expert_load).
+Tensor expert_load_of(const Tensor& masked_indices, int experts) {
+  Tensor load = Tensor::zeros({experts}, DType::i64);
+  const std::int64_t* idx = masked_indices.data<std::int64_t>();
+  for (std::int64_t i = 0; i < masked_indices.numel(); ++i)
+    if (idx[i] >= 0) ++load.data<std::int64_t>()[idx[i]];
+  return load;
+}
+
+}  // namespace
+
+MoECompute::MoECompute(const MoEConfig& config, const BackendConfig& backend,
+                       std::shared_ptr<TokenDispatcher> dispatcher, const DispatchOptions& dispatch)
+    : config_(config), backend_(backend), dispatch_(dispatch), dispatcher_(std::move(dispatcher)) {
+  validate(config_);
+  validate(backend_);
+  FLEXEP_CHECK_ARG(config_.moe_latent_size == 0, "moe.moe_latent_size", "is ", config_.moe_latent_size,
+                   "; latent expert projections are not offered by flexep's layer yet; allowed: null (0)");
+  if (dispatcher_) {
+    ep_rank_ = dispatcher_->rank();
+    ep_size_ = dispatcher_->world_size();
+    FLEXEP_CHECK_ARG(dispatcher_->num_experts() == config_.n_routed_experts, "dispatcher",
+                     "was made for ", dispatcher_->num_experts(), " experts but moe.n_routed_experts is ",
+                     config_.n_routed_experts);
+  }
+  validate_ep(config_, ep_size_);
+  // Automodel's rewrites (te/gmm experts without an EP dispatcher; EP dispatcher at EP size 1),
+  // logged rather than silent.
+  const Normalization norm = normalize(backend_, ep_size_);
+  for (const std::string& m : norm.messages) spdlog::warn("flexep: {}", m);
+  if (norm.local_fallback) dispatcher_.reset();
+  if (!dispatcher_) {
+    // EP size 1: the local path is the host backend over a world of one rank (same plan code).
+    dispatcher_ = make_host_dispatcher(std::make_shared<HostWorld>(1), 0, config_.n_routed_experts);
+  }
+  if (backend_.fake_balanced_gate) fake_gate_.emplace(config_, backend_.fake_gate_noise);
+  else gate_.emplace(config_, backend_.gate_precision);
+  experts_.emplace(config_, num_local_experts());
+  if (config_.n_shared_experts > 0) shared_.emplace(config_);
+}
+
+std::vector<MoEWeightSpec> MoECompute::weight_specs() const {
+  return moe_weight_specs(config_, backend_, num_local_experts());
+}
+
+void MoECompute::check_weights(const MoEWeights& weights, bool routing_override) const {
+  check_moe_weights(
+      weights, weight_specs(),
+      [](const MoEWeightSpec&) { return MoEWeightRule{{kFloatTypes.begin(), kFloatTypes.end()}, Device::cpu()}; },
+      routing_override);
+}
+
+MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, const TensorView& padding_mask,
+                              bool training, const RoutingOverride& routing) {
+  check::shape(x, {-1, config_.dim}, "x");
+  check::dtype(x, {DType::f32, DType::f64, DType::bf16}, "x");
+  check::device(x, Device::cpu(), "x");
+  const std::int64_t T = x.size(0);
+  Tensor token_mask;
+  if (padding_mask.defined()) {
+    check::shape(padding_mask, {T}, "padding_mask");
+    check::dtype(padding_mask, {DType::b8}, "padding_mask");
+    check::device(padding_mask, Device::cpu(), "padding_mask");
+    token_mask = Tensor::empty({T}, DType::b8);
+    for (std::int64_t t = 0; t < T; ++t) token_mask.data<bool>()[t] = !padding_mask.ptr<bool>()[t];
+  }
+  if (routing.given()) check_routing(routing, T, config_, fake_gate_.has_value());
+  check_weights(weights, routing.replaces_router());
+  if (dispatch_.check_finite) check::finite(x, "x");
+
+  const DType compute = x.dtype == DType::f64 ? DType::f64 : DType::f32;
+  const ComputeWeights w(config_, weights, compute);
+  const Tensor xc = as_dtype(x, compute);
+
+  auto saved = std::make_shared<MoESaved>();
+  saved->owner = this;
+  saved->tokens = T;
+  saved->x_dtype = x.dtype;
+  saved->compute = compute;
+  saved->routing_override = routing.replaces_router();
+  if (routing.replaces_router()) {
+    saved->gate.indices = Tensor::wrap(routing.indices).clone();
+    saved->gate.weights = Tensor::wrap(routing.weights).to(compute);
+  } else if (gate_) {
+    // The gate reads x as given (or cast to gate_input_dtype) and rounds as Automodel's does.
+    const Tensor gate_x = gate_input_dtype_ ? as_dtype(x, *gate_input_dtype_) : Tensor::wrap(x);
+    saved->gate = gate_->forward(w.gate, gate_x, token_mask, training, routing.indices);
+    // The weights keep the gate's rounding (x's dtype, or fp32) but travel in the compute dtype.
+    saved->gate.weights = as_dtype(saved->gate.weights, compute);
+  } else {
+    saved->gate = fake_gate_->forward(xc, token_mask);
+  }
+
+  // Padding tokens are never sent: their slots become -1 (Automodel's masked_fill(~mask, -1)).
+  saved->masked_indices = saved->gate.indices.clone();
+  if (token_mask.defined()) {
+    const std::int64_t k = saved->masked_indices.size(1);
+    for (std::int64_t t = 0; t < T; ++t)
+      if (!token_mask.data<bool>()[t])
+        for (std::int64_t j = 0; j < k; ++j) saved->masked_indices.data<std::int64_t>()[t * k + j] = -1;
+  }
+
+  DispatchInput in;
+  in.hidden = xc;
+  in.indices = saved->masked_indices;
+  in.weights = saved->gate.weights;
+  saved->dispatched = dispatcher_->dispatch(in, dispatch_);
+  saved->experts = experts_->forward(w.experts, saved->dispatched.tokens, saved->dispatched.token_probs,
+                                     host_counts(saved->dispatched.tokens_per_expert));
+  Tensor y = dispatcher_->combine(saved->dispatched.handle, saved->experts.out);
+  if (shared_) {
+    saved->shared = shared_->forward(views_of(w.shared), xc);
+    add_into(y, saved->shared.out);
+  }
+  MoEOutput out;
+  out.out = as_dtype(y, x.dtype);
+  out.aux_loss = saved->gate.aux_loss;
+  out.expert_load = expert_load_of(saved->masked_indices, config_.n_routed_experts);
+  out.indices = saved->gate.indices;
+  out.weights = saved->gate.weights;
+  out.saved = saved;
+  return out;
+}
+
+MoEBackward MoECompute::backward(const MoEWeights& weights, const MoESaved& s, const TensorView& grad_out,
+                                 double aux_loss_scale) {
+  FLEXEP_CHECK_ARG(s.owner == this, "saved", "comes from another MoECompute; pass the state of this one's forward");
+  check::shape(grad_out, {s.tokens, config_.dim}, "grad_out");
+  check::dtype(grad_out, {s.x_dtype}, "grad_out");
+  check::device(grad_out, Device::cpu(), "grad_out");
+  check_weights(weights, s.routing_override);
+  const DType compute = s.compute;
+  const ComputeWeights w(config_, weights, compute);
+  const Tensor g = as_dtype(grad_out, compute);
+
+  MoEBackward out;
+  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, g);
+  const ExpertGradients experts_grads{
+      zeros_like(w.experts.gate_and_up_projs, compute), zeros_like(w.experts.down_projs, compute),
+      zeros_like(w.experts.gate_up_proj_bias, compute), zeros_like(w.experts.down_proj_bias, compute)};
+  ExpertsGrads eg = experts_->backward(w.experts, s.experts, grad_rows, experts_grads);
+  out.gradients.experts = in_weight_dtypes(experts_grads, weights.experts);
+  DispatchGrads dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
+  Tensor grad_x = dg.hidden;
+  if (gate_ && !s.routing_override) {
+    // Straight into the weights' dtypes: the gate sums in f64 and rounds once.
+    GateGradients gate_grads;
+    if (config_.train_gate) {
+      gate_grads.weight = zeros_like(weights.gate.weight, weights.gate.weight.dtype);
+      gate_grads.bias = zeros_like(weights.gate.bias, weights.gate.bias.dtype);
+    }
+    add_into(grad_x, as_dtype(gate_->backward(w.gate, s.gate, dg.weights, aux_loss_scale, gate_grads), compute));
+    out.gradients.gate = gate_grads;
+  }
+  if (shared_) {
+    const SharedMlpWeights lin = views_of(w.shared);
+    auto zeros = [&](const TensorView& t) { return zeros_like(t, compute); };
+    const SharedMlpGradients shared_grads{zeros(lin.gate_proj),      zeros(lin.up_proj),
+                                          zeros(lin.down_proj),      zeros(lin.gate_proj_bias),
+                                          zeros(lin.up_proj_bias),   zeros(lin.down_proj_bias),
+                                          zeros(lin.shared_expert_gate)};
+    add_into(grad_x, shared_->backward(lin, s.shared, g, shared_grads));
+    out.gradients.shared_experts =
+        in_weight_dtypes(shared_to_grouped(config_, views_of(shared_grads)), weights.shared_experts);
+    out.gradients.shared_expert_gate = as_dtype(shared_grads.shared_expert_gate, weights.shared_expert_gate.dtype);
+  }
+  out.grad_x = as_dtype(grad_x, s.x_dtype);
+  return out;
+}
+
+}  // namespace flexep
