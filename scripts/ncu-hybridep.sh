@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Profiles the hybridep v2 kernels of `flexep bench dsv3-ep2` with Nsight Compute on the GPU machine.
+# Profiles the hybridep kernels of `flexep bench dsv3-ep2` with Nsight Compute on the GPU machine.
 #   scripts/ncu-hybridep.sh [build dir] [SMs] [kernel regex] [ranks] [case]
 #     -> $OUT/ncu-rank0.ncu-rep (+ .txt, -source.csv); case: dsv3-ep2 (default) or decode (the fused
 #     small-call kernel: kernel regex dispatch_small_kernel)
@@ -15,7 +15,7 @@
 #   kernel did not). ncu prints the number of passes: more than 1 means drop a metric.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-build="${1:-build-gpu}" sms="${2:-16}" kernels="${3:-dispatch_kernel_v2|combine_kernel_v2}" ranks="${4:-1}"
+build="${1:-build-gpu}" sms="${2:-16}" kernels="${3:-dispatch_kernel|combine_kernel}" ranks="${4:-1}"
 case_name="${5:-dsv3-ep2}"
 out="${OUT:-gpu-out}"
 mkdir -p "$out"

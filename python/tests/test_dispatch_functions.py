@@ -25,7 +25,7 @@ def make_inputs(R, T, H, E, k, seed=0):
 
 
 @pytest.mark.parametrize("R", [1, 2])
-@pytest.mark.parametrize("path", ["topk", "hybridep", "automodel_map", "automodel_compact"])
+@pytest.mark.parametrize("path", ["topk", "automodel_map", "automodel_compact"])
 def test_dispatch_combine_values_and_grads_match_reference(ranks, R, path):
     T, H, E, k = 5, 6, 4 * R, 2
     xs, idx, ws = make_inputs(R, T, H, E, k)
@@ -54,8 +54,7 @@ def test_dispatch_combine_values_and_grads_match_reference(ranks, R, path):
             combine = lambda y: ft.hybrid_ep_combine(y, handle)  # noqa: E731
         else:
             d = _flexep.make_host_dispatcher(world, r, E)
-            fn = ft.hybrid_ep_dispatch_topk if path == "hybridep" else ft.dispatch
-            tokens, probs, tpe, handle = fn(d, x, idx[r], w)
+            tokens, probs, tpe, handle = ft.dispatch(d, x, idx[r], w)
             combine = lambda y: ft.combine(d, handle, y)  # noqa: E731
         n = tokens.shape[0]
         out = combine(tokens * row_scale[r][:n])

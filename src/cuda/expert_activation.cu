@@ -5,7 +5,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "expert_rows.cuh"
+#include "cuda/expert_rows.cuh"
 #include "flexep/cuda/expert_bias.h"
 
 namespace flexep::cuda {

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "expert_rows.cuh"
+#include "cuda/expert_rows.cuh"
 
 namespace flexep::cuda {
 namespace {

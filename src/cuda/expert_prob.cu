@@ -2,7 +2,7 @@
 // columns per lane (V = 8: 16-byte accesses).
 #include "flexep/cuda/expert_prob.h"
 
-#include "expert_rows.cuh"
+#include "cuda/expert_rows.cuh"
 
 namespace flexep::cuda {
 namespace {

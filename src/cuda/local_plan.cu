@@ -10,7 +10,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "flexep/cuda/runtime.h"
-#include "local_plan_launch.h"
+#include "cuda/local_plan_launch.h"
 
 namespace flexep::cuda::local_plan_detail {
 

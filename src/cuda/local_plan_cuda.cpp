@@ -6,7 +6,7 @@
 #include "flexep/core/checks.h"
 #include "flexep/cuda/local_plan.h"
 #include "flexep/cuda/runtime.h"
-#include "local_plan_launch.h"
+#include "cuda/local_plan_launch.h"
 
 namespace flexep::cuda {
 

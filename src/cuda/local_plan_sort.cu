@@ -4,7 +4,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "flexep/cuda/runtime.h"
-#include "local_plan_launch.h"
+#include "cuda/local_plan_launch.h"
 
 namespace flexep::cuda::local_plan_detail {
 

@@ -11,7 +11,7 @@
 #include <algorithm>
 
 #include "flexep/cuda/runtime.h"
-#include "permute_launch.h"
+#include "cuda/permute_launch.h"
 
 namespace flexep::cuda::permute_detail {
 

@@ -4,7 +4,7 @@
 #include "flexep/core/checks.h"
 #include "flexep/cuda/permute.h"
 #include "flexep/cuda/runtime.h"
-#include "permute_launch.h"
+#include "cuda/permute_launch.h"
 
 namespace flexep::cuda {
 

@@ -11,7 +11,7 @@
 #include "flexep/core/checks.h"
 #include "flexep/cuda/cublas.h"
 #include "flexep/cuda/runtime.h"
-#include "layer/gate_rules.h"
+#include "core/gate_rules.h"
 
 namespace flexep::cuda {
 
@@ -23,7 +23,7 @@ using gate_rules::top2_group_score;
 using gate_rules::uses_groups;
 bool normalized(const MoEConfig& c) { return c.norm_topk_prob && c.n_activated_experts > 1; }
 
-// The CPU Gate's checks (src/layer/gate.cpp, validate_gate; the shared tail in layer/gate_rules.h) plus the
+// The CPU Gate's checks (src/layer/gate.cpp, validate_gate; the shared tail in core/gate_rules.h) plus the
 // kernel limits.
 void validate_config(const MoEConfig& c, std::optional<DType> precision) {
   const int E = c.n_routed_experts, k = c.n_activated_experts;

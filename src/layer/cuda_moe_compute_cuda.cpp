@@ -12,7 +12,7 @@
 #include "flexep/cuda/runtime.h"
 #include "flexep/dispatch/local_cuda.h"
 #include "flexep/layer/gate.h"
-#include "layer/gate_rules.h"
+#include "core/gate_rules.h"
 
 namespace flexep {
 

@@ -9,7 +9,7 @@
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/gate.h"
 #include "flexep/layer/moe_layer.h"
-#include "layer/gate_rules.h"
+#include "core/gate_rules.h"
 
 namespace flexep {
 

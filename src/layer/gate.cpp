@@ -6,7 +6,7 @@
 
 #include "flexep/core/checks.h"
 #include "flexep/core/random.h"
-#include "layer/gate_rules.h"
+#include "core/gate_rules.h"
 #include "layer/gate_saved.h"
 
 namespace flexep {

@@ -14,7 +14,7 @@
 #include "flexep/core/config.h"
 #include "flexep/core/dtype.h"
 #include "flexep/core/tensor.h"
-#include "layer/gate_rules.h"
+#include "core/gate_rules.h"
 
 namespace flexep {
 

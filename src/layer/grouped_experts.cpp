@@ -7,7 +7,7 @@
 
 #include "flexep/core/checks.h"
 #include "flexep/core/random.h"
-#include "linear_ref.h"
+#include "layer/linear_ref.h"
 
 namespace flexep {
 

@@ -6,7 +6,7 @@
 #include "flexep/core/activation.h"
 #include "flexep/core/checks.h"
 #include "flexep/core/random.h"
-#include "linear_ref.h"
+#include "layer/linear_ref.h"
 
 namespace flexep {
 

@@ -1,4 +1,4 @@
-// The host-side logic of the alltoall backend (src/dispatch/alltoall/layout.h), which needs no GPU:
+// The host-side logic of the alltoall backend (src/dispatch/alltoall/dispatcher/layout.h), which needs no GPU:
 // the count-exchange header, the agreement rules every rank applies to the gathered headers, and
 // the per-rank plan. The placement rule of the GPU kernels is emulated here in plain loops and
 // checked against core slot_rows: a received entry of local expert e lands at
@@ -17,7 +17,7 @@
 #include "flexep/core/plan.h"
 #include "flexep/core/synthetic_routing.h"
 // Internal header of the backend (pure C++, no CUDA); the tests' include path has no src/.
-#include "../../src/dispatch/alltoall/layout.h"
+#include "dispatch/alltoall/dispatcher/layout.h"
 
 namespace flexep::alltoall {
 namespace {

@@ -1,4 +1,4 @@
-// The hybridep chunk plan's arithmetic (src/dispatch/hybridep/chunk_plan_math.h), run here the way
+// The hybridep chunk plan's arithmetic (src/dispatch/hybridep/kernels/chunk_plan_math.h), run here the way
 // chunk_plan.cu runs it (bits per (expert, chunk token), chunk counts, their exclusive scan over the
 // chunks, each slot's rank in its chunk), against core/plan.cpp: the same counts and, with the
 // expert's offset added, the same slot rows as DispatchPlan::build + slot_rows for one rank with
@@ -15,7 +15,7 @@
 #include "flexep/core/tensor.h"
 
 // Internal header of the backend (pure C++, no CUDA); the tests' include path has no src/.
-#include "../../src/dispatch/hybridep/chunk_plan_math.h"
+#include "dispatch/hybridep/kernels/chunk_plan_math.h"
 
 namespace flexep::hybridep {
 namespace {

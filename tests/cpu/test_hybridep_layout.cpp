@@ -1,4 +1,4 @@
-// The host-side logic of the hybridep backend (src/dispatch/hybridep/layout_math.h, layout.h), which
+// The host-side logic of the hybridep backend (src/dispatch/hybridep/kernels/layout_math.h, layout.h), which
 // needs no GPU, and an emulation of its kernels' algorithm in plain loops:
 //   - receiver_layout() and source_begin() are core/plan.cpp's DispatchPlan::build, field by field;
 //   - the whole dispatch, emulated with the kernels' own helpers (the single-GPU plan's stable ranks,
@@ -26,8 +26,8 @@
 #include "flexep/core/synthetic_routing.h"
 #include "flexep/dispatch/host.h"
 // Internal headers of the backend (pure C++, no CUDA); the tests' include path has no src/.
-#include "../../src/dispatch/hybridep/layout.h"
-#include "../../src/dispatch/hybridep/layout_math.h"
+#include "dispatch/hybridep/dispatcher/layout.h"
+#include "dispatch/hybridep/kernels/layout_math.h"
 
 namespace flexep::hybridep {
 namespace {
@@ -391,7 +391,7 @@ std::vector<Outputs> emulate(const Config& c, int R) {
       }
   }
   // combine / dispatch_backward: level 1 on the owner in record order, level 2 on the source over
-  // ascending owner rank (combine_kernel.cu). `own_first`: combine_kernel_v2.cu's order on ranks 0
+  // ascending owner rank (combine.cu). `own_first`: combine.cu's order on ranks 0
   // and 1, where the source's own partial is the first addend and the other owners follow in
   // ascending order (the claim that this gives the same bits is what the comparison checks).
   auto two_level = [&](const std::vector<Tensor>& rows, int s, bool own_first) {
@@ -672,6 +672,15 @@ TEST(HybridEpLayout, BufferConfigAndGeometry) {
   EXPECT_EQ(make_buffer_config(2, 64, 4096, 7168, 8, 1000, 1).capacity_rows, 1000);
   EXPECT_THROW(make_buffer_config(2, 63, 16, 64, 0, 0, 1), ArgumentError);   // E not divisible
   EXPECT_THROW(make_buffer_config(2, 64, 16, 60, 0, 0, 1), ArgumentError);   // H % 8
+  EXPECT_NO_THROW(make_buffer_config(2, 64, 16, kMaxHidden, 0, 0, 1));
+  try {  // rows the kernels' ring stages cannot hold are refused by name, with the limit
+    make_buffer_config(2, 64, 16, kMaxHidden + 8, 0, 0, 1);
+    ADD_FAILURE() << "H above kMaxHidden was accepted";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(e.argument(), "hidden");
+    EXPECT_NE(std::string(e.what()).find("[8, 8192]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("got 8200"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(make_buffer_config(40, 80, 16, 64, 0, 0, 1), ArgumentError);  // too many ranks
   EXPECT_THROW(make_buffer_config(2, 64, 0, 64, 0, 0, 1), ArgumentError);    // no tokens
   EXPECT_EQ(make_buffer_config(8, kMaxExperts, 16, 64, 8, 0, 1).experts, kMaxExperts);

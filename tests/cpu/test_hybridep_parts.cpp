@@ -1,4 +1,4 @@
-// How the v2 hybridep kernels split their work into parts (src/dispatch/hybridep/parts.h): every
+// How the hybridep kernels split their work into parts (src/dispatch/hybridep/kernels/parts.h): every
 // token of every rank lies in exactly one part, parts never cross a chunk (a chunk's flag is
 // released when its parts are counted), every chunk has exactly per_chunk parts (the count that
 // releases its flag), and the split gives each pipeline enough parts. The kernels run this same
@@ -9,7 +9,7 @@
 #include <vector>
 
 // Internal header of the backend (pure C++, no CUDA); the tests' include path has no src/.
-#include "../../src/dispatch/hybridep/parts.h"
+#include "dispatch/hybridep/kernels/parts.h"
 
 namespace flexep::hybridep {
 namespace {

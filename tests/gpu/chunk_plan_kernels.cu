@@ -1,6 +1,6 @@
 // chunk_plan_kernels.h: the internal launcher of the hybridep chunk plan, reached from a test.
-#include "dispatch/hybridep/chunk_plan_math.h"
-#include "dispatch/hybridep/kernels.h"
+#include "dispatch/hybridep/kernels/chunk_plan_math.h"
+#include "dispatch/hybridep/kernels/kernels.h"
 #include "gpu/chunk_plan_kernels.h"
 
 namespace flexep::testing {

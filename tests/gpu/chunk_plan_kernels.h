@@ -1,4 +1,4 @@
-// The hybridep chunk plan kernel (src/dispatch/hybridep/chunk_plan.cu) called from a test.
+// The hybridep chunk plan kernel (src/dispatch/hybridep/kernels/chunk_plan.cu) called from a test.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,7 +1,7 @@
-// The ring test kernel (ring_kernels.h): the producer/consumer handshake of the v2 kernels, with the
+// The ring test kernel (ring_kernels.h): the producer/consumer handshake of the hybridep kernels, with the
 // same calls (acquire, post / post_expecting + bulk load, wait, release), checked job by job.
-#include "dispatch/hybridep/ring.cuh"
-#include "dispatch/hybridep/tma.cuh"
+#include "dispatch/hybridep/device/ring.cuh"
+#include "dispatch/hybridep/device/tma.cuh"
 #include "flexep/cuda/runtime.h"
 #include "gpu/ring_kernels.h"
 

@@ -1,4 +1,4 @@
-// A test kernel for the v2 hybridep stage ring (src/dispatch/hybridep/ring.cuh) in isolation.
+// A test kernel for the hybridep stage ring (src/dispatch/hybridep/device/ring.cuh) in isolation.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-// The hybridep chunk plan (src/dispatch/hybridep/chunk_plan.cu: chunks of tokens on the preprocess
+// The hybridep chunk plan (src/dispatch/hybridep/kernels/chunk_plan.cu: chunks of tokens on the preprocess
 // SMs, bits per (expert, token)) against the general single-GPU plan (cuda::plan_local: sort based)
 // on the same indices, pad 1 and no budget as hybridep uses it: identical counts, and every slot's
 // row = the general plan's expert offset + chunk base + rank in the chunk; on several grid sizes

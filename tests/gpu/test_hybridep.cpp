@@ -7,10 +7,8 @@
 // raised on every rank (configuration mismatch, bad ids, bad arguments) and a missing peer turning
 // into a TimeoutError that names the phase and the rank.
 //
-// Every test runs once per kernel variant (HybridEpOptions::kernels; the fixture's parameter):
-// Kernels/HybridEpMultiGpu.<Test>/v1 and .../v2, with the same bodies and the same expectations.
-// SimulatedRanks/HybridEpMultiGpu.<Test>/v1_2ranks and v2_2ranks run them again with the ranks
-// sharing GPU 0 (Communicator::simulate; label gpu, not multigpu): one GPU runs the kernels'
+// OneRankPerGpu/HybridEpMultiGpu.<Test>/gpus runs every test with one rank per GPU;
+// SimulatedRanks/HybridEpMultiGpu.<Test>/2ranks runs it again with the ranks sharing GPU 0 (Communicator::simulate; label gpu, not multigpu): one GPU runs the kernels'
 // multi-rank paths. Their peers' memory is then local, not across NVLink. The graph test is skipped
 // there and the three-rank variant disabled, both open failures (see the instantiations).
 //
@@ -43,34 +41,26 @@
 namespace flexep::testing {
 namespace {
 
-// The kernel variant the running test uses (set by the fixture before the body runs; read by every
-// place that builds HybridEpOptions).
-int kernels_under_test = 1;
-
-// A test's parameter: the kernel variant, and how many simulated ranks share GPU 0 (0: one rank per GPU).
+// A test's parameter: how many simulated ranks share GPU 0 (0: one rank per GPU).
 struct Variant {
-  int kernels = 1;
   int simulated = 0;
 };
 
 std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
-  const std::string v = "v" + std::to_string(info.param.kernels);
-  return info.param.simulated ? v + "_" + std::to_string(info.param.simulated) + "ranks" : v;
+  return info.param.simulated ? std::to_string(info.param.simulated) + "ranks" : "gpus";
 }
 
 class HybridEpMultiGpu : public ::testing::TestWithParam<Variant> {
  protected:
   void SetUp() override {
-    kernels_under_test = GetParam().kernels;
     simulated_ranks() = GetParam().simulated;
   }
   void TearDown() override { simulated_ranks() = 0; }
 };
 
-INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpMultiGpu, ::testing::Values(Variant{1, 0}, Variant{2, 0}), variant_name);
+INSTANTIATE_TEST_SUITE_P(OneRankPerGpu, HybridEpMultiGpu, ::testing::Values(Variant{0}), variant_name);
 // Two ranks, as on the 2-GPU machine.
-INSTANTIATE_TEST_SUITE_P(SimulatedRanks, HybridEpMultiGpu, ::testing::Values(Variant{1, 2}, Variant{2, 2}),
-                         variant_name);
+INSTANTIATE_TEST_SUITE_P(SimulatedRanks, HybridEpMultiGpu, ::testing::Values(Variant{2}), variant_name);
 // Three ranks (a rank with two peers), which no machine so far could run: disabled (not discovered by
 // ctest) until a device run passes them. On one H200, MemoryResizeReleaseAndStaleHandles failed in
 // 2 of 2 runs (455815f, 86d9e77), BudgetModeMatchesHost in 2 of 3 and MatchesHostZipf in 1 of 3: the
@@ -81,7 +71,7 @@ INSTANTIATE_TEST_SUITE_P(SimulatedRanks, HybridEpMultiGpu, ::testing::Values(Var
 // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=32 in 86d9e77, after which the last two passed). Run:
 //   flexep_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='DISABLED_ThreeSimulatedRanks/*'
 // with CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32; docs/hybridep.md, "Testing".
-INSTANTIATE_TEST_SUITE_P(DISABLED_ThreeSimulatedRanks, HybridEpMultiGpu, ::testing::Values(Variant{2, 3}),
+INSTANTIATE_TEST_SUITE_P(DISABLED_ThreeSimulatedRanks, HybridEpMultiGpu, ::testing::Values(Variant{3}),
                          variant_name);
 
 // The GPUs a multi-rank test needs: two, or one for simulated ranks.
@@ -97,7 +87,6 @@ HybridEpOptions hybridep_options(const Config& c, int R) {
   o.max_topk = c.multihot ? 0 : c.k;  // multihot: E slots
   o.max_pad_multiple = std::max<std::int64_t>(c.pad, 1);
   o.timeout_seconds = simulated_ranks() ? 20 : 60;  // simulated: every wait is on one GPU
-  o.kernels = kernels_under_test;
   if (c.mode == DispatchMode::budget) {
     // The default capacity is the worst case of blocking mode; a budget above it needs room too.
     const int L = c.experts_per_rank, width = std::min(c.multihot ? L * R : c.k, L);
@@ -150,7 +139,7 @@ TEST_P(HybridEpMultiGpu, MatchesHostUniform) {
       config("uniform E=32R k=8 H=4096 pad 128", 32, 8, 4096, {700, 0, 333, 64}, RoutingKind::uniform, 128),
       config("uniform E=16R k=8 H=7168 pad 1", 16, 8, 7168, {2048, 0, 1000, 77}),
       config("uniform E=2R k=1 H=7168 pad 128", 2, 1, 7168, {0, 513, 64, 2048}, RoutingKind::uniform, 128),
-      // Above 7168 the v2 combine takes its 3-pipeline shape of 8 words per thread (clamped here).
+      // Above 7168 the combine takes its 3-pipeline shape of 8 words per thread (clamped here).
       config("uniform E=16R k=8 H=7680 pad 16", 16, 8, 7680, {300, 0, 129, 64}, RoutingKind::uniform, 16),
       i32,
   });
@@ -554,7 +543,7 @@ TEST_P(HybridEpMultiGpu, SmCountsAreHonouredAndResultsUnchanged) {
   for (std::size_t i = 0; i < got.size(); ++i) expect_equal(want, got[i], c.name + " sms setting " + std::to_string(i));
 }
 
-// HybridEpOptions::part_tokens (the v2 kernels' work item, for sweeps): every size gives the host
+// HybridEpOptions::part_tokens (the kernels' work item, for sweeps): every size gives the host
 // backend's results; an invalid one is refused naming the option.
 TEST_P(HybridEpMultiGpu, PartSizesChangeNoResult) {
   if (!require_ranks()) return;
@@ -614,30 +603,24 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
   ASSERT_TRUE(all_ok(errors));
   expect_equal(want, got, c.name);
 
-  const bool v2 = GetParam().kernels == 2;  // the v1 dispatch kernel has no stamps
-  // Every rank's T fits one plan chunk and k = 8: v2 runs the fused kernel (the preprocess steps in
+  // Every rank's T fits one plan chunk and k = 8: the dispatch runs the fused kernel (the preprocess steps in
   // the dispatch CTAs; each producer stages its parts' tokens, stamping the first lane's token) on
   // every rank whose parts give each pipeline one (rank 0's 200 tokens do at the default 20 SMs);
   // a rank with fewer parts takes the two kernels.
-  if (v2) {
-    EXPECT_TRUE(times[0].one_kernel);
-  }
+  EXPECT_TRUE(times[0].one_kernel);
   for (int r = 0; r < R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     const bool fused = times[static_cast<std::size_t>(r)].one_kernel;
-    EXPECT_TRUE(v2 || !fused);
     const bool tokens = c.tokens[static_cast<std::size_t>(r)] > 0;  // else no token is staged or sent
     std::vector<std::string> steps = {"preprocess_start", "planned",     "counts_sent", "slots_ranked",
                                       "counts_arrived",   "layout_done", "published"};
     if (tokens) steps.insert(steps.end(), {"staging_loaded", "staging_stored"});
     if (!fused) steps.emplace_back("staged");
-    if (v2) {
-      steps.insert(steps.end(), {"dispatch_start", "producer_start", "probs_written", "loads_posted", "records_copied",
-                                 "first_job"});
-      if (tokens) steps.emplace_back("first_stores");
-      steps.insert(steps.end(), {"sends_posted", "chunk_released", "flag_arrived", "fan_out_posted", "stores_done",
-                                 "zeroed", "dispatch_end"});
-    }
+    steps.insert(steps.end(), {"dispatch_start", "producer_start", "probs_written", "loads_posted", "records_copied",
+                               "first_job"});
+    if (tokens) steps.emplace_back("first_stores");
+    steps.insert(steps.end(), {"sends_posted", "chunk_released", "flag_arrived", "fan_out_posted", "stores_done",
+                               "zeroed", "dispatch_end"});
     const HybridEpKernelTimes& t = times[static_cast<std::size_t>(r)];
     std::map<std::string, HybridEpPhase> at;
     for (const HybridEpPhase& p : t.dispatch_phases) at[p.name] = p;
@@ -664,7 +647,6 @@ TEST_P(HybridEpMultiGpu, KernelTimingStepsInOrder) {
         EXPECT_LE(at["staging_stored"].last, at["staged"].last);
       }
     }
-    if (!v2) continue;
     if (fused) {
       in_order("layout_done", "dispatch_start");  // each CTA's roles start after its own layout
     } else {
@@ -761,14 +743,12 @@ TEST_P(HybridEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
 
 // ---- errors raised on every rank ---------------------------------------------------------------------------
 
-std::unique_ptr<HybridEpDispatcher> small_dispatcher(GpuRank& g, int E, std::int64_t H, double timeout = 60,
-                                                     int kernels = 0) {
+std::unique_ptr<HybridEpDispatcher> small_dispatcher(GpuRank& g, int E, std::int64_t H, double timeout = 60) {
   HybridEpOptions o;
   o.max_tokens_per_rank = 64;
   o.hidden = H;
   o.max_topk = 4;
   o.timeout_seconds = timeout;
-  o.kernels = kernels != 0 ? kernels : kernels_under_test;
   o.stream = g.stream;
   return make_hybridep_dispatcher(g.comm, E, o);
 }
@@ -814,19 +794,6 @@ TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
   EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("num_experts", [&](const std::string& w) {
                                          return contains(w, "rank 1 has E=" + std::to_string(4 * R) +
                                                                 " but rank 0 has E=" + std::to_string(2 * R));
-                                       })));
-}
-
-// v1's combine pulls the partial rows, v2's pushes them: ranks with different kernels would never meet.
-TEST_P(HybridEpMultiGpu, KernelsMismatchRaisesOnEveryRank) {
-  if (!require_ranks()) return;
-  const int R = gpu_ranks();
-  const auto errors = run_gpu_ranks(
-      R, [&](GpuRank& g) { small_dispatcher(g, 2 * R, 8, 60, g.rank == 1 ? 3 - kernels_under_test : 0); },
-      test_comm_options());
-  EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("options", [&](const std::string& w) {
-                                         return contains(w, "kernels: word 8 is " + std::to_string(3 - kernels_under_test) +
-                                                                " vs " + std::to_string(kernels_under_test));
                                        })));
 }
 
@@ -966,7 +933,7 @@ TEST_P(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
 // multi-GPU tests cannot give there.
 class HybridEpOneRank : public HybridEpMultiGpu {};
 
-INSTANTIATE_TEST_SUITE_P(Kernels, HybridEpOneRank, ::testing::Values(Variant{1, 0}, Variant{2, 0}), variant_name);
+INSTANTIATE_TEST_SUITE_P(OneRankPerGpu, HybridEpOneRank, ::testing::Values(Variant{0}), variant_name);
 
 TEST_P(HybridEpOneRank, MatchesHostAtSeveralSmCountsAndPartSizes) {
   if (!require_gpus(1)) return;

@@ -1,4 +1,4 @@
-// The v2 hybridep stage ring (src/dispatch/hybridep/ring.cuh) on its own: a producer warp posts
+// The hybridep stage ring (src/dispatch/hybridep/device/ring.cuh) on its own: a producer warp posts
 // descriptor-only and bulk-loaded jobs, a consumer warp (every lane, or lane 0 alone) checks every
 // descriptor and row in order and frees the stages, through many wrap-arounds of rings of 3 and 8
 // stages. Also the quickest way to

@@ -1,4 +1,4 @@
-// The preprocess kernel's per-receiver layout by one warp (src/dispatch/hybridep/warp_layout.cuh)
+// The preprocess kernel's per-receiver layout by one warp (src/dispatch/hybridep/kernels/warp_layout.cuh)
 // against layout_math.h's receiver_layout() (itself checked against core/plan.cpp by the CPU tests):
 // begin / kept / tokens_per_expert of every group and the totals, over group counts below, at and
 // above one round of 32 lanes, pads 1 / 3 / 128, no budget and budgets below, at and above the rows
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../../src/dispatch/hybridep/layout_math.h"  // relative: as tests/cpu/test_hybridep_layout.cpp
+#include "dispatch/hybridep/kernels/layout_math.h"
 #include "flexep/cuda/runtime.h"
 #include "gpu/local_plan_test_util.h"
 #include "gpu/warp_layout_kernels.h"

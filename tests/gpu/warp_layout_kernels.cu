@@ -1,4 +1,4 @@
-#include "dispatch/hybridep/warp_layout.cuh"
+#include "dispatch/hybridep/kernels/warp_layout.cuh"
 #include "flexep/cuda/runtime.h"
 #include "gpu/warp_layout_kernels.h"
 

@@ -1,4 +1,4 @@
-// hybridep's warp_receiver_layout (src/dispatch/hybridep/warp_layout.cuh) run by one warp, for a test.
+// hybridep's warp_receiver_layout (src/dispatch/hybridep/kernels/warp_layout.cuh) run by one warp, for a test.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -16,7 +16,6 @@ struct BenchArgs {
   long long tokens = 0;          // 0 = the case's default
   int hidden = 0, topk = 0, experts = 0;
   std::vector<int> sms;          // SM counts to sweep where a backend has them
-  int hybridep_kernels = 2;      // HybridEpOptions::kernels of the hybridep backend (1 or 2)
   int hybridep_part_tokens = 0;  // HybridEpOptions::part_tokens (0 = chosen per call)
   int warmup = 5, reps = 20;
   bool quiet = false;

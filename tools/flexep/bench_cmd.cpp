@@ -123,11 +123,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--topk", cli->args.topk, "Experts per token (0 = case default)");
   cmd->add_option("--experts", cli->args.experts, "Experts (0 = case default)");
   cmd->add_option("--sms", cli->args.sms, "SM counts to sweep (backends with an SM setting)")->delimiter(',');
-  cmd->add_option("--hybridep-kernels", cli->args.hybridep_kernels,
-                  "hybridep kernel variant: 1 (register copies) or 2 (bulk copies through shared-memory rings)")
-      ->check(CLI::Range(1, 2));
   cmd->add_option("--hybridep-part-tokens", cli->args.hybridep_part_tokens,
-                  "tokens per work item of the hybridep v2 kernels: 0 (chosen per call), 1, 2, 4, 8, 16 or 32")
+                  "tokens per work item of the hybridep kernels: 0 (chosen per call), 1, 2, 4, 8, 16 or 32")
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16, 32}));
   cmd->add_option("--sweep", cli->sweep, "Sweep a dimension: key=v1,v2,... (tokens, hidden, topk, experts, routing, "
                   "zipf_s, backend); repeat for a cartesian product");

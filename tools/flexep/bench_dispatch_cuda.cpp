@@ -12,7 +12,7 @@
 // small call's one fused kernel holds the preprocess steps; combine kernel; a second dispatcher, so
 // that the calls run without events and with dependent launch), a "graph" record
 // (a budget-mode dispatch + combine captured once in a CUDA graph, timed per replay), every record
-// with `sms` set and its note starting with the kernel variant (--hybridep-kernels).
+// with `sms` set (and the part size in its note when --hybridep-part-tokens sets one).
 #include <cstdio>
 #include <mutex>
 #include <tuple>
@@ -136,7 +136,6 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
   ho.hidden = H;
   ho.max_topk = k;
   ho.stream = stream;
-  ho.kernels = a.hybridep_kernels;
   ho.part_tokens = a.hybridep_part_tokens;
   // Three dispatchers. `d` times the calls as a training step runs them: no events between the
   // kernels, each launched as a programmatic dependent of the one before. `timed` has kernel_timing
@@ -168,7 +167,7 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
         {"dispatch", [&] { res = d->dispatch(in, opt); },
          "blocking: plan + count exchange + NVLink dispatch kernel + one host sync"},
         {"combine", [&] { d->combine(res.handle, res.tokens); },
-         "two-level combine of the dispatched rows (identity experts; v2 pushes the partial rows, v1 pulls) + "
+         "two-level combine of the dispatched rows (identity experts; the owners push the partial rows) + "
          "host check"},
         {"dispatch", [&] { res = d->dispatch(in, budget); },
          "budget mode (budget = this run's exact rows): no host synchronisation"}};
@@ -227,11 +226,9 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
            "CUDA graph replay of a budget-mode dispatch + combine (no host sync inside; the host launches the "
            "graph once per repetition)", "graph");
     tag(first);
-    // Which kernels produced these records (--hybridep-kernels), in every note.
-    const std::string parts =
-        a.hybridep_part_tokens ? ", parts of " + std::to_string(a.hybridep_part_tokens) + " tokens" : "";
-    for (std::size_t i = first; i < mine.size(); ++i)
-      mine[i].note = "kernels v" + std::to_string(a.hybridep_kernels) + parts + ": " + mine[i].note;
+    if (a.hybridep_part_tokens)
+      for (std::size_t i = first; i < mine.size(); ++i)
+        mine[i].note = "parts of " + std::to_string(a.hybridep_part_tokens) + " tokens: " + mine[i].note;
   }
 }
 

@@ -1,9 +1,9 @@
 // Case `sm-copy`: what one SM's copy paths move per second between shared memory and HBM (probes in
 // sm_copy_kernels.cu), over SM counts and copies in flight: bulk stores (one issuing thread, the
-// v2 consumer's path), bulk loads (the v2 producer's path; also by 2 and 4 issuing threads), 16-byte
+// dispatch consumer's path), bulk loads (the producers' path; also by 2 and 4 issuing threads), 16-byte
 // stores by W warps, 16-byte loads by W warps with U in flight per lane (a combine that sums rows
 // straight from HBM), and bulk loads with warp loads at once (whether the two load paths add up). The
-// hybridep v2 kernels move ~66 GB/s per SM (dispatch) and ~49 (combine) on 2x H200; these numbers
+// hybridep kernels move ~66 GB/s per SM (dispatch) and ~49 (combine) on 2x H200; these numbers
 // say how much of that is the path itself. Records: backend "<path>/<in flight or warps>", sms set,
 // hbm_gbps = bytes / kernel time (per SM in the note).
 #include <algorithm>

@@ -1,5 +1,5 @@
 #include "bench_spin.h"
-#include "dispatch/hybridep/flags.cuh"
+#include "dispatch/hybridep/device/timer.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::tools {

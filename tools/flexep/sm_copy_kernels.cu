@@ -1,9 +1,9 @@
 // The probes of sm_copy_kernels.h. Each CTA first fills its stages with ordinary stores (made
 // visible to the bulk-copy unit by a proxy fence), then moves `copies` rows; nothing is checked:
 // the probes measure speed (the hybridep tests check the same primitives' results).
-#include "dispatch/hybridep/kernel_launch.h"
-#include "dispatch/hybridep/ring.cuh"
-#include "dispatch/hybridep/tma.cuh"
+#include "dispatch/hybridep/kernels/launch.h"
+#include "dispatch/hybridep/device/ring.cuh"
+#include "dispatch/hybridep/device/tma.cuh"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
 #include "sm_copy_kernels.h"

@@ -2,7 +2,7 @@
 // between its shared memory and HBM with the bulk-copy unit (cp.async.bulk, one or more issuing
 // threads, a given number of copies in flight each), with ordinary 16-byte stores by W warps, with
 // ordinary 16-byte loads by W warps (U loads in flight per lane, summed as the combine sums rows),
-// and with bulk loads and warp loads at the same time. The hybridep v2
+// and with bulk loads and warp loads at the same time. The hybridep
 // kernels are built from exactly these paths (docs/hybridep.md, "Where the time goes").
 #pragma once
 
@@ -38,7 +38,7 @@ void launch_warp_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream)
 // thread of the last warp bulk-loads `bulk_copies` other rows (`in_flight` stages): whether the
 // bulk-copy unit and the warps' loads share one limit per SM or add up.
 void launch_mixed_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
-// The combine v2 kernel's data path alone: `pipes` pipelines per CTA, each a producer warp whose lane
+// The combine kernel's data path alone: `pipes` pipelines per CTA, each a producer warp whose lane
 // 0 bulk-loads whole rows into a hybridep::Ring (as deep as shared memory allows, at most 8 stages)
 // and 4 consumer warps that read every stage with 16-byte shared loads (or, with read_stages off,
 // only free it), and with store_every k also store one row (their xor of the last k) per k rows, as

@@ -74,12 +74,7 @@ struct HybridEpOptions {
   bool check_blocking_calls = true;  // see "Modes" above
   bool kernel_timing = false;        // record events around the kernels (kernel_times())
   bool fp8 = false;                  // also allow dispatch_fp8 (H a multiple of 512; a scales region)
-  // Kernels of every call: 1 = 16-byte register copies (the first version), 2 = bulk copies
-  // through shared-memory rings (docs/hybridep.md, "v2 kernels"; the default, 3-9x faster on
-  // 2x H200). Same protocol and bitwise the same results; rows that do not fit v2's rings (more
-  // than 32 KB, or H > 8192 for combine) use 1.
-  int kernels = 2;
-  // Tokens per work item of the v2 kernels: 0 = chosen per call (the largest power of two in
+  // Tokens per work item of the kernels: 0 = chosen per call (the largest power of two in
   // [4, 32] that gives every pipeline 8+ items, down to 2 while a pipeline would get none;
   // docs/hybridep.md), or 1, 2, 4, 8, 16, 32 (sweeps).
   int part_tokens = 0;
@@ -111,10 +106,10 @@ struct HybridEpSms {
   int dispatch = 0, combine = 0, preprocess = 0;
 };
 
-// A step of the last dispatch on this GPU (kernel_timing, v2 kernels): when the earliest and the
+// A step of the last dispatch on this GPU (kernel_timing): when the earliest and the
 // latest CTA reached it, microseconds after the first preprocess CTA started (the device clock).
 struct HybridEpPhase {
-  std::string name;  // src/dispatch/hybridep/phase_trace.h lists the steps
+  std::string name;  // src/dispatch/hybridep/kernels/phase_trace.h lists the steps
   double first = 0, last = 0;
 };
 
@@ -123,7 +118,7 @@ struct HybridEpPhase {
 struct HybridEpKernelTimes {
   double plan = 0;  // the single-GPU plan (multihot slots, chunk plan kernel) before the preprocess kernel
   double preprocess = 0, dispatch = 0, combine = 0;
-  // The dispatch ran as one kernel (a call that fits one plan chunk, kernels v2): its preprocess
+  // The dispatch ran as one kernel (a call that fits one plan chunk): its preprocess
   // steps are inside `dispatch`, and `preprocess` is ~0.
   bool one_kernel = false;
   std::vector<HybridEpPhase> dispatch_phases;  // in the order of the steps; those reached only

@@ -14,7 +14,6 @@ from flexep.torch.config import BackendConfig, MoEConfig, dtype_from_str
 from flexep.torch.dispatcher import (FlexTokenDispatcher, HostRank, create_communicator, get_dispatcher,
                                      init_buffer, reset_buffer, set_num_sms)
 from flexep.torch.functions import combine, dispatch
-from flexep.torch.functions import hybrid_ep_dispatch as hybrid_ep_dispatch_topk
 from flexep.torch.modules import MLP, FakeBalancedGate, Gate, GroupedExperts
 from flexep.torch.moe import MoE
 from flexep.torch.token_dispatcher import MoEFlexTokenDispatcher, TokenDispatcherConfig

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from flexep import _flexep
 from flexep.torch.config import MoEConfig
 from flexep.torch.dispatcher import HostRank, get_dispatcher
-from flexep.torch.modules import FakeBalancedGate, fake_gate_routing
+from flexep.torch.fake_gate import FakeBalancedGate, fake_gate_routing
 
 
 def _local(t):

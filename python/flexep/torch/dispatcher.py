@@ -145,7 +145,7 @@ class FlexTokenDispatcher:
     """Automodel's MoEFlexTokenDispatcher call names over one flexep dispatcher:
     token_permutation2(hidden, num_local_tokens, token_probs, token_indices) ->
     (permuted tokens, tokens_per_expert, permuted_probs [N,1]); token_unpermutation(expert_out) -> out.
-    The hybridep backend takes top-k indices and converts to multihot itself."""
+    Every backend takes the top-k indices as they are (no [T, E] round trip)."""
 
     def __init__(self, dispatcher, backend: str = "torch"):
         self.dispatcher, self.backend = dispatcher, backend
@@ -155,8 +155,7 @@ class FlexTokenDispatcher:
         del num_local_tokens  # implied by hidden_states (kept for Automodel's signature)
         self._hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        fn = F.hybrid_ep_dispatch if self.backend == "hybridep" else F.dispatch
-        tokens, probs, tpe, self._handle = fn(self.dispatcher, x, token_indices, token_probs.float())
+        tokens, probs, tpe, self._handle = F.dispatch(self.dispatcher, x, token_indices, token_probs.float())
         return tokens, tpe, probs.unsqueeze(-1)
 
     def token_unpermutation(self, hidden_states):

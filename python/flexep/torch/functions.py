@@ -4,8 +4,8 @@
   backward returns gradients for both the hidden states and the probs (a combine of grad_tokens plus
   the probs' gather back to the k slots), with the handle kept in ctx;
 - combine: expert_out [N,H] -> out [T,H]; backward re-dispatches grad_out along the saved handle;
-- hybridep: top-k indices in, the multihot conversion done inside (C++), [T,E] prob gradients mapped
-  back to the k slots in backward.
+- every backend takes the top-k form (indices, weights) straight; the multihot form (routing_map,
+  probs [T,E]) is what Automodel's hybrid_ep_dispatch passes when it has a dense map (fused_a2a.py).
 
 Every backend (host, alltoall, hybridep, the single-GPU one) goes through the same two Functions:
 the math is the library's.
@@ -64,25 +64,6 @@ class _Combine(torch.autograd.Function):
         return _out(g), None, None
 
 
-class _TopkToMultihot(torch.autograd.Function):
-    """indices [T,k], weights [T,k] -> routing_map [T,E] bool, probs [T,E] (C++ / CUDA kernels)."""
-
-    @staticmethod
-    def forward(ctx, weights, indices, num_experts):
-        routing_map, probs = _flexep.topk_to_multihot(indices.contiguous(), weights.contiguous(), num_experts,
-                                                      stream=_stream(indices))
-        ctx.save_for_backward(indices)
-        routing_map = _out(routing_map)
-        ctx.mark_non_differentiable(routing_map)
-        return routing_map, _out(probs)
-
-    @staticmethod
-    def backward(ctx, _grad_map, grad_probs):
-        (indices,) = ctx.saved_tensors
-        g = _flexep.multihot_backward(grad_probs.contiguous(), indices, stream=_stream(indices))
-        return _out(g), None, None
-
-
 def dispatch(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *, pad_multiple: int = 1,
              mode: str = "blocking", budget_rows: int = 0, overflow: str = "error"):
     """Dispatches x [T,H] to the experts' owners along top-k (indices, weights).
@@ -94,18 +75,6 @@ def dispatch(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.
     holder = _HandleHolder()
     tokens, probs, tpe, _ = _DispatchWithHandle.apply(x, weights, indices, None, dispatcher, opts, holder)
     return tokens, probs, tpe, holder.handle
-
-
-def hybrid_ep_dispatch(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *,
-                       pad_multiple: int = 1, mode: str = "blocking", budget_rows: int = 0,
-                       overflow: str = "error"):
-    """Automodel's hybridep path: top-k indices in, multihot [T,E] built inside (C++ or CUDA kernels),
-    dispatched in the multihot form; the [T,E] prob gradient flows back to weights [T,k]."""
-    routing_map, probs = _TopkToMultihot.apply(weights, indices, dispatcher.num_experts)
-    opts = dict(pad_multiple=pad_multiple, mode=mode, budget_rows=budget_rows, overflow=overflow)
-    holder = _HandleHolder()
-    tokens, tprobs, tpe, _ = _DispatchWithHandle.apply(x, probs, None, routing_map, dispatcher, opts, holder)
-    return tokens, tprobs, tpe, holder.handle
 
 
 def combine(dispatcher, handle, expert_out: torch.Tensor) -> torch.Tensor:

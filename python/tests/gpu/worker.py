@@ -34,9 +34,8 @@ def functions(backend, rank, dev):
     up_out = torch.randn(T, H, generator=g).to(torch.bfloat16)
     d = ft.get_dispatcher(ft.BackendConfig(dispatcher=backend), E, None, dev, hidden=H, max_tokens_per_rank=64,
                           max_topk=k)
-    fn = ft.hybrid_ep_dispatch_topk if backend == "hybridep" else ft.dispatch
     xd, wd = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
-    tokens, probs, tpe, handle = fn(d, xd, idx.to(dev), wd)
+    tokens, probs, tpe, handle = ft.dispatch(d, xd, idx.to(dev), wd)
     out = ft.combine(d, handle, tokens * 2)
     loss = (out.float() * up_out.to(dev).float()).sum() + (probs * torch.arange(probs.shape[0], device=dev)).sum()
     loss.backward()

@@ -20,7 +20,7 @@
 #include "flexep/core/error.h"
 #include "flexep/core/plan.h"
 #include "flexep/dispatch/dispatcher.h"
-#include "signature_words.h"  // relative: the CPU tests include the backends' layout.h without src/ on the path
+#include "dispatch/common/signature_words.h"
 
 namespace flexep::call_signature {
 

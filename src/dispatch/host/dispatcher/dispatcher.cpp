@@ -1,0 +1,314 @@
+// The `host` backend. Each call is one or two exchanges over the HostWorld:
+//   dispatch:          count-exchange (signature, local check result, per-expert counts) -> every
+//                      rank builds the same DispatchPlan -> row-exchange (inputs + slot rows) ->
+//                      receivers pull their rows -> done barrier (senders may free their inputs);
+//   combine, backwards: exchange (local check result, handle sequence, data) -> work -> done.
+// Local argument errors never throw alone: they travel with the first exchange and every rank
+// raises (see rank_failure.h), so a bad input on one rank cannot hang the others.
+//
+// tokens_per_expert is returned on the host in both modes: this backend has no device, so the
+// budget mode's "no host sync" has nothing to avoid.
+#include <string>
+
+#include "dispatch/host/dispatcher/handle.h"
+#include "dispatch/host/dispatcher/rank_failure.h"
+#include "dispatch/host/dispatcher/row_ops.h"
+#include "dispatch/host/dispatcher/signature.h"
+#include "flexep/core/checks.h"
+#include "flexep/core/routing.h"
+#include "flexep/dispatch/host.h"
+
+namespace flexep {
+namespace host {
+namespace {
+
+// This rank's routing in the top-k form, whatever form the caller used.
+struct LocalRouting {
+  Tensor indices;      // [T, k] int64
+  TensorView weights;  // [T, k] f32/f64 (the caller's, or owned_weights)
+  Tensor owned_weights;
+};
+
+PlanParams plan_params(const DispatchOptions& o, int ranks, int experts) {
+  PlanParams p;
+  p.ranks = ranks;
+  p.experts = experts;
+  p.pad_multiple = o.pad_multiple;
+  if (o.mode == DispatchMode::budget) p.budget_rows = o.budget_rows;
+  p.overflow = o.overflow;
+  return p;
+}
+
+LocalRouting prepare(const DispatchInput& in, const DispatchOptions& opt, int ranks, int experts) {
+  check::rank(in.hidden, 2, "hidden");
+  check::device(in.hidden, Device::cpu(), "hidden");
+  check::dtype(in.hidden, {DType::f32, DType::f64, DType::bf16}, "hidden");
+  const std::int64_t T = in.hidden.size(0);
+  LocalRouting r;
+  if (in.multihot()) {
+    FLEXEP_CHECK_ARG(!in.indices.defined() && !in.weights.defined(), "indices",
+                     "was given together with routing_map; pass either the top-k form (indices, weights) or the "
+                     "multihot form (routing_map, probs)");
+    check::device(in.routing_map, Device::cpu(), "routing_map");
+    check::shape(in.routing_map, {T, experts}, "routing_map");
+    check::dtype(in.routing_map, {DType::b8}, "routing_map");
+    check::device(in.probs, Device::cpu(), "probs");
+    check::shape(in.probs, {T, experts}, "probs");
+    check::dtype(in.probs, {DType::f32, DType::f64}, "probs");
+    if (opt.check_finite) {
+      check::finite(in.hidden, "hidden");
+      check::finite(in.probs, "probs");
+    }
+    TopK tk = multihot_to_topk(in.routing_map, in.probs);
+    r.indices = tk.indices;
+    r.owned_weights = tk.weights;
+    r.weights = r.owned_weights.view();
+  } else {
+    FLEXEP_CHECK_ARG(in.indices.defined(), "indices",
+                     "is required; pass the top-k form (indices, weights) or the multihot form (routing_map, probs)");
+    check::device(in.indices, Device::cpu(), "indices");
+    check::shape(in.indices, {T, -1}, "indices");
+    check::expert_indices(in.indices, experts, "indices");
+    check::device(in.weights, Device::cpu(), "weights");
+    check::shape(in.weights, {T, in.indices.size(1)}, "weights");
+    check::dtype(in.weights, {DType::f32, DType::f64}, "weights");
+    if (opt.check_finite) {
+      check::finite(in.hidden, "hidden");
+      check::finite(in.weights, "weights");
+    }
+    r.indices =
+        in.indices.dtype == DType::i64 ? Tensor::wrap(in.indices).clone() : Tensor::wrap(in.indices).to(DType::i64);
+    r.weights = in.weights;
+  }
+  validate(plan_params(opt, ranks, experts));
+  return r;
+}
+
+struct CountExchange {
+  RankFailure status;
+  DispatchSignature sig;
+  std::vector<std::int64_t> counts;  // [E]
+};
+
+struct RowExchange {
+  RankFailure status;
+  SenderRows rows;
+};
+
+// What combine and the backwards publish: the handle's sender side and this rank's tensors.
+struct HandleExchange {
+  RankFailure status;
+  std::uint64_t sequence = 0;
+  SenderRows sender;  // sender.hidden carries grad_out (combine_backward)
+  TensorView rows;    // [N, H]: expert_out or grad_tokens
+  TensorView probs;   // [N]: grad_token_probs
+};
+
+class HostDispatcher final : public TokenDispatcher {
+ public:
+  HostDispatcher(std::shared_ptr<HostWorld> world, int rank, int num_experts)
+      : world_(std::move(world)), rank_(rank), experts_(num_experts) {}
+
+  std::string_view backend() const override { return "host"; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_->size(); }
+  int num_experts() const override { return experts_; }
+
+  DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
+  Tensor combine(const Handle& handle, const TensorView& expert_out) override;
+  DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
+                                  const TensorView& grad_token_probs) override;
+  Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
+
+ private:
+  const HostHandle& host_handle(const Handle& handle) const {
+    check_handle(handle);
+    const auto* h = dynamic_cast<const HostHandle*>(handle.get());
+    FLEXEP_CHECK_ARG(h != nullptr, "handle", "claims this dispatcher as owner but is not a host handle");
+    return *h;
+  }
+  // Exchange for combine and the backwards: local checks travel with it, and all ranks must pass
+  // the handle of the same dispatch call.
+  std::vector<HandleExchange> exchange(const HandleExchange& mine, const std::string& op);
+
+  std::shared_ptr<HostWorld> world_;
+  int rank_;
+  int experts_;
+  std::uint64_t calls_ = 0;
+};
+
+DispatchResult HostDispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
+  const std::uint64_t sequence = ++calls_;
+  const int R = world_->size(), L = local_experts();
+  LocalRouting local;
+  CountExchange mine;
+  try {
+    local = prepare(input, options, R, experts_);
+    mine.sig = {experts_,
+                input.multihot(),
+                input.hidden.size(1),
+                input.hidden.dtype,
+                input.multihot() ? experts_ : local.indices.size(1),
+                local.weights.dtype,
+                options.mode,
+                options.pad_multiple,
+                options.budget_rows,
+                options.overflow};
+    mine.counts = expert_counts(local.indices, experts_);
+  } catch (...) {
+    mine.status.capture(std::current_exception());
+  }
+  DispatchPlan plan;
+  publish(*world_, rank_, mine, "dispatch:count-exchange", "dispatch:abort",
+          [&](const std::vector<CountExchange>& all) {
+            std::vector<const DispatchSignature*> sigs;
+            for (const auto& c : all) sigs.push_back(&c.sig);
+            if (auto err = compare_signatures(sigs)) return err;
+            std::vector<std::int64_t> counts;
+            for (const auto& c : all) counts.insert(counts.end(), c.counts.begin(), c.counts.end());
+            // Every rank builds the same plan from the same counts, so an overflow raises everywhere.
+            try {
+              plan = DispatchPlan::build(counts, plan_params(options, R, experts_));
+            } catch (...) {
+              return std::current_exception();
+            }
+            return std::exception_ptr();
+          });
+
+  auto handle = std::make_shared<HostHandle>();
+  handle->backend = "host";
+  handle->owner = this;
+  handle->rank = rank_;
+  handle->tokens = input.hidden.size(0);
+  handle->multihot = input.multihot();
+  handle->slots = local.indices.size(1);
+  handle->topk = handle->multihot ? experts_ : handle->slots;
+  handle->hidden = input.hidden.size(1);
+  handle->local_experts = L;
+  handle->hidden_dtype = input.hidden.dtype;
+  handle->prob_dtype = local.weights.dtype;
+  handle->sequence = sequence;
+  const std::int64_t* idx = local.indices.data<std::int64_t>();
+  handle->indices.assign(idx, idx + local.indices.numel());
+  handle->slot_rows = slot_rows(plan, rank_, local.indices);
+  const RankLayout& layout = plan.ranks[static_cast<std::size_t>(rank_)];
+  handle->rows = layout.out_rows;
+
+  RowExchange rows_mine;
+  rows_mine.rows = {input.hidden,   local.weights, handle->indices.data(), handle->slot_rows.data(),
+                    handle->tokens, handle->slots};
+  const auto senders = publish(*world_, rank_, rows_mine, "dispatch:row-exchange", "dispatch:abort",
+                               [](const std::vector<RowExchange>&) { return std::exception_ptr(); });
+  std::vector<SenderRows> sender_rows;
+  for (const auto& s : senders) sender_rows.push_back(s.rows);
+
+  DispatchResult result;
+  result.tokens = Tensor::zeros({layout.out_rows, handle->hidden}, handle->hidden_dtype);
+  result.token_probs = Tensor::zeros({layout.out_rows}, handle->prob_dtype);
+  pull_rows(rank_, L, sender_rows, result.tokens, result.token_probs);
+  world_->barrier(rank_, "dispatch:done");
+  result.tokens_per_expert = Tensor::from_vector(layout.tokens_per_expert, {L});
+  result.dropped = layout.dropped;
+  result.handle = std::move(handle);
+  return result;
+}
+
+std::vector<HandleExchange> HostDispatcher::exchange(const HandleExchange& mine, const std::string& op) {
+  return publish(*world_, rank_, mine, op + ":exchange", op + ":abort", [](const std::vector<HandleExchange>& all) {
+    for (std::size_t r = 1; r < all.size(); ++r)
+      if (all[r].sequence != all[0].sequence)
+        return std::make_exception_ptr(ArgumentError(
+            "handle", "rank " + std::to_string(r) + " passes the handle of dispatch call #" +
+                          std::to_string(all[r].sequence) + " but rank 0 that of call #" +
+                          std::to_string(all[0].sequence) + "; every rank must pass the handle of the same dispatch"));
+    return std::exception_ptr();
+  });
+}
+
+Tensor HostDispatcher::combine(const Handle& handle, const TensorView& expert_out) {
+  const HostHandle* h = nullptr;
+  HandleExchange mine;
+  try {
+    h = &host_handle(handle);
+    check_handle_tensor(expert_out, h->rows, h->hidden, h->hidden_dtype, "expert_out");
+    check::device(expert_out, Device::cpu(), "expert_out");
+    mine.sequence = h->sequence;
+    mine.rows = expert_out;
+  } catch (...) {
+    mine.status.capture(std::current_exception());
+  }
+  const auto all = exchange(mine, "combine");
+  std::vector<TensorView> rows;
+  for (const auto& a : all) rows.push_back(a.rows);
+  Tensor out = Tensor::empty({h->tokens, h->hidden}, h->hidden_dtype);
+  sum_rows(h->local_experts, h->indices.data(), h->slot_rows.data(), h->slots, rows, out);
+  world_->barrier(rank_, "combine:done");
+  return out;
+}
+
+Tensor HostDispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {
+  const HostHandle* h = nullptr;
+  HandleExchange mine;
+  try {
+    h = &host_handle(handle);
+    check_handle_tensor(grad_out, h->tokens, h->hidden, h->hidden_dtype, "grad_out");
+    check::device(grad_out, Device::cpu(), "grad_out");
+    mine.sequence = h->sequence;
+    mine.sender = {grad_out, TensorView(), h->indices.data(), h->slot_rows.data(), h->tokens, h->slots};
+  } catch (...) {
+    mine.status.capture(std::current_exception());
+  }
+  const auto all = exchange(mine, "combine_backward");
+  std::vector<SenderRows> senders;
+  for (const auto& a : all) senders.push_back(a.sender);
+  Tensor grad = Tensor::zeros({h->rows, h->hidden}, h->hidden_dtype);
+  pull_rows(rank_, h->local_experts, senders, grad, TensorView());
+  world_->barrier(rank_, "combine_backward:done");
+  return grad;
+}
+
+DispatchGrads HostDispatcher::dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
+                                                const TensorView& grad_token_probs) {
+  const HostHandle* h = nullptr;
+  HandleExchange mine;
+  try {
+    h = &host_handle(handle);
+    check_handle_tensor(grad_tokens, h->rows, h->hidden, h->hidden_dtype, "grad_tokens");
+    check::device(grad_tokens, Device::cpu(), "grad_tokens");
+    check_handle_tensor(grad_token_probs, h->rows, -1, h->prob_dtype, "grad_token_probs");
+    check::device(grad_token_probs, Device::cpu(), "grad_token_probs");
+    mine.sequence = h->sequence;
+    mine.rows = grad_tokens;
+    mine.probs = grad_token_probs;
+  } catch (...) {
+    mine.status.capture(std::current_exception());
+  }
+  const auto all = exchange(mine, "dispatch_backward");
+  std::vector<TensorView> rows, probs;
+  for (const auto& a : all) {
+    rows.push_back(a.rows);
+    probs.push_back(a.probs);
+  }
+  DispatchGrads g;
+  g.hidden = Tensor::empty({h->tokens, h->hidden}, h->hidden_dtype);
+  sum_rows(h->local_experts, h->indices.data(), h->slot_rows.data(), h->slots, rows, g.hidden);
+  g.weights = Tensor::zeros({h->tokens, h->multihot ? experts_ : h->slots}, h->prob_dtype);
+  gather_probs(h->local_experts, h->indices.data(), h->slot_rows.data(), h->slots, h->multihot, probs, g.weights);
+  world_->barrier(rank_, "dispatch_backward:done");
+  return g;
+}
+
+}  // namespace
+}  // namespace host
+
+std::unique_ptr<TokenDispatcher> make_host_dispatcher(std::shared_ptr<HostWorld> world, int rank, int num_experts) {
+  FLEXEP_CHECK_ARG(world != nullptr, "world", "is null; create a HostWorld shared by all ranks");
+  FLEXEP_CHECK_ARG(rank >= 0 && rank < world->size(), "rank", rank, " is out of range [0, ", world->size(), ")");
+  PlanParams p;
+  p.ranks = world->size();
+  p.experts = num_experts;
+  validate(p);  // E >= 1 and divisible by the ranks, named "num_experts"
+  return std::make_unique<host::HostDispatcher>(std::move(world), rank, num_experts);
+}
+
+}  // namespace flexep
