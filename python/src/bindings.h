@@ -4,7 +4,6 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -14,10 +13,6 @@
 #ifdef FLEXEP_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
-
-namespace flexep {
-class ProcessGroup;
-}
 
 namespace flexep::py {
 
@@ -51,21 +46,5 @@ auto on_stream_without_gil(std::uintptr_t stream, Fn&& fn) {
   StreamScope scope(stream);
   return fn();
 }
-
-// Named GPU dispatcher factories (the hook the hybridep backend plugs into; see hybridep_hook.cpp).
-// `comm` is a Communicator (held as ProcessGroup to keep this header CUDA-free).
-// Sizes a backend with pre-allocated buffers (hybridep) needs; 0 = not given.
-struct GpuDispatcherSizes {
-  std::int64_t hidden = 0, max_tokens_per_rank = 0;
-  int max_topk = 0;
-};
-using DispatcherFactory =
-    std::function<std::shared_ptr<TokenDispatcher>(std::shared_ptr<ProcessGroup> comm, int num_experts,
-                                                   const BackendConfig& backend, const GpuDispatcherSizes& sizes)>;
-void register_dispatcher_factory(const std::string& name, DispatcherFactory factory);
-// Throws ArgumentError naming the known names when `name` has no factory.
-const DispatcherFactory& dispatcher_factory(const std::string& name);
-// Called once at import: registers the factories this build has (alltoall, and hybridep once connected).
-void register_builtin_factories();
 
 }  // namespace flexep::py

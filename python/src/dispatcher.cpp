@@ -9,34 +9,25 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <map>
-#include <mutex>
 
 #include "bindings.h"
 #include "dlpack.h"
 #include "flexep/comm/host_world.h"
 #include "flexep/core/config_json.h"
 #include "flexep/core/routing.h"
-#include "flexep/dispatch/host.h"
+#include "flexep/dispatch/registry.h"
 
 #ifdef FLEXEP_WITH_CUDA
 #include "flexep/comm/communicator.h"
 #include "flexep/cuda/device_errors.h"
 #include "flexep/cuda/multihot.h"
 #include "flexep/cuda/runtime.h"
-#include "flexep/dispatch/alltoall.h"
 #include "flexep/dispatch/local_cuda.h"
 #endif
 
 namespace flexep::py {
 
 namespace {
-
-std::mutex g_factories_mutex;
-std::map<std::string, DispatcherFactory>& factories() {
-  static std::map<std::string, DispatcherFactory> f;
-  return f;
-}
 
 DispatchOptions make_options(const std::string& mode, std::int64_t budget_rows, const std::string& overflow,
                              std::int64_t pad_multiple, bool check_finite) {
@@ -70,24 +61,6 @@ const Handle& unwrap(const PyHandle* h) {
 }
 
 }  // namespace
-
-void register_dispatcher_factory(const std::string& name, DispatcherFactory factory) {
-  std::lock_guard<std::mutex> lock(g_factories_mutex);
-  factories()[name] = std::move(factory);
-}
-
-const DispatcherFactory& dispatcher_factory(const std::string& name) {
-  std::lock_guard<std::mutex> lock(g_factories_mutex);
-  auto it = factories().find(name);
-  if (it == factories().end()) {
-    std::string known;
-    for (const auto& [k, v] : factories()) known += (known.empty() ? "" : ", ") + k;
-    throw_argument_error("backend.dispatcher", "'", name, "' has no GPU dispatcher in this build",
-                         name == "hybridep" ? " (hybridep needs a CUDA build)" : "",
-                         "; available: ", known.empty() ? std::string("none (CPU-only build)") : known);
-  }
-  return it->second;
-}
 
 void bind_dispatcher(nb::module_& m) {
   nb::class_<PyHandle>(m, "Handle", "State a dispatch leaves for its combine and both backwards.")
@@ -161,25 +134,40 @@ void bind_dispatcher(nb::module_& m) {
   m.def(
       "make_host_dispatcher",
       [](std::shared_ptr<HostWorld> world, int rank, int num_experts) {
-        return std::shared_ptr<TokenDispatcher>(make_host_dispatcher(std::move(world), rank, num_experts));
+        DispatcherSpec spec;
+        spec.group = std::make_shared<HostProcessGroup>(std::move(world), rank);
+        spec.num_experts = num_experts;
+        return std::shared_ptr<TokenDispatcher>(make_dispatcher("host", spec));
       },
       nb::arg("world"), nb::arg("rank"), nb::arg("num_experts"));
   m.def(
       "make_gpu_dispatcher",
       [](const std::string& name, std::shared_ptr<ProcessGroup> comm, int num_experts, const std::string& backend_json,
          std::int64_t hidden, std::int64_t max_tokens_per_rank, int max_topk) {
-        const DispatcherFactory& f = dispatcher_factory(name);
-        const BackendConfig b = backend_config_from_json(backend_json);
+        DispatcherSpec spec;
+        spec.group = std::move(comm);
+        spec.num_experts = num_experts;
+        spec.backend = backend_config_from_json(backend_json);
+        spec.hidden = hidden;
+        spec.max_tokens_per_rank = max_tokens_per_rank;
+        spec.max_topk = max_topk;
+        // As DeepEP's buffer under Megatron / Automodel: combine and the backwards return without
+        // waiting for the GPU; a device error they record is raised by the next blocking dispatch
+        // (one after the last dispatch of a run is not; a peer that is gone is, by the next count
+        // exchange).
+        spec.check_blocking_calls = false;
+        FLEXEP_CHECK_ARG(dispatcher_backend(name, "backend.dispatcher").needs_gpu, "backend.dispatcher", "'", name,
+                         "' is not a GPU backend; GPU backends built here: ", built_dispatcher_names(true));
         nb::gil_scoped_release release;
-        return f(std::move(comm), num_experts, b, GpuDispatcherSizes{hidden, max_tokens_per_rank, max_topk});
+        return std::shared_ptr<TokenDispatcher>(make_dispatcher(name, spec));
       },
       nb::arg("name"), nb::arg("comm"), nb::arg("num_experts"), nb::arg("backend_json") = "{}", nb::arg("hidden") = 0,
       nb::arg("max_tokens_per_rank") = 0, nb::arg("max_topk") = 0,
       "A GPU dispatcher by backend name ('alltoall', 'hybridep', ...) over a Communicator.");
   m.def("gpu_dispatcher_names", [] {
-    std::lock_guard<std::mutex> lock(g_factories_mutex);
     std::vector<std::string> names;
-    for (const auto& [k, v] : factories()) names.push_back(k);
+    for (const DispatcherBackend& b : dispatcher_backends())
+      if (b.make && b.needs_gpu) names.emplace_back(b.name);
     return names;
   });
 #ifdef FLEXEP_WITH_CUDA
@@ -245,17 +233,6 @@ void bind_dispatcher(nb::module_& m) {
       },
       nb::arg("grad_probs"), nb::arg("indices"), nb::arg("stream") = 0,
       "[T,E] gradient gathered back to the k slots (-1 slots get 0).");
-}
-
-void register_builtin_factories() {
-#ifdef FLEXEP_WITH_CUDA
-  register_dispatcher_factory("alltoall", [](std::shared_ptr<ProcessGroup> pg, int num_experts, const BackendConfig&,
-                                             const GpuDispatcherSizes&) {
-    auto comm = std::dynamic_pointer_cast<Communicator>(pg);
-    FLEXEP_CHECK_ARG(comm != nullptr, "comm", "the alltoall backend needs a flexep Communicator");
-    return std::shared_ptr<TokenDispatcher>(make_alltoall_dispatcher(std::move(comm), num_experts));
-  });
-#endif
 }
 
 }  // namespace flexep::py

@@ -5,10 +5,6 @@
 #include "bindings.h"
 #include "flexep/core/error.h"
 
-namespace flexep::py {
-void register_hybridep();
-}
-
 NB_MODULE(_flexep, m) {
   namespace nb = nanobind;
   using namespace flexep::py;
@@ -46,6 +42,4 @@ NB_MODULE(_flexep, m) {
   bind_dispatcher(m);
   bind_layer(m);
   bind_moe_compute(m);
-  register_builtin_factories();
-  register_hybridep();
 }

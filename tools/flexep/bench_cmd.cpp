@@ -1,6 +1,7 @@
 // `flexep bench CASE...`: runs named benchmark cases, prints a table and writes one JSON file per run
 // to bench/results/ (DESIGN §5). `flexep bench --plot FILES...` turns result files into PNG charts
 // (through scripts/plot_bench.py and matplotlib).
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 
@@ -86,8 +87,9 @@ void run(const BenchCli& cli) {
     return;
   }
   const auto points = expand_sweep(cli.args, cli.sweep);  // validated before anything runs
-  int gpus = 0;
-  BenchRun run = new_bench_run(device_description(gpus), gpus);
+  int gpus = 0;  // on the machine; the run records how many its cases used
+  const std::string device = device_description(gpus);
+  BenchRun run = new_bench_run(device, 0);
   for (const std::string& name : cli.cases) {
     const BenchCase* found = nullptr;
     for (const BenchCase& c : bench_cases())
@@ -103,6 +105,7 @@ void run(const BenchCli& cli) {
         fmt::print(stderr, "[{}/{}] {} {}\n", i + 1, points.size(), name, points[i].second);
       found->fn(points[i].first, run);
     }
+    run.gpus = std::max(run.gpus, found->gpus);  // cases that use more (one rank per GPU) raise it themselves
   }
   if (process_rank().rank != 0) return;  // one rank per process: rank 0 reports for all
   fmt::print("{}", format_table(run.records));

@@ -27,8 +27,8 @@
 #include "flexep/core/synthetic_routing.h"
 #include "flexep/cuda/graph.h"
 #include "flexep/cuda/layer_ops.h"
-#include "flexep/dispatch/alltoall.h"
 #include "flexep/dispatch/hybridep.h"
+#include "flexep/dispatch/registry.h"
 #include "train_common.h"
 
 namespace flexep::tools {
@@ -131,7 +131,9 @@ template <class Record>
 void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Communicator> comm_ptr,
                     const DispatchInput& in, std::int64_t T, int H, int k, int E, std::int64_t exact_rows,
                     cudaStream_t stream, std::vector<BenchRecord>& mine, Record record) {
-  HybridEpOptions ho;
+  DispatcherSpec ho;
+  ho.group = std::move(comm_ptr);
+  ho.num_experts = E;
   ho.max_tokens_per_rank = T;
   ho.hidden = H;
   ho.max_topk = k;
@@ -141,13 +143,21 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
   // kernels, each launched as a programmatic dependent of the one before. `timed` has kernel_timing
   // (events around its kernels, which also turns dependent launch off, and the step stamps) for the
   // kernel records. `graphed`, sized to the exact rows, for the graph record (no events in a capture).
-  HybridEpOptions to = ho;
+  DispatcherSpec to = ho;
   to.kernel_timing = true;
-  HybridEpOptions go = ho;
+  DispatcherSpec go = ho;
   go.max_recv_rows = exact_rows;
-  auto graphed = make_hybridep_dispatcher(comm_ptr, E, go);
-  auto timed = make_hybridep_dispatcher(comm_ptr, E, to);
-  auto d = make_hybridep_dispatcher(std::move(comm_ptr), E, ho);
+  // The records below read hybridep's own kernel times and SM settings.
+  auto make = [](const DispatcherSpec& s) {
+    std::unique_ptr<TokenDispatcher> made = make_dispatcher("hybridep", s, "--backend");
+    auto* h = dynamic_cast<HybridEpDispatcher*>(made.get());
+    FLEXEP_CHECK(h != nullptr, "the hybridep backend made no HybridEpDispatcher");
+    made.release();
+    return std::unique_ptr<HybridEpDispatcher>(h);
+  };
+  auto graphed = make(go);
+  auto timed = make(to);
+  auto d = make(ho);
   const std::vector<int> sweep = a.sms.empty() ? std::vector<int>{hybridep_num_sms().dispatch} : a.sms;
   for (int sms : sweep) {
     d->set_num_sms(sms, sms, sms);
@@ -235,6 +245,7 @@ void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Comm
 void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
   const ProcessRank process = process_rank();  // one rank per process (bench_processes.h), or all here
   const int ranks = process.active ? process.size : cuda::device_count();
+  run.gpus = std::max(run.gpus, ranks);  // one rank per GPU
   const std::int64_t T = a.tokens ? a.tokens : shape.tokens;
   const int H = a.hidden ? a.hidden : shape.hidden, k = a.topk ? a.topk : shape.topk;
   const int E = a.experts ? a.experts : shape.experts;
@@ -257,6 +268,11 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
     for (const auto& lay : DispatchPlan::build(counts, p).ranks) exact_rows = std::max(exact_rows, lay.required_rows);
   }
   const double row_bytes = 2.0 * H;
+  if (a.backend != "all") {  // before any GPU work: a name the registry does not build is an error
+    const DispatcherBackend& b = dispatcher_backend(a.backend == "torch" ? "alltoall" : a.backend, "--backend");
+    FLEXEP_CHECK_ARG(b.make && b.needs_gpu, "--backend", "'", a.backend, "' ", b.make ? "is not a GPU backend" : b.missing,
+                     "; allowed: all, ", built_dispatcher_names(true));
+  }
   const bool want_alltoall = a.backend == "all" || a.backend == "alltoall" || a.backend == "torch";
   const bool want_hybridep = a.backend == "all" || a.backend == "hybridep";
   const ncclUniqueId id = process.active ? ncclUniqueId{} : Communicator::new_unique_id();
@@ -334,7 +350,10 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
     }
 
     if (want_alltoall) {
-      auto d = make_alltoall_dispatcher(comm, E);
+      DispatcherSpec spec;
+      spec.group = comm;
+      spec.num_experts = E;
+      auto d = make_dispatcher("alltoall", spec, "--backend");
       DispatchInput in;
       in.hidden = x;
       in.indices = idx;

@@ -30,7 +30,7 @@ struct BenchRecord {
 
 struct BenchRun {
   std::string run_id, date, commit, device;
-  int gpus = 0;
+  int gpus = 0;  // GPUs the run used (its cases' ranks), not the GPUs of the machine
   std::vector<BenchRecord> records;
 };
 

@@ -14,7 +14,7 @@
 #include "adam.h"
 #include "flexep/comm/host_world.h"
 #include "flexep/core/random.h"
-#include "flexep/dispatch/host.h"
+#include "flexep/dispatch/registry.h"
 #include "flexep/layer/moe_layer.h"
 #include "progress.h"
 #include "train_common.h"
@@ -81,6 +81,8 @@ void validate(const TrainOptions& o) {
   FLEXEP_CHECK_ARG(o.device == "cpu", "train.device", "'", o.device,
                    "' is not available in this build (built without CUDA); allowed: cpu");
 #endif
+  if (const DispatcherBackend& b = dispatcher_backend(to_string(o.backend.dispatcher)); !b.make)
+    throw_argument_error("backend.dispatcher", "'", b.name, "' ", b.missing, "; built here: ", built_dispatcher_names());
   FLEXEP_CHECK_ARG(o.device == "cuda" || o.backend.dispatcher == DispatcherKind::host, "backend.dispatcher", "'",
                    to_string(o.backend.dispatcher), "' needs GPUs; on the CPU the allowed value is host");
   validate(o.moe);
@@ -95,7 +97,10 @@ struct Rank {
     MoELayerOptions so;
     so.seed = o.seed;
     so.init_std = 0.02;
-    auto dispatcher = std::shared_ptr<TokenDispatcher>(make_host_dispatcher(world, rank, o.moe.n_routed_experts));
+    DispatcherSpec spec;
+    spec.group = std::make_shared<HostProcessGroup>(world, rank);
+    spec.num_experts = o.moe.n_routed_experts;
+    auto dispatcher = std::shared_ptr<TokenDispatcher>(make_dispatcher("host", spec));
     student = std::make_unique<MoELayer>(o.moe, o.backend, world->size() > 1 ? dispatcher : nullptr, so);
     teacher = make_teacher(o);
   }

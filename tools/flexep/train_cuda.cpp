@@ -12,8 +12,7 @@
 #include "adam.h"
 #include "flexep/comm/communicator.h"
 #include "flexep/cuda/runtime.h"
-#include "flexep/dispatch/alltoall.h"
-#include "flexep/dispatch/hybridep.h"
+#include "flexep/dispatch/registry.h"
 #include "flexep/layer/cuda_moe_layer.h"
 #include "progress.h"
 #include "train_common.h"
@@ -33,15 +32,17 @@ struct CudaRank {
     std::shared_ptr<TokenDispatcher> dispatcher;
     if (ranks > 1) {
       comm = Communicator::create(id, rank, ranks, device);
-      if (o.backend.dispatcher == DispatcherKind::hybridep) {
-        // Buffers for this run's tokens per rank (ragged split: at most ceil(tokens / ranks)).
-        HybridEpOptions ho =
-            HybridEpOptions::from_backend(o.backend, (o.tokens + ranks - 1) / ranks, o.moe.dim);
-        ho.max_topk = o.moe.n_activated_experts;
-        dispatcher = make_hybridep_dispatcher(comm, o.moe.n_routed_experts, ho);
-      } else {
-        dispatcher = make_alltoall_dispatcher(comm, o.moe.n_routed_experts);
-      }
+      DispatcherSpec spec;
+      spec.group = comm;
+      spec.num_experts = o.moe.n_routed_experts;
+      spec.backend = o.backend;
+      spec.hidden = o.moe.dim;
+      spec.max_tokens_per_rank = (o.tokens + ranks - 1) / ranks;  // ragged split: at most ceil(tokens / ranks)
+      spec.max_topk = o.moe.n_activated_experts;
+      // `host` on GPUs means the default: alltoall.
+      dispatcher = make_dispatcher(o.backend.dispatcher == DispatcherKind::host ? "alltoall"
+                                                                              : to_string(o.backend.dispatcher),
+                                   spec);
     }
     CudaMoELayerOptions so;
     so.device = device;
@@ -163,10 +164,12 @@ std::pair<double, std::string> gpu_vs_cpu_step(const TrainOptions& o, int ranks)
 TrainReport run_training_cuda(const TrainOptions& o) {
   const int gpus = cuda::device_count();
   FLEXEP_CHECK_ARG(o.ranks <= gpus, "train.ranks", o.ranks, " ranks need as many GPUs; this machine has ", gpus);
-  FLEXEP_CHECK_ARG(o.backend.dispatcher == DispatcherKind::host || o.backend.dispatcher == DispatcherKind::alltoall ||
-                       o.backend.dispatcher == DispatcherKind::hybridep,
-                   "backend.dispatcher", "'", to_string(o.backend.dispatcher),
-                   "' is not available for training on GPUs yet; allowed: alltoall, hybridep (host means the default)");
+  if (o.backend.dispatcher != DispatcherKind::host) {
+    const DispatcherBackend& b = dispatcher_backend(to_string(o.backend.dispatcher));
+    FLEXEP_CHECK_ARG(b.make && b.needs_gpu, "backend.dispatcher", "'", b.name, "' ",
+                     b.make ? "is not a GPU backend" : b.missing, "; for training on GPUs: ",
+                     built_dispatcher_names(true), " (host means the default, alltoall)");
+  }
   TrainOptions oc = o;
   oc.moe.aux_loss_coeff = 0;  // as on the CPU: the per-rank aux loss depends on the split
   TrainReport report;
