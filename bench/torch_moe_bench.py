@@ -1,6 +1,6 @@
 """MoE layer forward + backward from PyTorch on 2 GPUs: flexep (hybridep, or any backend given) against a
 pure-PyTorch reference (NCCL all_to_all_single + torch._grouped_mm), in the same run, on the same routing.
-Writes one JSON per run to bench/results/ in DESIGN §5's format (the reference as backend
+Writes one JSON per run to bench/results/ in the format of docs/benchmarks.md ("The JSON files") (the reference as backend
 "torch_reference"; phase "layer_fwd_bwd", timing "call": CUDA events around forward + backward).
 
 Run: PYTHONPATH=build/python torchrun --nproc-per-node 2 bench/torch_moe_bench.py [--backends hybridep,alltoall] [--sms 64]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B benchmarks of several commits on the GPU machine, the way docs/hybridep.md's experiments are
+# A/B benchmarks of several commits on the GPU machine, the way docs/hybridep-history.md's experiments are
 # measured: every variant built from its own tree, then the same `flexep bench` command run for
 # each variant in turn, several rounds, alternating, so that the machine's drift (clocks, another
 # tenant, HBM temperature) hits every variant alike. Compare variants within one run only: the same

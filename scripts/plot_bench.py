@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Charts of flexep benchmark results (bench/results/*.json, DESIGN §5) as PNG files.
+"""Charts of flexep benchmark results (bench/results/*.json, docs/benchmarks.md) as PNG files.
 
   bandwidth_vs_sms.png   algorithm GB/s of dispatch and combine against the SM count, per backend,
                          with the NVLink copy-engine line (393 GB/s one way on the 2-H200 machine)

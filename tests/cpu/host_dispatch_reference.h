@@ -1,4 +1,4 @@
-// Independent reference of DESIGN §2 for the dispatcher tests: random per-rank inputs, and the
+// Independent reference of docs/semantics.md for the dispatcher tests: random per-rank inputs, and the
 // expected dispatch/combine written with plain loops and a sort, sharing no code with
 // core/plan.cpp or the host backend.
 #pragma once

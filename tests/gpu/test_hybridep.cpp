@@ -7,10 +7,11 @@
 // raised on every rank (configuration mismatch, bad ids, bad arguments) and a missing peer turning
 // into a TimeoutError that names the phase and the rank.
 //
-// OneRankPerGpu/HybridEpMultiGpu.<Test>/gpus runs every test with one rank per GPU;
-// SimulatedRanks/HybridEpMultiGpu.<Test>/2ranks runs it again with the ranks sharing GPU 0 (Communicator::simulate; label gpu, not multigpu): one GPU runs the kernels'
-// multi-rank paths. Their peers' memory is then local, not across NVLink. The graph test is skipped
-// there and the three-rank variant disabled, both open failures (see the instantiations).
+// OneRankPerGpu/HybridEpMultiGpu.<Test>/gpus runs every test with one rank per GPU (label multigpu);
+// SimulatedRanks/HybridEpMultiGpu.<Test>/2ranks runs it again with the ranks sharing GPU 0
+// (Communicator::simulate; label gpu, not multigpu): one GPU runs the kernels' multi-rank paths,
+// with the peers' memory local instead of across NVLink. The three-rank variant is disabled, an
+// open failure (see the instantiations).
 //
 // HybridEpOneRank (at the end) runs the same comparison with R = 1 on one GPU.
 //

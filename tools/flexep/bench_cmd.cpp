@@ -1,5 +1,5 @@
 // `flexep bench CASE...`: runs named benchmark cases, prints a table and writes one JSON file per run
-// to bench/results/ (DESIGN §5). `flexep bench --plot FILES...` turns result files into PNG charts
+// to bench/results/ (docs/benchmarks.md). `flexep bench --plot FILES...` turns result files into PNG charts
 // (through scripts/plot_bench.py and matplotlib).
 #include <algorithm>
 #include <cstdlib>

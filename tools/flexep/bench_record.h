@@ -1,4 +1,4 @@
-// Benchmark results in the JSON form of DESIGN §5: one file per run in bench/results/, with the run's
+// Benchmark results in the JSON form of docs/benchmarks.md ("The JSON files"): one file per run in bench/results/, with the run's
 // device, date and commit, and one record per (case, routing, backend, phase, timing, sms).
 #pragma once
 

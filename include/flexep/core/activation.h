@@ -1,4 +1,4 @@
-// The expert activations with the routing prob applied inside the FFN (DESIGN §2), one row at a
+// The expert activations with the routing prob applied inside the FFN (docs/semantics.md, "Experts"), one row at a
 // time. h is the gate/up projection row ([up_dim]), a the activation row ([inter]):
 //   swiglu      h = [gate | up] halves:  a = silu(gate) * up; with swiglu_limit L > 0 gate is
 //               clamped <= L and up to [-L, L] first (Automodel's swiglu_clamped / DeepSeek-V4)

@@ -1,5 +1,5 @@
 // The dispatch plan: where every (token, expert) pair of every rank lands. This is the one piece
-// of semantics every backend must reproduce bit for bit (DESIGN §2):
+// of semantics every backend must reproduce bit for bit (docs/semantics.md, "Dispatch"):
 //
 //   - rank r owns the contiguous experts [r*E_local, (r+1)*E_local);
 //   - on rank r the received rows are expert-major: all rows of local expert 0, then 1, ...;

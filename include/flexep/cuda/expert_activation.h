@@ -1,4 +1,4 @@
-// The expert activations fused with the gate/up bias and the routing-prob multiply (DESIGN §2:
+// The expert activations fused with the gate/up bias and the routing-prob multiply (docs/semantics.md, "Experts":
 // y = (act(x W_gu + b_gu) * p) W_down + ...), forward and backward, on expert-major rows. The scalar
 // oracle is core/activation.h; the math here is fp32 on bf16 storage.
 //

@@ -1,5 +1,5 @@
 // The token dispatcher: one interface, several communication backends (host, alltoall, deepep,
-// hybridep). Every backend implements exactly the semantics of DESIGN §2 and core/plan.h; the
+// hybridep). Every backend implements exactly the semantics of docs/semantics.md and core/plan.h; the
 // host backend is the oracle the others are tested against.
 //
 // One TokenDispatcher object serves one rank. A call is collective: every rank of the group calls
@@ -77,7 +77,7 @@ class TokenDispatcher {
   int local_experts() const { return num_experts() / world_size(); }
 
   virtual DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) = 0;
-  // expert_out [N, H] -> out [T, H]: the unweighted sum of a token's rows (DESIGN §2).
+  // expert_out [N, H] -> out [T, H]: the unweighted sum of a token's rows (docs/semantics.md, "Combine").
   virtual Tensor combine(const Handle& handle, const TensorView& expert_out) = 0;
   // grad_tokens [N, H], grad_token_probs [N] -> grads of hidden and of the routing weights.
   virtual DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,

@@ -1,4 +1,4 @@
-// The MoE layer on GPUs as a function of weights given per call (DESIGN §3b): the CUDA counterpart of
+// The MoE layer on GPUs as a function of weights given per call (docs/python.md, "Who owns what"): the CUDA counterpart of
 // MoECompute (moe_compute.h), same configuration, weights (MoEWeights) and results, for one rank of an
 // expert-parallel group (EP size 1: the single-GPU dispatcher; larger: any GPU TokenDispatcher).
 //

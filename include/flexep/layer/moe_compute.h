@@ -1,5 +1,5 @@
 // The whole MoE layer (Automodel's MoE) as a function of weights given per call, CPU reference, for
-// one rank of an expert-parallel group (DESIGN §3b: the caller owns the parameters):
+// one rank of an expert-parallel group (the caller owns the parameters: docs/python.md, "Who owns what"):
 //   weights, indices = gate(x, ~padding)           (or a routing override; padding gets index -1)
 //   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
 //   y_rows = experts(rows)                         (prob applied inside the FFN)

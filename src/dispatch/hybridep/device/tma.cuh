@@ -10,7 +10,7 @@
 //   mbarriers    init / arrive / arrive.expect_tx / try_wait.parity, the stage handshake of a ring;
 //   proxy fences bulk copies run in the ASYNC proxy, ordinary loads and stores (flags, records,
 //                descriptors) in the GENERIC proxy. Where data crosses from one to the other through
-//                memory, a proxy fence orders them (see "Memory ordering" in docs/hybridep.md):
+//                memory, a proxy fence orders them (see "Memory ordering across proxies" in docs/hybridep.md):
 //                  writer: bulk stores -> wait_group 0 (writes complete) -> fence.proxy.async.global
 //                          -> fence.sc.sys -> st.release.sys flag
 //                  reader: ld.acquire.sys flag -> fence.proxy.async.global -> bulk loads
@@ -79,7 +79,7 @@ __device__ __forceinline__ bool mbar_try_wait(std::uint64_t* bar, std::uint32_t 
 
 // Waits without a deadline. Used only where the protocol guarantees progress (a local stage
 // handshake between two warps of one CTA, each of which only waits on the other or on a remote flag
-// that has its own deadline): see the progress argument in docs/hybridep.md.
+// that has its own deadline): see docs/hybridep.md, "Progress".
 __device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
   while (!mbar_try_wait(bar, parity)) {
   }

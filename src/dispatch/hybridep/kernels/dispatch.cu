@@ -134,7 +134,7 @@ struct Env {
 // publishes the part and only then stores the local rows: decode's chunk flags came ~1.5 us earlier
 // at 32 SMs (2-token parts). With 4-token parts (decode at 16 SMs) the SMs' store path is what
 // limits, and holding the rows back cost ~0.8 us; local rows issued right behind the remote rows,
-// without the wait, delayed the remote rows themselves (A/B runs of session 11, docs/hybridep.md).
+// without the wait, delayed the remote rows themselves (A/B runs, docs/hybridep-history.md).
 constexpr int kHoldLocalTokens = 2;
 
 // Ring `ring`'s note for job j.

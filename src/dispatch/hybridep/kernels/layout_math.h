@@ -42,7 +42,7 @@ FLEXEP_HD long long clamp_ll(long long x, long long lo, long long hi) { return x
 // The owner rank of expert e, e / L, without a division instruction. The GPU's integer division is
 // a ~50-instruction routine, and decode runs the fused kernel's copies of it once per SM and call
 // from a cold instruction cache: ~400 instructions for a token's 8 slots, 17 of the `no_inst`
-// stall samples of session 12's ncu. The high half of e * m with m = ceil(2^32 / L) is exact while
+// stall samples of ncu at 877fe3e. The high half of e * m with m = ceil(2^32 / L) is exact while
 // e * (L - 1) < 2^32, which e < kMaxExperts and L <= kMaxExperts keep; L = 1 (m would not fit)
 // gives e itself.
 struct OwnerOf {
