@@ -60,12 +60,18 @@ std::exception_ptr compare_headers(const std::vector<CallSignature>& h) {
     return fail("routing_map", form_name(h[r].multihot), form_name(h0.multihot), "use the same routing form");
   if ((r = first_different(h, [](const auto& x) { return x.hidden; })) >= 0)
     return fail("hidden", num("H", h[r].hidden), num("H", h0.hidden), "pass the same hidden size");
+  if ((r = first_different(h, [](const auto& x) { return x.hidden_dtype; })) >= 0)
+    return fail("hidden", "dtype " + std::string(dtype_name(h[r].hidden_dtype)),
+                "dtype " + std::string(dtype_name(h0.hidden_dtype)), "pass hidden states of the same dtype");
   if ((r = first_different(h, [](const auto& x) { return x.fp8; })) >= 0) {  // never in the alltoall backend
     auto fmt = [](bool fp8) { return std::string(fp8 ? "FP8 (dispatch_fp8)" : "bf16 (dispatch)"); };
     return fail("hidden", fmt(h[r].fp8) + " rows", fmt(h0.fp8) + " rows", "dispatch rows of the same format");
   }
   if (!h0.multihot && (r = first_different(h, [](const auto& x) { return x.topk; })) >= 0)
     return fail("indices", num("k", h[r].topk), num("k", h0.topk), "route every token to the same top-k");
+  if ((r = first_different(h, [](const auto& x) { return x.weight_dtype; })) >= 0)
+    return fail(h0.multihot ? "probs" : "weights", "dtype " + std::string(dtype_name(h[r].weight_dtype)),
+                "dtype " + std::string(dtype_name(h0.weight_dtype)), "pass routing weights of the same dtype");
   if ((r = first_different(h, [](const auto& x) { return x.mode; })) >= 0)
     return fail("options.mode", mode_name(h[r].mode), mode_name(h0.mode), "dispatch in the same mode");
   if ((r = first_different(h, [](const auto& x) { return x.pad_multiple; })) >= 0)

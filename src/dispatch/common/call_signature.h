@@ -1,5 +1,6 @@
-// The call signature of the collective GPU backends (alltoall, hybridep): the header every rank
-// sends to every rank in the count exchange, before any data moves. It carries
+// The call signature of a dispatch: the header every rank sends to every rank in the count
+// exchange, before any data moves (the GPU backends as words, the host backend as the struct). It
+// carries
 //   - the result of this rank's local checks (failed, and the argument its ArgumentError named),
 //   - a device-side argument violation found by this rank's kernels (device_*),
 //   - the configuration every rank must agree on, and this rank's token count;
@@ -41,6 +42,11 @@ struct CallSignature {
   // Rows travel as e4m3 with fp32 scales (hybridep's dispatch_fp8). Not among the shared words:
   // hybridep appends it; the alltoall backend has no FP8 dispatch and leaves it false.
   bool fp8 = false;
+  // The dtypes of hidden and of the routing weights. Not among the shared words: the GPU backends
+  // accept one dtype of each (bf16 rows, f32 weights), so only the host backend, which takes
+  // several, sets them.
+  DType hidden_dtype = DType::f32;
+  DType weight_dtype = DType::f32;
 };
 
 // Writes the kWords shared words of `s` to `w` (64-bit words: std::int64_t or long long).
@@ -122,6 +128,7 @@ PlanParams plan_params(const DispatchOptions& options, int ranks, int experts);
 
 // Null when every rank agrees with rank 0 on the configuration (T may differ); otherwise an
 // ArgumentError naming the first field that differs, the first rank that differs and both values.
+// Fields are checked in the order a user would fix them.
 std::exception_ptr compare_headers(const std::vector<CallSignature>& headers);
 
 // A device-side violation as a backend reports it: the argument to name and the message.

@@ -13,7 +13,7 @@
 #include "dispatch/host/dispatcher/handle.h"
 #include "dispatch/host/dispatcher/rank_failure.h"
 #include "dispatch/host/dispatcher/row_ops.h"
-#include "dispatch/host/dispatcher/signature.h"
+#include "dispatch/common/call_signature.h"
 #include "flexep/core/checks.h"
 #include "flexep/core/routing.h"
 #include "flexep/dispatch/host.h"
@@ -28,16 +28,6 @@ struct LocalRouting {
   TensorView weights;  // [T, k] f32/f64 (the caller's, or owned_weights)
   Tensor owned_weights;
 };
-
-PlanParams plan_params(const DispatchOptions& o, int ranks, int experts) {
-  PlanParams p;
-  p.ranks = ranks;
-  p.experts = experts;
-  p.pad_multiple = o.pad_multiple;
-  if (o.mode == DispatchMode::budget) p.budget_rows = o.budget_rows;
-  p.overflow = o.overflow;
-  return p;
-}
 
 LocalRouting prepare(const DispatchInput& in, const DispatchOptions& opt, int ranks, int experts) {
   check::rank(in.hidden, 2, "hidden");
@@ -80,13 +70,13 @@ LocalRouting prepare(const DispatchInput& in, const DispatchOptions& opt, int ra
         in.indices.dtype == DType::i64 ? Tensor::wrap(in.indices).clone() : Tensor::wrap(in.indices).to(DType::i64);
     r.weights = in.weights;
   }
-  validate(plan_params(opt, ranks, experts));
+  validate(call_signature::plan_params(opt, ranks, experts));
   return r;
 }
 
 struct CountExchange {
   RankFailure status;
-  DispatchSignature sig;
+  call_signature::CallSignature sig;
   std::vector<std::int64_t> counts;  // [E]
 };
 
@@ -144,16 +134,11 @@ DispatchResult HostDispatcher::dispatch(const DispatchInput& input, const Dispat
   CountExchange mine;
   try {
     local = prepare(input, options, R, experts_);
-    mine.sig = {experts_,
-                input.multihot(),
-                input.hidden.size(1),
-                input.hidden.dtype,
-                input.multihot() ? experts_ : local.indices.size(1),
-                local.weights.dtype,
-                options.mode,
-                options.pad_multiple,
-                options.budget_rows,
-                options.overflow};
+    // k is compared only in the top-k form (the multihot form derives it from the data).
+    call_signature::set_call(mine.sig, experts_, input.multihot(), input.hidden.size(1),
+                             input.multihot() ? 0 : local.indices.size(1), options, input.hidden.size(0));
+    mine.sig.hidden_dtype = input.hidden.dtype;
+    mine.sig.weight_dtype = local.weights.dtype;
     mine.counts = expert_counts(local.indices, experts_);
   } catch (...) {
     mine.status.capture(std::current_exception());
@@ -161,14 +146,14 @@ DispatchResult HostDispatcher::dispatch(const DispatchInput& input, const Dispat
   DispatchPlan plan;
   publish(*world_, rank_, mine, "dispatch:count-exchange", "dispatch:abort",
           [&](const std::vector<CountExchange>& all) {
-            std::vector<const DispatchSignature*> sigs;
-            for (const auto& c : all) sigs.push_back(&c.sig);
-            if (auto err = compare_signatures(sigs)) return err;
+            std::vector<call_signature::CallSignature> sigs;
+            for (const auto& c : all) sigs.push_back(c.sig);
+            if (auto err = call_signature::compare_headers(sigs)) return err;
             std::vector<std::int64_t> counts;
             for (const auto& c : all) counts.insert(counts.end(), c.counts.begin(), c.counts.end());
             // Every rank builds the same plan from the same counts, so an overflow raises everywhere.
             try {
-              plan = DispatchPlan::build(counts, plan_params(options, R, experts_));
+              plan = DispatchPlan::build(counts, call_signature::plan_params(options, R, experts_));
             } catch (...) {
               return std::current_exception();
             }
