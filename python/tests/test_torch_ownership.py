@@ -2,12 +2,14 @@
 to_empty + init_weights, .to() / .double(), load_state_dict(assign=True), activation checkpointing,
 micro-batch accumulation and optimizers behave as with Automodel's own layer."""
 
+import itertools
+
 import pytest
 import torch
 import torch.utils.checkpoint as ckpt
 
 import flexep.torch as ft
-from automodel_pair import am_backend, am_config, assert_close_pair, pair, run
+from automodel_pair import AmMoE, am_backend, am_config, assert_close_pair, pair, run
 from distributed import run_processes
 from fsdp_bodies import fsdp_training
 
@@ -33,16 +35,35 @@ def test_fsdp2_trains_as_automodel(world, reshard_after_forward, experts_unit):
         torch.testing.assert_close(ours["after"], ref["after"], rtol=1e-5, atol=1e-6)
 
 
+def _empty_then_init(module):
+    """to_empty() memory made NaN (so that it is deterministic), then init_weights; returns the
+    names of the tensors init_weights left uninitialised."""
+    module.to_empty(device="cpu")
+    tensors = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+    with torch.no_grad():
+        for t in tensors.values():
+            t.fill_(float("nan"))
+        module.init_weights(torch.device("cpu"), init_std=0.05)
+    return {n for n, t in tensors.items() if t.isnan().any()}
+
+
 def test_meta_device_then_to_empty_and_init_weights():
     cfg, b = am_config(**CONFIG), am_backend()
     with torch.device("meta"):
-        m = ft.MoE(cfg, b)
+        m, ref = ft.MoE(cfg, b), AmMoE(cfg, b)
     assert all(p.device.type == "meta" for p in m.parameters())
-    m.to_empty(device="cpu")
-    with torch.no_grad():
-        m.init_weights(torch.device("cpu"), init_std=0.05)
+    left = _empty_then_init(m)
+    # init_weights covers what Automodel's covers, no more and no less (it leaves the shared
+    # experts' biases and the shared-expert gate to nn.Linear's constructor).
+    assert left == _empty_then_init(ref)
+    assert "shared_experts.down_proj.bias" in left
     assert 0.03 < m.experts.gate_and_up_projs.std().item() < 0.07
-    ref, _ = pair(**CONFIG)
+    assert torch.count_nonzero(m.gate.e_score_correction_bias) == 0
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, t in m.state_dict().items():
+            if n in left:
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
     ref.load_state_dict(m.state_dict())
     assert_close_pair(ref, m, _x())
 
