@@ -10,6 +10,7 @@
 #include <string>
 
 #include "dispatch/alltoall/dispatcher/handle.h"
+#include "dispatch/alltoall/dispatcher/layout.h"
 #include "flexep/comm/communicator.h"
 #include "flexep/cuda/device_errors.h"
 #include "flexep/dispatch/alltoall.h"
@@ -32,7 +33,24 @@ class AlltoallDispatcher final : public TokenDispatcher {
                                   const TensorView& grad_token_probs) override;
   Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
 
+ public:
+  struct Routing;  // a call's checked routing shape (dispatch_cuda.cpp)
+
  private:
+  struct Staging;
+  struct Packed;
+
+  // dispatch's steps, in order (dispatch_cuda.cpp).
+  Staging count_slots(const DispatchInput& input, const Routing& rt, const RankHeader& mine, bool failed);
+  Exchange exchange_counts(const Tensor& payload);
+  RankPlan agree(const Exchange& ex, const DispatchOptions& options, int slots);
+  Tensor upload_placement(const RankPlan& rp);
+  std::shared_ptr<AlltoallHandle> make_handle(const Routing& rt, const RankPlan& rp, const Tensor& slot_expert);
+  Packed pack(AlltoallHandle& h, const Staging& st, const TensorView& hidden, const RankPlan& rp);
+  Packed send_tokens(const AlltoallHandle& h, const Packed& sent);
+  DispatchResult place_received(AlltoallHandle& h, const Packed& in, const Tensor& placement, const RankPlan& rp,
+                                DispatchMode mode);
+
   // The stream of this call: options.stream, or the thread's current stream.
   cudaStream_t stream() const;
   // The stream NCCL work goes on: `s` itself, or the internal stream made to wait for `s`.

@@ -19,15 +19,15 @@
 
 namespace flexep::hybridep {
 
-namespace {
-
-struct Routing {
+struct Dispatcher::Routing {
   std::int64_t tokens = 0, hidden = 0;
   int slots = 1;  // k, or the buffer's slots (multihot)
   bool multihot = false;
 };
 
-Routing check_input(const DispatchInput& in, const TensorView& scales, const DispatchOptions& opt,
+namespace {
+
+Dispatcher::Routing check_input(const DispatchInput& in, const TensorView& scales, const DispatchOptions& opt,
                     const BufferConfig& cfg, int device, bool fp8) {
   const Device dev = Device::cuda(device);
   check::rank(in.hidden, 2, "hidden");
@@ -38,7 +38,7 @@ Routing check_input(const DispatchInput& in, const TensorView& scales, const Dis
     check::dtype(in.hidden, {DType::bf16}, "hidden");
   }
   check::device(in.hidden, dev, "hidden");
-  Routing r;
+  Dispatcher::Routing r;
   r.tokens = in.hidden.size(0);
   r.hidden = in.hidden.size(1);
   if (fp8) {
@@ -96,9 +96,6 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   cuda::StreamGuard stream_guard(s);
   require_usable();
   ensure_initialized();
-  const int E = experts_, L = local_experts(), me = rank();
-  DispatchStorage& st = *dispatch_;
-  const DispatchGeometry& g = st.geometry();
 
   // 1. Local checks.
   Routing rt;
@@ -109,188 +106,216 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   });
   // A failed rank still runs the protocol, on one CTA if need be.
   const HybridEpSms sms = local ? HybridEpSms{1, 1, 1} : num_sms();
-  call_signature::set_call(mine, E, input.multihot(), rt.hidden, rt.multihot ? 0 : rt.slots, options,
+  call_signature::set_call(mine, experts_, input.multihot(), rt.hidden, rt.multihot ? 0 : rt.slots, options,
                            local ? 0 : rt.tokens);
   mine.fp8 = fp8;
 
   // 2. The call's parameters and this rank's plan (skipped after a local failure: the inputs may
   //    not be safe to read; the rank then sends T = 0 and a failed header).
   ++dispatch_seq_;
+  DispatchCall c = describe_call(mine, rt, options, fp8, local != nullptr);
+  const bool overlap = !options_.kernel_timing && !capturing(s);
+  record(ev_plan, s);
+  const bool after_plan = local ? false : plan_routing(c, input, scales, rt, sms, overlap);
+
+  // 3. The two kernels of the exchange (or one, for a call that fits one plan chunk).
+  launch_exchange(c, sms, after_plan, overlap);
+  if (local) abort_failed_call(s, local);
+
+  // 4. Outputs: views of the receive window.
+  DispatchResult result;
+  const std::int64_t N =
+      options.mode == DispatchMode::blocking ? read_layout(s, c.host_seq, result) : device_layout(options, result);
+  FLEXEP_CHECK(N >= 0 && N <= config_.capacity_rows, "hybridep dispatch: ", N, " output rows outside the buffer's ",
+               config_.capacity_rows, " (internal error)");
+  wrap_rows(result, N, rt.hidden, fp8, scales_out);
+  result.handle = make_handle(rt, N, options.mode);
+  return result;
+}
+
+DispatchCall Dispatcher::describe_call(const RankHeader& mine, const Routing& rt, const DispatchOptions& options,
+                                       bool fp8, bool failed) {
   DispatchCall c;
   const std::vector<long long> header = encode(mine);
   std::copy(header.begin(), header.end(), c.header);
   c.tokens = mine.tokens;
-  c.slots = local ? 1 : rt.slots;
+  c.slots = failed ? 1 : rt.slots;
   c.pad_multiple = options.pad_multiple >= 1 ? options.pad_multiple : 1;  // never a division by 0, even failed
-  c.budget = options.mode == DispatchMode::budget && !local ? options.budget_rows : -1;
+  c.budget = options.mode == DispatchMode::budget && !failed ? options.budget_rows : -1;
   c.drop = options.overflow == OverflowPolicy::drop ? 1 : 0;
   c.errors = errors_.record();
   c.row_bytes = fp8 ? config_.hidden : 2 * config_.hidden;
-  const bool blocking = options.mode == DispatchMode::blocking;
-  if (blocking) {
+  c.scale_bytes = fp8 ? config_.hidden / kFp8ScaleBlock * 4 : 0;
+  if (options.mode == DispatchMode::blocking) {
     c.host_control = readback_device_->control;
     c.host_status = &readback_device_->published_status;
     c.host_seq_at = &readback_device_->control_seq;
     c.host_seq = static_cast<unsigned>(dispatch_seq_);
   }
-  c.scale_bytes = fp8 ? config_.hidden / kFp8ScaleBlock * 4 : 0;
-  const bool overlap = !options_.kernel_timing && !capturing(s);
-  bool after_plan = false;  // the chunk plan kernel is the last launch before the preprocess kernel
   traced_ = options_.kernel_timing;
   if (traced_) {  // before the first event: the resets are not timed
+    const cudaStream_t s = stream();
     FLEXEP_CUDA_CHECK(cudaMemsetAsync(trace_->first, 0xff, sizeof trace_->first, s));
     FLEXEP_CUDA_CHECK(cudaMemsetAsync(trace_->last, 0, sizeof trace_->last, s));
     c.trace = trace_;
   }
-  record(ev_plan, s);
-  if (!local) {
-    const std::int64_t T = rt.tokens;
-    c.hidden = input.hidden.data;
-    c.scales = fp8 ? scales.data : nullptr;
-    if (rt.multihot) {
-      int* slot_expert = st.at<int>(g.off_slot_expert);
-      float* slot_weight = st.at<float>(g.off_slot_weight);
-      launch_multihot_slots(static_cast<const unsigned char*>(input.routing_map.data), input.probs.ptr<float>(), T, E,
-                            rt.slots, slot_expert, slot_weight, errors_.record(), s);
-      c.indices = slot_expert;
-      c.indices_i64 = 0;
-      c.weights = slot_weight;
-    } else {
-      c.indices = input.indices.data;
-      c.indices_i64 = input.indices.dtype == DType::i64 ? 1 : 0;
-      c.weights = input.weights.ptr<float>();
-    }
-    // The single-GPU plan with pad 1 and no budget, one kernel on the preprocess SMs (chunk_plan.cu):
-    // pair counts per expert, and every slot's rank among its chunk's pairs of its expert; bad ids
-    // are reported and get -1. Tokens that fit one chunk (decode) are planned by the preprocess
-    // kernel itself: a kernel and a dependent launch fewer on the call's critical path.
-    c.plan_slot_rows = st.at<int>(g.off_plan_slot_rows);
-    c.inline_plan = T <= kPlanChunkTokens ? 1 : 0;
-    if (!c.inline_plan) {
-      ChunkPlanCall pc;
-      pc.indices = c.indices;
-      pc.indices_i64 = c.indices_i64;
-      pc.tokens = T;
-      pc.slots = rt.slots;
-      pc.experts = E;
-      pc.counts = st.at<long long>(g.off_plan_counts);
-      pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
-      pc.slot_rank = c.plan_slot_rows;
-      pc.done = st.at<unsigned>(g.off_plan_done);
-      pc.errors = errors_.record();
-      launch_chunk_plan(pc, sms.preprocess, s);
-      after_plan = overlap;
-      c.plan_counts = pc.counts;
-      c.plan_chunk_base = pc.chunk_base;
-    }
-  }
+  return c;
+}
 
-  // 3. The two kernels of the exchange. The dispatch kernel is launched as a programmatic dependent
-  //    of the preprocess kernel when nothing sits between them on the stream (kernel_timing puts
-  //    events there): it may be scheduled while the preprocess kernel runs, hiding its launch
-  //    latency, and waits (griddepcontrol.wait, its first instruction) for the preprocess grid to
-  //    complete before it reads anything, so the results cannot change. Not in a graph capture:
-  //    a graph launches its kernels with little overhead anyway, and captured calls keep exactly the
-  //    dependencies they had before.
-  //    A call whose tokens fit one plan chunk (decode) takes ONE kernel instead: the preprocess
-  //    steps in every CTA of the dispatch grid, then its roles (dispatch_small_kernel), on the
-  //    largest grid within the dispatch SMs whose every pipeline sends a part of it
-  //    (dispatch_small_grid says why): fewer SMs in one kernel beat more in two for such a call.
-  DispatchView view = st.view(status_, options_.timeout_seconds);
+bool Dispatcher::plan_routing(DispatchCall& c, const DispatchInput& input, const TensorView& scales,
+                              const Routing& rt, const HybridEpSms& sms, bool overlap) {
+  DispatchStorage& st = *dispatch_;
+  const DispatchGeometry& g = st.geometry();
+  const cudaStream_t s = stream();
+  const std::int64_t T = rt.tokens;
+  c.hidden = input.hidden.data;
+  c.scales = scales.data;  // null unless dispatch_fp8
+  if (rt.multihot) {
+    int* slot_expert = st.at<int>(g.off_slot_expert);
+    float* slot_weight = st.at<float>(g.off_slot_weight);
+    launch_multihot_slots(static_cast<const unsigned char*>(input.routing_map.data), input.probs.ptr<float>(), T,
+                          experts_, rt.slots, slot_expert, slot_weight, errors_.record(), s);
+    c.indices = slot_expert;
+    c.indices_i64 = 0;
+    c.weights = slot_weight;
+  } else {
+    c.indices = input.indices.data;
+    c.indices_i64 = input.indices.dtype == DType::i64 ? 1 : 0;
+    c.weights = input.weights.ptr<float>();
+  }
+  // The single-GPU plan with pad 1 and no budget, one kernel on the preprocess SMs (chunk_plan.cu):
+  // pair counts per expert, and every slot's rank among its chunk's pairs of its expert; bad ids
+  // are reported and get -1. Tokens that fit one chunk (decode) are planned by the preprocess
+  // kernel itself: a kernel and a dependent launch fewer on the call's critical path.
+  c.plan_slot_rows = st.at<int>(g.off_plan_slot_rows);
+  c.inline_plan = T <= kPlanChunkTokens ? 1 : 0;
+  if (c.inline_plan) return false;
+  ChunkPlanCall pc;
+  pc.indices = c.indices;
+  pc.indices_i64 = c.indices_i64;
+  pc.tokens = T;
+  pc.slots = rt.slots;
+  pc.experts = experts_;
+  pc.counts = st.at<long long>(g.off_plan_counts);
+  pc.chunk_base = st.at<int>(g.off_plan_chunk_base);
+  pc.slot_rank = c.plan_slot_rows;
+  pc.done = st.at<unsigned>(g.off_plan_done);
+  pc.errors = errors_.record();
+  launch_chunk_plan(pc, sms.preprocess, s);
+  c.plan_counts = pc.counts;
+  c.plan_chunk_base = pc.chunk_base;
+  return overlap;  // the chunk plan kernel is then the last launch before the preprocess kernel
+}
+
+// The dispatch kernel is launched as a programmatic dependent of the preprocess kernel when
+// nothing sits between them on the stream (kernel_timing puts events there): it may be scheduled
+// while the preprocess kernel runs, hiding its launch latency, and waits (griddepcontrol.wait, its
+// first instruction) for the preprocess grid to complete before it reads anything, so the results
+// cannot change. Not in a graph capture: a graph launches its kernels with little overhead anyway,
+// and captured calls keep exactly the dependencies they had before.
+// A call whose tokens fit one plan chunk (decode) takes ONE kernel instead: the preprocess steps in
+// every CTA of the dispatch grid, then its roles (dispatch_small_kernel), on the largest grid
+// within the dispatch SMs whose every pipeline sends a part of it (dispatch_small_grid says why):
+// fewer SMs in one kernel beat more in two for such a call.
+void Dispatcher::launch_exchange(DispatchCall& c, const HybridEpSms& sms, bool after_plan, bool overlap) {
+  const cudaStream_t s = stream();
+  DispatchView view = dispatch_->view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
-  const int small_grid = c.inline_plan ? dispatch_small_grid(c.row_bytes, c.scale_bytes, E, c.slots, c.tokens,
-                                                                   sms.dispatch, options_.part_tokens)
-                                             : 0;
-  const bool fused = small_grid > 0;
-  one_kernel_ = fused;
+  const int small_grid = c.inline_plan ? dispatch_small_grid(c.row_bytes, c.scale_bytes, experts_, c.slots, c.tokens,
+                                                             sms.dispatch, options_.part_tokens)
+                                       : 0;
+  one_kernel_ = small_grid > 0;
   record(ev_preprocess, s);
-  if (!fused) launch_preprocess(view, c, sms.preprocess, s, after_plan);
+  if (!one_kernel_) launch_preprocess(view, c, sms.preprocess, s, after_plan);
   record(ev_dispatch, s);
-  if (fused)
+  if (one_kernel_)
     launch_dispatch_small(view, c, small_grid, s);
   else
     launch_dispatch(view, c, sms.dispatch, s, overlap);
   record(ev_dispatch_end, s);
+}
 
-  if (local) {
-    // The other ranks learn of the failure from the header and abort alike. Wait for the kernels
-    // so that the abort this rank caused does not linger in the status record (which keeps only the
-    // first error) and hide a later one; a capture cannot wait, and is broken by the error anyway.
-    if (!capturing(s)) {
-      try {
-        check(s, "dispatch");
-      } catch (const TimeoutError&) {
-        // A peer is missing as well: the local error below is still the one to report.
-      } catch (const Error&) {
-      }
-    }
-    std::rethrow_exception(local);
-  }
-
-  // 4. Outputs: views of the receive window.
-  const std::int64_t H = rt.hidden;
-  DispatchResult result;
-  std::int64_t N = options.budget_rows;
-  const std::shared_ptr<void> owner = dispatch_;
-  if (blocking) {
-    // The preprocess steps' CTA 0 (of the preprocess kernel, or of the fused small-call kernel)
-    // publishes [control | tokens_per_expert] into pinned memory; the call
-    // returns once it is there, while the dispatch kernel still moves the rows (stream-ordered
-    // before anything the caller enqueues next). An aborted call waits for its kernels and raises;
-    // an error of the data movement itself is raised by the next call that checks (as in budget
-    // mode, and as DeepEP's dispatch).
-    if (!wait_control(s, c.host_seq, "dispatch")) {  // not published: only a bug, take the slow road
-      FLEXEP_CUDA_CHECK(cudaMemcpyAsync(readback_->control, st.control(),
-                                        sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8,
-                                        cudaMemcpyDeviceToHost, s));
+// The other ranks learn of the failure from the header and abort alike. Wait for the kernels so
+// that the abort this rank caused does not linger in the status record (which keeps only the first
+// error) and hide a later one; a capture cannot wait, and is broken by the error anyway.
+void Dispatcher::abort_failed_call(cudaStream_t s, const std::exception_ptr& local) {
+  if (!capturing(s)) {
+    try {
       check(s, "dispatch");
+    } catch (const TimeoutError&) {
+      // A peer is missing as well: the local error below is still the one to report.
+    } catch (const Error&) {
     }
-    DispatchControl control;
-    std::memcpy(&control, readback_->control, sizeof control);
-    if (control.abort || readback_->published_status.code != 0) {
-      check(s, "dispatch");  // raises the reason: this call's abort, or an error an earlier call left
-      if (control.abort)
-        throw Error(detail::concat("rank ", me, ": hybridep dispatch aborted without a reported reason (internal)"));
-    }
-    N = control.out_rows;
-    result.dropped = control.dropped;
-    std::vector<std::int64_t> tpe(static_cast<std::size_t>(L));
-    std::memcpy(tpe.data(), readback_->control + sizeof(DispatchControl), tpe.size() * 8);
-    result.tokens_per_expert = Tensor::from_vector(tpe, {L});
-  } else {
-    result.tokens_per_expert =
-        Tensor::wrap(TensorView(st.local() + g.off_tpe, DType::i64, {L}, Device::cuda(comm_->device())), owner);
   }
-  FLEXEP_CHECK(N >= 0 && N <= config_.capacity_rows, "hybridep dispatch: ", N, " output rows outside the buffer's ",
-               config_.capacity_rows, " (internal error)");
-  result.tokens = Tensor::wrap(
-      TensorView(st.window() + g.off_tokens, fp8 ? DType::e4m3 : DType::bf16, {N, H}, Device::cuda(comm_->device())),
-      owner);
-  if (scales_out)
-    *scales_out = Tensor::wrap(
-        TensorView(st.window() + g.off_scales, DType::f32, {N, H / kFp8ScaleBlock}, Device::cuda(comm_->device())),
-        owner);
-  result.token_probs =
-      Tensor::wrap(TensorView(st.window() + g.off_probs, DType::f32, {N}, Device::cuda(comm_->device())), owner);
+  std::rethrow_exception(local);
+}
 
+// The preprocess steps' CTA 0 (of the preprocess kernel, or of the fused small-call kernel)
+// publishes [control | tokens_per_expert] into pinned memory; the call returns once it is there,
+// while the dispatch kernel still moves the rows (stream-ordered before anything the caller
+// enqueues next). An aborted call waits for its kernels and raises; an error of the data movement
+// itself is raised by the next call that checks (as in budget mode, and as DeepEP's dispatch).
+std::int64_t Dispatcher::read_layout(cudaStream_t s, unsigned seq, DispatchResult& result) {
+  const int L = local_experts();
+  if (!wait_control(s, seq, "dispatch")) {  // not published: only a bug, take the slow road
+    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(readback_->control, dispatch_->control(),
+                                      sizeof(DispatchControl) + static_cast<std::size_t>(L) * 8,
+                                      cudaMemcpyDeviceToHost, s));
+    check(s, "dispatch");
+  }
+  DispatchControl control;
+  std::memcpy(&control, readback_->control, sizeof control);
+  if (control.abort || readback_->published_status.code != 0) {
+    check(s, "dispatch");  // raises the reason: this call's abort, or an error an earlier call left
+    if (control.abort)
+      throw Error(detail::concat("rank ", rank(), ": hybridep dispatch aborted without a reported reason (internal)"));
+  }
+  result.dropped = control.dropped;
+  std::vector<std::int64_t> tpe(static_cast<std::size_t>(L));
+  std::memcpy(tpe.data(), readback_->control + sizeof(DispatchControl), tpe.size() * 8);
+  result.tokens_per_expert = Tensor::from_vector(tpe, {L});
+  return control.out_rows;
+}
+
+// Budget mode: the counts stay on the GPU, and the output holds the budget's rows.
+std::int64_t Dispatcher::device_layout(const DispatchOptions& options, DispatchResult& result) {
+  const DispatchStorage& st = *dispatch_;
+  result.tokens_per_expert = Tensor::wrap(TensorView(st.local() + st.geometry().off_tpe, DType::i64,
+                                                     {local_experts()}, Device::cuda(comm_->device())),
+                                          dispatch_);
+  return options.budget_rows;
+}
+
+void Dispatcher::wrap_rows(DispatchResult& result, std::int64_t N, std::int64_t H, bool fp8, Tensor* scales_out) {
+  const DispatchStorage& st = *dispatch_;
+  const DispatchGeometry& g = st.geometry();
+  const Device dev = Device::cuda(comm_->device());
+  result.tokens = Tensor::wrap(TensorView(st.window() + g.off_tokens, fp8 ? DType::e4m3 : DType::bf16, {N, H}, dev),
+                               dispatch_);
+  if (scales_out)
+    *scales_out =
+        Tensor::wrap(TensorView(st.window() + g.off_scales, DType::f32, {N, H / kFp8ScaleBlock}, dev), dispatch_);
+  result.token_probs = Tensor::wrap(TensorView(st.window() + g.off_probs, DType::f32, {N}, dev), dispatch_);
+}
+
+std::shared_ptr<HepHandle> Dispatcher::make_handle(const Routing& rt, std::int64_t rows, DispatchMode mode) {
   auto h = std::make_shared<HepHandle>();
   h->backend = "hybridep";
   h->owner = this;
-  h->rank = me;
+  h->rank = rank();
   h->tokens = rt.tokens;
-  h->topk = rt.multihot ? E : rt.slots;
+  h->topk = rt.multihot ? experts_ : rt.slots;
   h->multihot = rt.multihot;
-  h->hidden = H;
-  h->rows = N;
-  h->local_experts = L;
+  h->hidden = rt.hidden;
+  h->rows = rows;
+  h->local_experts = local_experts();
   h->hidden_dtype = DType::bf16;  // of combine's expert_out and the gradients, also after dispatch_fp8
   h->prob_dtype = DType::f32;
   h->sequence = dispatch_seq_;
   h->storage = dispatch_;
-  h->mode = options.mode;
+  h->mode = mode;
   h->slots = rt.slots;
-  result.handle = std::move(h);
-  return result;
+  return h;
 }
 
 }  // namespace flexep::hybridep

@@ -70,6 +70,9 @@ class Dispatcher final : public HybridEpDispatcher {
   void combine_into(const Handle& handle, const TensorView& expert_out, const TensorView& out) override;
   void combine_backward_into(const Handle& handle, const TensorView& grad_out, const TensorView& out) override;
 
+ public:
+  struct Routing;  // a call's checked routing shape (dispatch_cuda.cpp)
+
  private:
   enum Event { ev_plan, ev_preprocess, ev_dispatch, ev_dispatch_end, ev_combine, ev_combine_end, ev_count };
 
@@ -98,6 +101,18 @@ class Dispatcher final : public HybridEpDispatcher {
   // dispatch and dispatch_fp8 (fp8: e4m3 rows + `scales`; the scales output view goes to *scales_out).
   DispatchResult dispatch_impl(const DispatchInput& input, const TensorView& scales, const DispatchOptions& options,
                                bool fp8, Tensor* scales_out);
+  // dispatch_impl's steps, in order (dispatch_cuda.cpp).
+  DispatchCall describe_call(const RankHeader& mine, const Routing& rt, const DispatchOptions& options, bool fp8,
+                             bool failed);
+  // The routing as slots, and the chunk plan; true when the plan kernel was the last launch.
+  bool plan_routing(DispatchCall& c, const DispatchInput& input, const TensorView& scales, const Routing& rt,
+                    const HybridEpSms& sms, bool overlap);
+  void launch_exchange(DispatchCall& c, const HybridEpSms& sms, bool after_plan, bool overlap);
+  [[noreturn]] void abort_failed_call(cudaStream_t s, const std::exception_ptr& local);
+  std::int64_t read_layout(cudaStream_t s, unsigned seq, DispatchResult& result);  // blocking: out rows
+  std::int64_t device_layout(const DispatchOptions& options, DispatchResult& result);  // budget: budget rows
+  void wrap_rows(DispatchResult& result, std::int64_t rows, std::int64_t hidden, bool fp8, Tensor* scales_out);
+  std::shared_ptr<HepHandle> make_handle(const Routing& rt, std::int64_t rows, DispatchMode mode);
   HandleView handle_view(const HepHandle& h) const;
   void run_combine(const HepHandle& h, const TensorView& rows, const TensorView& out, const TensorView& grad_probs,
                    const TensorView& grad_weights, Phase data, Phase reuse, cudaStream_t s);
