@@ -56,9 +56,76 @@ struct GpuState {
 };
 #endif
 
-}  // namespace
+// The CPU layer's forward and backward, and the GPU layer's (below): Python's autograd Function
+// calls them with the GIL released for the library's work.
+nb::tuple cpu_forward(MoELayer& l, nb::handle x, nb::handle padding_mask, bool training) {
+  TensorView xv = to_view_or_none(x, "x"), mv = to_view_or_none(padding_mask, "padding_mask");
+  auto state = std::make_unique<CpuState>();
+  {
+    nb::gil_scoped_release release;
+    state->out = l.forward(xv, mv, training);
+  }
+  nb::object aux = state->out.aux_loss ? nb::cast(*state->out.aux_loss) : nb::none();
+  nb::object out = to_python(state->out.out);
+  return nb::make_tuple(out, aux, std::move(state));
+}
 
-void bind_layer(nb::module_& m) {
+nb::tuple cpu_backward(MoELayer& l, const CpuState& state, nb::handle grad_out) {
+  TensorView g = to_view_or_none(grad_out, "grad_out");
+  // Fresh gradient tensors for this backward: the library allocates a parameter's gradient
+  // when it is undefined, so Python receives memory nobody else writes to.
+  for (Parameter* p : l.parameters()) p->grad = Tensor();
+  Tensor grad_x;
+  {
+    nb::gil_scoped_release release;
+    grad_x = l.backward(state.out, g);
+  }
+  nb::dict grads;
+  for (Parameter* p : l.parameters()) grads[p->name.c_str()] = to_python(p->grad);
+  return nb::make_tuple(to_python(grad_x), grads);
+}
+
+#ifdef FLEXEP_WITH_CUDA
+nb::tuple gpu_forward(CudaMoELayer& l, nb::handle x, nb::handle padding_mask, bool training, std::uintptr_t stream) {
+  TensorView xv = to_view_or_none(x, "x"), mv = to_view_or_none(padding_mask, "padding_mask");
+  auto state = std::make_unique<GpuState>();
+  {
+    nb::gil_scoped_release release;
+    StreamScope scope(stream);
+    state->out = l.forward(xv, mv, training, reinterpret_cast<cudaStream_t>(stream));
+  }
+  nb::object out = to_python(state->out.out);
+  nb::object aux = to_python(state->out.aux_loss);
+  return nb::make_tuple(out, aux, std::move(state));
+}
+
+nb::tuple gpu_backward(CudaMoELayer& l, GpuState& state, nb::handle grad_out, std::uintptr_t stream) {
+  TensorView g = to_view_or_none(grad_out, "grad_out");
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  Tensor grad_x;
+  {
+    nb::gil_scoped_release release;
+    StreamScope scope(stream);
+    // zero_grad first: the gradients below are this backward's alone. accumulate_f32: the
+    // weight gradients are overwritten, not accumulated (no fill), and Python copies the
+    // buffers out before the next backward reuses them. fresh_bf16_weights: new tensors.
+    l.zero_grad(s);
+    grad_x = l.backward(state.out, g, s);
+  }
+  nb::dict grads;
+  for (Parameter* p : l.parameters()) grads[p->name.c_str()] = to_python(p->grad);
+  if (l.grad_mode() == GradMode::fresh_bf16_weights) {
+    // Hand them over: Python is now their only owner, and the memory goes when it lets go
+    // (an optimizer's zero_grad), not at the next backward.
+    nb::gil_scoped_release release;
+    StreamScope scope(stream);
+    l.zero_grad(s);
+  }
+  return nb::make_tuple(to_python(grad_x), grads);
+}
+#endif
+
+void bind_cpu_layer(nb::module_& m) {
   nb::class_<CpuState>(m, "MoELayerState", "What a forward saved for its backward (opaque).");
 
   nb::class_<MoELayer>(m, "MoELayer", "The MoE layer on the CPU (f32 or f64), one rank of an EP group.")
@@ -91,38 +158,9 @@ void bind_layer(nb::module_& m) {
           "MoEAuxLossAutoScaler.main_loss_backward_scale for this layer's aux loss.")
       .def("cumulative_load",
            [](MoELayer& l) { return l.gate() ? l.gate()->cumulative_load() : std::vector<std::int64_t>(); })
-      .def(
-          "forward",
-          [](MoELayer& l, nb::handle x, nb::handle padding_mask, bool training) {
-            TensorView xv = to_view_or_none(x, "x"), mv = to_view_or_none(padding_mask, "padding_mask");
-            auto state = std::make_unique<CpuState>();
-            {
-              nb::gil_scoped_release release;
-              state->out = l.forward(xv, mv, training);
-            }
-            nb::object aux = state->out.aux_loss ? nb::cast(*state->out.aux_loss) : nb::none();
-            nb::object out = to_python(state->out.out);
-            return nb::make_tuple(out, aux, std::move(state));
-          },
-          nb::arg("x"), nb::arg("padding_mask").none() = nb::none(), nb::arg("training") = true,
-          "-> (out [T, dim], aux_loss or None, state)")
-      .def(
-          "backward",
-          [](MoELayer& l, const CpuState& state, nb::handle grad_out) {
-            TensorView g = to_view_or_none(grad_out, "grad_out");
-            // Fresh gradient tensors for this backward: the library allocates a parameter's gradient
-            // when it is undefined, so Python receives memory nobody else writes to.
-            for (Parameter* p : l.parameters()) p->grad = Tensor();
-            Tensor grad_x;
-            {
-              nb::gil_scoped_release release;
-              grad_x = l.backward(state.out, g);
-            }
-            nb::dict grads;
-            for (Parameter* p : l.parameters()) grads[p->name.c_str()] = to_python(p->grad);
-            return nb::make_tuple(to_python(grad_x), grads);
-          },
-          nb::arg("state"), nb::arg("grad_out"), "-> (grad_x, {name: grad or None})")
+      .def("forward", &cpu_forward, nb::arg("x"), nb::arg("padding_mask").none() = nb::none(),
+           nb::arg("training") = true, "-> (out [T, dim], aux_loss or None, state)")
+      .def("backward", &cpu_backward, nb::arg("state"), nb::arg("grad_out"), "-> (grad_x, {name: grad or None})")
       .def(
           "update_bias",
           [](MoELayer& l, ProcessGroup* group) {
@@ -132,8 +170,10 @@ void bind_layer(nb::module_& m) {
           },
           nb::arg("group").none() = nb::none(),
           "Aux-loss-free balancing: bias += sign(mean load - load) * factor, load summed over `group`.");
+}
 
 #ifdef FLEXEP_WITH_CUDA
+void bind_cuda_layer(nb::module_& m) {
   nb::class_<GpuState>(m, "CudaMoELayerState");
 
   nb::class_<CudaMoELayer>(m, "CudaMoELayer", "The MoE layer on one GPU (bf16 parameters).")
@@ -172,51 +212,12 @@ void bind_layer(nb::module_& m) {
             return b.defined() ? to_python(b) : nb::none();
           },
           "The correction bias on the device [E] f32 (shared, not copied), or None without one.")
-      .def(
-          "forward",
-          [](CudaMoELayer& l, nb::handle x, nb::handle padding_mask, bool training, std::uintptr_t stream) {
-            TensorView xv = to_view_or_none(x, "x"), mv = to_view_or_none(padding_mask, "padding_mask");
-            auto state = std::make_unique<GpuState>();
-            {
-              nb::gil_scoped_release release;
-              StreamScope scope(stream);
-              state->out = l.forward(xv, mv, training, reinterpret_cast<cudaStream_t>(stream));
-            }
-            nb::object out = to_python(state->out.out);
-            nb::object aux = to_python(state->out.aux_loss);
-            return nb::make_tuple(out, aux, std::move(state));
-          },
-          nb::arg("x"), nb::arg("padding_mask").none() = nb::none(), nb::arg("training") = true,
-          nb::arg("stream") = 0, "-> (out [T, dim] bf16, aux_loss [1] on the device or None, state)")
-      .def(
-          "backward",
-          [](CudaMoELayer& l, GpuState& state, nb::handle grad_out, std::uintptr_t stream) {
-            TensorView g = to_view_or_none(grad_out, "grad_out");
-            const auto s = reinterpret_cast<cudaStream_t>(stream);
-            Tensor grad_x;
-            {
-              nb::gil_scoped_release release;
-              StreamScope scope(stream);
-              // zero_grad first: the gradients below are this backward's alone. accumulate_f32: the
-              // weight gradients are overwritten, not accumulated (no fill), and Python copies the
-              // buffers out before the next backward reuses them. fresh_bf16_weights: new tensors.
-              l.zero_grad(s);
-              grad_x = l.backward(state.out, g, s);
-            }
-            nb::dict grads;
-            for (Parameter* p : l.parameters()) grads[p->name.c_str()] = to_python(p->grad);
-            if (l.grad_mode() == GradMode::fresh_bf16_weights) {
-              // Hand them over: Python is now their only owner, and the memory goes when it lets go
-              // (an optimizer's zero_grad), not at the next backward.
-              nb::gil_scoped_release release;
-              StreamScope scope(stream);
-              l.zero_grad(s);
-            }
-            return nb::make_tuple(to_python(grad_x), grads);
-          },
-          nb::arg("state"), nb::arg("grad_out"), nb::arg("stream") = 0,
-          "-> (grad_x bf16, {name: gradient}): accumulate_f32: f32 buffers valid until the next backward; "
-          "fresh_bf16_weights: new tensors Python owns (bf16 for the expert weights, f32 for the rest)")
+      .def("forward", &gpu_forward, nb::arg("x"), nb::arg("padding_mask").none() = nb::none(),
+           nb::arg("training") = true, nb::arg("stream") = 0,
+           "-> (out [T, dim] bf16, aux_loss [1] on the device or None, state)")
+      .def("backward", &gpu_backward, nb::arg("state"), nb::arg("grad_out"), nb::arg("stream") = 0,
+           "-> (grad_x bf16, {name: gradient}): accumulate_f32: f32 buffers valid until the next backward; "
+           "fresh_bf16_weights: new tensors Python owns (bf16 for the expert weights, f32 for the rest)")
       .def(
           "load_from",
           [](CudaMoELayer& l, MoELayer& cpu, std::uintptr_t stream) {
@@ -237,6 +238,15 @@ void bind_layer(nb::module_& m) {
         "Experts with at least this many multiply-adds get their own cuBLAS GEMM, the rest one grouped call "
         "(0: every expert its own; 2**63 - 1: all grouped). Process-wide; for tuning.");
   m.def("grouped_gemm_own_gemm_min_work", &cuda::grouped_gemm_own_gemm_min_work);
+}
+#endif
+
+}  // namespace
+
+void bind_layer(nb::module_& m) {
+  bind_cpu_layer(m);
+#ifdef FLEXEP_WITH_CUDA
+  bind_cuda_layer(m);
 #endif
 }
 
