@@ -351,50 +351,13 @@ struct NoBitsHook {
   __device__ void operator()(const std::uint32_t*) const {}
 };
 
-// Steps 0-4 in every CTA of the calling grid, then CTA 0 publishes this rank's receiver layout and
-// the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `epoch`: the
-// caller's OpSession epoch (read once per kernel: its shared word is written by thread 0 on each call, and a
-// second call would rewrite it while other threads may still read the first). `smem`:
-// preprocess_smem_bytes(E) of dynamic shared memory. The inline plan's bits (plan_bits_bytes(E)):
-// with `kept_bits` null they live where the layout arrays will, and the CTA writes the slot ranks
-// of the tokens it stages (write_inline_slot_ranks); else they go to `kept_bits`, stay there after
-// the layout, and no slot rank is written (the caller ranks from the bits: token_slots_from_bits).
-// With the inline plan, every thread calls `while_counts_travel(bits)` between the count release
-// and the wait for the peers' counts.
-template <class WhileCountsTravel = NoBitsHook>
-__device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, unsigned epoch, long long* smem,
-                                         std::uint32_t* kept_bits, WhileCountsTravel while_counts_travel = {}) {
-  const int R = v.ranks, E = v.experts, L = v.local_experts, me = v.rank, tid = threadIdx.x;
-  const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
-  if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
-  __shared__ long long s_tokens[kMaxRanks];
-  long long* s_begin = smem;        // [E] first row of every expert's group on its owner
-  long long* s_kept = smem + E;     // [E] real rows kept per group
-  long long* s_tpe = smem + 2 * E;  // [E] tokens_per_expert per group
-  long long* s_src = smem + 3 * E;  // [E] first row of THIS rank's pairs in the group
-  long long* s_pairs = smem + 4 * E;  // [E] pairs of every expert from all sources
-  __shared__ long long s_head[kMaxRanks][word::count];
-  __shared__ long long s_out_rows[kMaxRanks], s_used[kMaxRanks], s_required[kMaxRanks], s_dropped[kMaxRanks];
-  __shared__ int s_bad[kMaxRanks];
-  __shared__ int s_abort, s_claimed;
-
-  const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
-  const int prior_arg = ld_volatile(&c.errors->arg);  // device_error
-
-  // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
-  //    after the barriers of step 1), its bits in `kept_bits` or where the layout arrays will.
-  long long* s_counts = s_pairs;
-  std::uint32_t* bits = kept_bits != nullptr ? kept_bits : reinterpret_cast<std::uint32_t*>(smem);
-  const unsigned long long bad = c.inline_plan ? plan_inline(c, E, bits, s_counts) : ~0ull;
-  const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
-  if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
-
-  // 1. This rank's slot into every rank's count region, as LL words (count_words.cuh): plain
-  //    stores with the epoch in every word, no fence and no flag. Identical in every CTA
-  //    (device_error says why for the device_* words), so a peer may read any CTA's.
-  const int W = word::count + E;
-  const DeviceError err = device_error(c, bad, E, prior_arg);
-  for (int i = tid; i < R * W; i += blockDim.x) {
+// Step 1 of lay_out_call: this rank's slot into every rank's count region, as LL words
+// (count_words.cuh): plain stores with the epoch in every word, no fence and no flag. Identical in
+// every CTA (device_error says why for the device_* words), so a peer may read any CTA's.
+__device__ inline void send_counts(const DispatchView& v, const DispatchCall& c, unsigned epoch,
+                                   const long long* counts_of_mine, const DeviceError& err) {
+  const int R = v.ranks, W = word::count + v.experts;
+  for (int i = threadIdx.x; i < R * W; i += blockDim.x) {
     const int d = i / W, w = i - d * W;
     long long value = 0;
     if (w >= word::count)
@@ -411,7 +374,7 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
       value = err.limit;
     else
       value = c.header[w];
-    unsigned long long* slot = count_slot(v, d, me);
+    unsigned long long* slot = count_slot(v, d, v.rank);
     const auto bits = static_cast<unsigned long long>(value);
     if (w < word::count) {
       ll_store(ll_header_word(slot, w, 0), epoch, static_cast<unsigned>(bits));
@@ -420,6 +383,159 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
       ll_store(ll_count_word(slot, w - word::count), epoch, static_cast<unsigned>(bits));
     }
   }
+}
+
+// Step 2: every rank's slot has arrived here. Each thread polls its words (all loads in flight)
+// until every one carries this call's epoch; it keeps the header values in `head`, and for each of
+// its experts the pairs from all sources (`pairs`) and from the sources before this rank
+// (`before`). False (this thread): the wait timed out (status set).
+__device__ inline bool gather_counts(const DispatchView& v, unsigned epoch, const WaitContext& wait,
+                                     long long (*head)[word::count], long long* pairs, long long* before) {
+  const int R = v.ranks, E = v.experts, me = v.rank, tid = threadIdx.x;
+  const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
+  bool ok = true;
+  for (int i = tid; ok && i < R * word::count; i += blockDim.x) {
+    const int s = i / word::count, w = i % word::count;
+    const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
+    unsigned half[kLlBatch];
+    ok = ll_wait([&](int h) { return ll_header_word(slot, w, h); }, 2, epoch, wait, [s](int) { return s; }, half);
+    head[s][w] = static_cast<long long>((static_cast<unsigned long long>(half[1]) << 32) | half[0]);
+  }
+  for (int e = tid; ok && e < E; e += blockDim.x) {
+    long long all = 0, sum_before = 0;
+    for (int s0 = 0; ok && s0 < R; s0 += kLlBatch) {
+      const int n = R - s0 < kLlBatch ? R - s0 : kLlBatch;
+      unsigned count[kLlBatch];
+      ok = ll_wait([&](int i) { return ll_count_word(ll_slot(region, v.slot_bytes, s0 + i), e); }, n, epoch, wait,
+                   [s0](int i) { return s0 + i; }, count);
+      for (int i = 0; i < n; ++i) {
+        all += count[i];
+        if (s0 + i < me) sum_before += count[i];
+      }
+    }
+    pairs[e] = all;
+    before[e] = sum_before;
+  }
+  return ok;
+}
+
+// Steps 3 + 4: every receiver's layout (warp w: receivers w, w + warps, ...) into begin / kept /
+// tpe and `totals`, and the decision, alike on every rank: true when the call must abort (a
+// failed or disagreeing header, an overflow, or more rows than the receive buffer holds).
+__device__ inline bool lay_out_receivers(const DispatchView& v, const DispatchCall& c,
+                                         const long long (*head)[word::count], const long long* pairs,
+                                         long long* begin, long long* kept, long long* tpe, ReceiverTotals* totals) {
+  __shared__ int s_bad[kMaxRanks];
+  __shared__ int s_abort;
+  const int R = v.ranks, L = v.local_experts, tid = threadIdx.x, lane = tid % 32;
+  const LayoutParams lp{R, v.experts, c.pad_multiple, c.budget, c.drop != 0};
+  for (int d = tid / 32; d < R; d += blockDim.x / 32) {
+    const ReceiverTotals t = warp_receiver_layout(pairs + d * L, lp, begin + d * L, kept + d * L, tpe + d * L, lane);
+    if (lane == 0) {
+      totals[d] = t;
+      s_bad[d] = header_failed(head[d]) || !header_agrees(head[0], head[d]) || t.overflow ||
+                 t.out_rows > v.capacity_rows;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int abort = 0;
+    for (int d = 0; d < R; ++d) abort |= s_bad[d];
+    s_abort = abort;
+  }
+  __syncthreads();
+  return s_abort != 0;
+}
+
+// CTA 0 only: publishes the decision and this rank's receiver layout for the dispatch kernel and
+// the host (blocking mode reads control + tokens_per_expert with one copy). The first unreported
+// abort also keeps a snapshot of the count region: the host decodes from it why (layout.h,
+// abort_reason), with the same message on every rank.
+__device__ inline void publish_layout(const DispatchView& v, const DispatchCall& c, bool abort,
+                                      const long long (*head)[word::count], const long long* tokens,
+                                      const long long* begin, const long long* kept, const long long* tpe,
+                                      const ReceiverTotals& mine) {
+  __shared__ int s_claimed;
+  const int R = v.ranks, L = v.local_experts, me = v.rank, tid = threadIdx.x;
+  for (int le = tid; le < L; le += blockDim.x) {
+    v.tpe[le] = tpe[me * L + le];
+    v.begin[le] = begin[me * L + le];
+    v.kept[le] = kept[me * L + le];
+  }
+  // T of every rank: the sender uses its own T, the receiver this copy of the sender's header,
+  // so both count the same chunks (a rank whose checks failed sends T = 0 and reads no input).
+  if (tid < R) v.control->tokens[tid] = tokens[tid];
+  if (tid == 0) {
+    v.control->abort = abort ? 1 : 0;
+    v.control->out_rows = mine.out_rows;
+    v.control->used_rows = mine.used;
+    v.control->required_rows = mine.required;
+    v.control->dropped = mine.dropped;
+    s_claimed = abort && atomicCAS(&v.status->code, 0, -1) == 0;
+  }
+  __syncthreads();
+  if (s_claimed) {
+    // The values of every slot (header, then the counts), each slot slot_bytes apart as the host
+    // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now (step 2
+    // waited for all of them), so each count is the low half of its word.
+    const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
+    const int W = word::count + v.experts;
+    const long long stride = static_cast<long long>(v.slot_bytes / 8);
+    for (int i = tid; i < R * W; i += blockDim.x) {
+      const int s = i / W, w = i - s * W;
+      const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
+      v.snapshot[s * stride + w] =
+          w < word::count ? head[s][w] : static_cast<unsigned>(ll_load(ll_count_word(slot, w - word::count)));
+    }
+    __syncthreads();
+    if (tid == 0) {
+      v.status->phase = static_cast<int>(Phase::dispatch_counts);
+      v.status->peer = -1;
+      __threadfence();
+      atomicExch(&v.status->code, static_cast<int>(StatusCode::abort));
+    }
+  }
+  if (c.host_control) publish_to_host(v, c);
+}
+
+// Steps 0-4 in every CTA of the calling grid, then CTA 0 publishes this rank's receiver layout and
+// the decision (DispatchControl, tokens_per_expert; blocking mode: also to the host). `epoch`: the
+// caller's OpSession epoch (read once per kernel: its shared word is written by thread 0 on each call, and a
+// second call would rewrite it while other threads may still read the first). `smem`:
+// preprocess_smem_bytes(E) of dynamic shared memory. The inline plan's bits (plan_bits_bytes(E)):
+// with `kept_bits` null they live where the layout arrays will, and the CTA writes the slot ranks
+// of the tokens it stages (write_inline_slot_ranks); else they go to `kept_bits`, stay there after
+// the layout, and no slot rank is written (the caller ranks from the bits: token_slots_from_bits).
+// With the inline plan, every thread calls `while_counts_travel(bits)` between the count release
+// and the wait for the peers' counts.
+template <class WhileCountsTravel = NoBitsHook>
+__device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCall& c, unsigned epoch, long long* smem,
+                                         std::uint32_t* kept_bits, WhileCountsTravel while_counts_travel = {}) {
+  const int R = v.ranks, E = v.experts, me = v.rank, tid = threadIdx.x;
+  const bool stamp = tid == 0;  // the CTA's stamps (phase_trace.h), after the steps' barriers
+  if (stamp) trace_stamp(c.trace, kTracePreprocessStart);
+  __shared__ long long s_tokens[kMaxRanks];
+  long long* s_begin = smem;        // [E] first row of every expert's group on its owner
+  long long* s_kept = smem + E;     // [E] real rows kept per group
+  long long* s_tpe = smem + 2 * E;  // [E] tokens_per_expert per group
+  long long* s_src = smem + 3 * E;  // [E] first row of THIS rank's pairs in the group
+  long long* s_pairs = smem + 4 * E;  // [E] pairs of every expert from all sources
+  __shared__ long long s_head[kMaxRanks][word::count];
+  __shared__ ReceiverTotals s_totals[kMaxRanks];
+
+  const WaitContext wait{v.status, v.timeout_ns, Phase::dispatch_counts};
+  const int prior_arg = ld_volatile(&c.errors->arg);  // device_error
+
+  // 0. The plan of a one-chunk call; its counts live where s_pairs will (step 2 overwrites them
+  //    after the barriers of step 1), its bits in `kept_bits` or where the layout arrays will.
+  long long* s_counts = s_pairs;
+  std::uint32_t* bits = kept_bits != nullptr ? kept_bits : reinterpret_cast<std::uint32_t*>(smem);
+  const unsigned long long bad = c.inline_plan ? plan_inline(c, E, bits, s_counts) : ~0ull;
+  const long long* counts_of_mine = c.inline_plan ? s_counts : c.plan_counts;
+  if (stamp && c.inline_plan) trace_stamp(c.trace, kTracePlanned);
+
+  // 1. This rank's counts out.
+  send_counts(v, c, epoch, counts_of_mine, device_error(c, bad, E, prior_arg));
   if (stamp) trace_stamp(c.trace, kTraceCountsSent);  // stores issued
   if (c.inline_plan) {
     // Bits in the layout's place stay there until every thread is past this (the barrier below).
@@ -429,35 +545,9 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   __syncthreads();  // the plan's counts and bits are read; step 2 writes over them
   if (stamp && c.inline_plan) trace_stamp(c.trace, kTraceSlotsRanked);
 
-  // 2. Every rank's slot has arrived here: each thread polls its words (all loads in flight) until
-  //    every one carries this call's epoch. It keeps the header values in s_head, and for each of
-  //    its experts the pairs from all sources (s_pairs) and from the sources before this rank
-  //    (s_src, completed to source_begin once the group starts are known). Then an acquire fence:
-  //    what this rank writes into the peers' windows next comes after their counts of this call.
-  const auto* region = reinterpret_cast<const unsigned char*>(v.peers.window[me] + v.off_counts);
-  bool ok = true;
-  for (int i = tid; ok && i < R * word::count; i += blockDim.x) {
-    const int s = i / word::count, w = i % word::count;
-    const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
-    unsigned half[kLlBatch];
-    ok = ll_wait([&](int h) { return ll_header_word(slot, w, h); }, 2, epoch, wait, [s](int) { return s; }, half);
-    s_head[s][w] = static_cast<long long>((static_cast<unsigned long long>(half[1]) << 32) | half[0]);
-  }
-  for (int e = tid; ok && e < E; e += blockDim.x) {
-    long long all = 0, before = 0;
-    for (int s0 = 0; ok && s0 < R; s0 += kLlBatch) {
-      const int n = R - s0 < kLlBatch ? R - s0 : kLlBatch;
-      unsigned count[kLlBatch];
-      ok = ll_wait([&](int i) { return ll_count_word(ll_slot(region, v.slot_bytes, s0 + i), e); }, n, epoch, wait,
-                   [s0](int i) { return s0 + i; }, count);
-      for (int i = 0; i < n; ++i) {
-        all += count[i];
-        if (s0 + i < me) before += count[i];
-      }
-    }
-    s_pairs[e] = all;
-    s_src[e] = before;
-  }
+  // 2. Every rank's counts in, then an acquire fence: what this rank writes into the peers'
+  //    windows next comes after their counts of this call.
+  const bool ok = gather_counts(v, epoch, wait, s_head, s_pairs, s_src);
   fence_sys(::cuda::memory_order_acq_rel);
   if (!__syncthreads_and(ok)) {
     // Timed out (status set): the dispatch kernel sees the status and neither moves nor waits.
@@ -469,74 +559,15 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
   for (int s = tid; s < R; s += blockDim.x) s_tokens[s] = clamp_ll(s_head[s][word::tokens], 0, v.max_tokens);
   __syncthreads();
 
-  // 3 + 4. Every receiver's layout (warp w: receivers w, w + warps, ...), this rank's rows as a source.
-  const LayoutParams lp{R, E, c.pad_multiple, c.budget, c.drop != 0};
-  const int lane = tid % 32;
-  for (int d = tid / 32; d < R; d += blockDim.x / 32) {
-    const ReceiverTotals t =
-        warp_receiver_layout(s_pairs + d * L, lp, s_begin + d * L, s_kept + d * L, s_tpe + d * L, lane);
-    if (lane == 0) {
-      s_out_rows[d] = t.out_rows;
-      s_used[d] = t.used;
-      s_required[d] = t.required;
-      s_dropped[d] = t.dropped;
-      s_bad[d] = header_failed(s_head[d]) || !header_agrees(s_head[0], s_head[d]) || t.overflow ||
-                 t.out_rows > v.capacity_rows;
-    }
-  }
+  // 3 + 4. Every receiver's layout and the decision; this rank's rows as a source (source_begin:
+  //    the pairs before it, from step 2, after its group's start).
+  const bool abort = lay_out_receivers(v, c, s_head, s_pairs, s_begin, s_kept, s_tpe, s_totals);
+  for (int e = tid; e < E; e += blockDim.x) s_src[e] += s_begin[e];
   __syncthreads();
-  if (tid == 0) {
-    int abort = 0;
-    for (int d = 0; d < R; ++d) abort |= s_bad[d];
-    s_abort = abort;
-  }
-  for (int e = tid; e < E; e += blockDim.x) s_src[e] += s_begin[e];  // source_begin: the pairs before, from step 2
-  __syncthreads();
-  const bool abort = s_abort != 0;
   if (stamp) trace_stamp(c.trace, kTraceLayoutDone);
 
-  // CTA 0 publishes the decision and this rank's receiver layout for the dispatch kernel and the
-  // host (blocking mode reads control + tokens_per_expert with one copy).
   if (blockIdx.x == 0) {
-    for (int le = tid; le < L; le += blockDim.x) {
-      v.tpe[le] = s_tpe[me * L + le];
-      v.begin[le] = s_begin[me * L + le];
-      v.kept[le] = s_kept[me * L + le];
-    }
-    // T of every rank: the sender uses its own T, the receiver this copy of the sender's header,
-    // so both count the same chunks (a rank whose checks failed sends T = 0 and reads no input).
-    if (tid < R) v.control->tokens[tid] = s_tokens[tid];
-    if (tid == 0) {
-      v.control->abort = abort ? 1 : 0;
-      v.control->out_rows = s_out_rows[me];
-      v.control->used_rows = s_used[me];
-      v.control->required_rows = s_required[me];
-      v.control->dropped = s_dropped[me];
-      // The first unreported abort keeps a snapshot of the count region: the host decodes from it
-      // why (layout.h, abort_reason), with the same message on every rank.
-      s_claimed = abort && atomicCAS(&v.status->code, 0, -1) == 0;
-    }
-    __syncthreads();
-    if (s_claimed) {
-      // The values of every slot (header, then the counts), each slot slot_bytes apart as the host
-      // reads them (layout.h, parse_snapshot). Every word carries this call's epoch by now (step 2
-      // waited for all of them), so each count is the low half of its word.
-      const long long stride = static_cast<long long>(v.slot_bytes / 8);
-      for (int i = tid; i < R * W; i += blockDim.x) {
-        const int s = i / W, w = i - s * W;
-        const unsigned long long* slot = ll_slot(region, v.slot_bytes, s);
-        v.snapshot[s * stride + w] =
-            w < word::count ? s_head[s][w] : static_cast<unsigned>(ll_load(ll_count_word(slot, w - word::count)));
-      }
-      __syncthreads();
-      if (tid == 0) {
-        v.status->phase = static_cast<int>(Phase::dispatch_counts);
-        v.status->peer = -1;
-        __threadfence();
-        atomicExch(&v.status->code, static_cast<int>(StatusCode::abort));
-      }
-    }
-    if (c.host_control) publish_to_host(v, c);
+    publish_layout(v, c, abort, s_head, s_tokens, s_begin, s_kept, s_tpe, s_totals[me]);
     if (stamp) trace_stamp(c.trace, kTracePublished);
   }
 
@@ -547,8 +578,8 @@ __device__ inline CtaLayout lay_out_call(const DispatchView& v, const DispatchCa
                    .tpe = s_tpe,
                    .src = s_src,
                    .tokens = s_tokens,
-                   .out_rows = s_out_rows[me],
-                   .used_rows = s_used[me]};
+                   .out_rows = s_totals[me].out_rows,
+                   .used_rows = s_totals[me].used};
 }
 
 }  // namespace flexep::hybridep::preprocess_steps
