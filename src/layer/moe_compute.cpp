@@ -4,6 +4,7 @@
 
 #include "flexep/core/checks.h"
 #include "flexep/dispatch/host.h"
+#include "layer/add_into.h"
 #include "layer/shared_layout.h"
 
 namespace flexep {
@@ -28,19 +29,6 @@ std::vector<std::int64_t> host_counts(const Tensor& tokens_per_expert) {
   FLEXEP_CHECK(tokens_per_expert.device().is_cpu(), "the CPU reference layer needs tokens_per_expert on the host");
   const std::int64_t* p = tokens_per_expert.data<std::int64_t>();
   return std::vector<std::int64_t>(p, p + tokens_per_expert.numel());
-}
-
-void add_into(const Tensor& acc, const TensorView& x) {
-  FLEXEP_CHECK(acc.dtype() == x.dtype && acc.numel() == x.numel(), "add_into: mismatched tensors");
-  if (acc.dtype() == DType::f64) {
-    double* a = acc.data<double>();
-    const double* b = x.ptr<double>();
-    for (std::int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
-  } else {
-    float* a = acc.data<float>();
-    const float* b = x.ptr<float>();
-    for (std::int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
-  }
 }
 
 // `t` in dtype `to`: the caller's memory when it already is, else a converted copy.
@@ -218,7 +206,7 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
   Tensor y = dispatcher_->combine(saved->dispatched.handle, saved->experts.out);
   if (shared_) {
     saved->shared = shared_->forward(views_of(w.shared), xc);
-    add_into(y, saved->shared.out);
+    ref::add_into(y, saved->shared.out);
   }
   MoEOutput out;
   out.out = as_dtype(y, x.dtype);
@@ -257,7 +245,7 @@ MoEBackward MoECompute::backward(const MoEWeights& weights, const MoESaved& s, c
       gate_grads.weight = zeros_like(weights.gate.weight, weights.gate.weight.dtype);
       gate_grads.bias = zeros_like(weights.gate.bias, weights.gate.bias.dtype);
     }
-    add_into(grad_x, as_dtype(gate_->backward(w.gate, s.gate, dg.weights, aux_loss_scale, gate_grads), compute));
+    ref::add_into(grad_x, as_dtype(gate_->backward(w.gate, s.gate, dg.weights, aux_loss_scale, gate_grads), compute));
     out.gradients.gate = gate_grads;
   }
   if (shared_) {
@@ -267,7 +255,7 @@ MoEBackward MoECompute::backward(const MoEWeights& weights, const MoESaved& s, c
                                           zeros(lin.down_proj),      zeros(lin.gate_proj_bias),
                                           zeros(lin.up_proj_bias),   zeros(lin.down_proj_bias),
                                           zeros(lin.shared_expert_gate)};
-    add_into(grad_x, shared_->backward(lin, s.shared, g, shared_grads));
+    ref::add_into(grad_x, shared_->backward(lin, s.shared, g, shared_grads));
     out.gradients.shared_experts =
         in_weight_dtypes(shared_to_grouped(config_, views_of(shared_grads)), weights.shared_experts);
     out.gradients.shared_expert_gate = as_dtype(shared_grads.shared_expert_gate, weights.shared_expert_gate.dtype);

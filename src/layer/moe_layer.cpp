@@ -1,6 +1,7 @@
 #include "flexep/layer/moe_layer.h"
 
 #include "flexep/core/checks.h"
+#include "layer/add_into.h"
 #include "layer/shared_layout.h"
 
 namespace flexep {
@@ -13,24 +14,11 @@ const MoELayerOptions& checked(const MoELayerOptions& o) {
   return o;
 }
 
-void add_into(const Tensor& acc, const TensorView& x) {
-  FLEXEP_CHECK(acc.dtype() == x.dtype && acc.numel() == x.numel(), "add_into: mismatched tensors");
-  if (acc.dtype() == DType::f64) {
-    double* a = acc.data<double>();
-    const double* b = x.ptr<double>();
-    for (std::int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
-  } else {
-    float* a = acc.data<float>();
-    const float* b = x.ptr<float>();
-    for (std::int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
-  }
-}
-
 // A backward's fresh gradient into the parameter: taken over when p has none, else added.
 void accumulate(Parameter& p, const Tensor& g) {
   if (!p.value.defined() || !p.requires_grad || !g.defined()) return;
   if (!p.grad.defined()) p.grad = g;
-  else add_into(p.grad, g);
+  else ref::add_into(p.grad, g);
 }
 
 }  // namespace

@@ -68,4 +68,15 @@ std::pair<double, Tensor> squared_error(const Tensor& out, const Tensor& target,
   return {sq, grad};
 }
 
+void record_losses(TrainReport& report, const std::vector<double>& losses) {
+  report.losses = losses;
+  const int steps = static_cast<int>(losses.size());
+  const int w = std::max(1, std::min(5, steps / 10));
+  for (int i = 0; i < w; ++i) {
+    report.first_loss += losses[static_cast<std::size_t>(i)] / w;
+    report.last_loss += losses[static_cast<std::size_t>(steps - 1 - i)] / w;
+  }
+  report.loss_check = report.last_loss < 0.25 * report.first_loss;
+}
+
 }  // namespace flexep::tools

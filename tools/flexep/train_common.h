@@ -28,6 +28,9 @@ std::unique_ptr<MoELayer> make_teacher(const TrainOptions& o);
 // Sum of squared errors over the unpadded tokens and its gradient 2 (out - target) / (valid * dim).
 std::pair<double, Tensor> squared_error(const Tensor& out, const Tensor& target, const Batch& batch, std::int64_t dim);
 
+// The per-step losses into the report, and check 1: the mean of the last few steps under a quarter
+// of the first few's (single batches are noisy).
+void record_losses(TrainReport& report, const std::vector<double>& losses);
 // Runs fn(rank) on one thread per rank; rethrows the most informative failure.
 template <class Fn>
 void run_ranks(int ranks, Fn fn) {

@@ -197,13 +197,7 @@ TrainReport run_training_cuda(const TrainOptions& o) {
       }
     }
   });
-  report.losses = losses;
-  const int w = std::max(1, std::min(5, o.steps / 10));
-  for (int i = 0; i < w; ++i) {
-    report.first_loss += losses[static_cast<std::size_t>(i)] / w;
-    report.last_loss += losses[static_cast<std::size_t>(o.steps - 1 - i)] / w;
-  }
-  report.loss_check = report.last_loss < 0.25 * report.first_loss;
+  record_losses(report, losses);
   return report;
 }
 

@@ -42,14 +42,12 @@ void Dispatcher::run_combine_backward(const HepHandle& h, const TensorView& grad
 Tensor Dispatcher::combine(const Handle& handle, const TensorView& expert_out) {
   cuda::init();
   cuda::DeviceGuard device_guard(comm_->device());
-  const cudaStream_t s = stream();
-  cuda::StreamGuard stream_guard(s);
+  cuda::StreamGuard stream_guard(stream());  // `out` is allocated on the call's stream
   require_usable();
   const HepHandle& h = own_handle(handle);
   check_rows(expert_out, h.rows, h, "expert_out");
   Tensor out = Tensor::empty({h.tokens, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
-  run_combine(h, expert_out, out, TensorView(), TensorView(), Phase::combine_partials, Phase::combine_reuse, s);
-  if (blocking_check(h)) check(s, "combine");
+  combine_into(handle, expert_out, out);
   return out;
 }
 
@@ -90,14 +88,12 @@ DispatchGrads Dispatcher::dispatch_backward(const Handle& handle, const TensorVi
 Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {
   cuda::init();
   cuda::DeviceGuard device_guard(comm_->device());
-  const cudaStream_t s = stream();
-  cuda::StreamGuard stream_guard(s);
+  cuda::StreamGuard stream_guard(stream());  // `out` is allocated on the call's stream
   require_usable();
   const HepHandle& h = own_handle(handle);
   check_rows(grad_out, h.tokens, h, "grad_out");
   Tensor out = Tensor::empty({h.rows, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
-  run_combine_backward(h, grad_out, out, s);
-  if (blocking_check(h)) check(s, "combine_backward");
+  combine_backward_into(handle, grad_out, out);
   return out;
 }
 
