@@ -15,6 +15,9 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The device's copy of the tree has no history: the benchmark JSON takes the commit from COMMIT
+# (git rev-parse HEAD > COMMIT here, carried to the device), through FLEXEP_COMMIT.
+if [ -z "${FLEXEP_COMMIT:-}" ] && [ -f "$root/COMMIT" ]; then export FLEXEP_COMMIT="$(cat "$root/COMMIT")"; fi
 out="${OUT:-$root/gpu-out}"
 build="${FLEXEP_BUILD_DIR:-$root/build-gpu}"
 mkdir -p "$out"
