@@ -18,12 +18,19 @@ namespace flexep {
 
 enum class DispatchMode { blocking, budget };
 
+// Where a dispatch puts the rows (docs/semantics.md): expert_major, one row per (token, local
+// expert) grouped by expert (every backend); rank_major, one row per (token, destination rank),
+// DeepEP's layout (core/rank_major.h; the host backend, its oracle, and deepep). rank_major takes
+// the top-k form.
+enum class DispatchLayout { expert_major, rank_major };
+
 struct DispatchOptions {
   DispatchMode mode = DispatchMode::blocking;
   std::int64_t budget_rows = 0;  // budget mode: output rows on every rank (multiple of pad_multiple)
   OverflowPolicy overflow = OverflowPolicy::error;
   std::int64_t pad_multiple = 1;
   bool check_finite = true;  // CPU reference: reject NaN/Inf in hidden and weights
+  DispatchLayout layout = DispatchLayout::expert_major;
 };
 
 // One rank's input, in exactly one of the two routing forms.
@@ -47,19 +54,25 @@ class HandleState {
   std::int64_t topk = 0;        // k (top-k form) or E (multihot form)
   bool multihot = false;
   std::int64_t hidden = 0;      // H
-  std::int64_t rows = 0;        // N, rows of the expert-major output
+  std::int64_t rows = 0;        // N, rows of the output (expert-major, or recv_x)
   int local_experts = 0;
+  DispatchLayout layout = DispatchLayout::expert_major;
   DType hidden_dtype = DType::f32;
   DType prob_dtype = DType::f32;
 };
 using Handle = std::shared_ptr<const HandleState>;
 
 struct DispatchResult {
-  Tensor tokens;             // [N, H], dtype of hidden
-  Tensor token_probs;        // [N], dtype of the weights
+  Tensor tokens;             // [N, H], dtype of hidden (rank_major: recv_x)
+  Tensor token_probs;        // [N], dtype of the weights (rank_major: empty)
   Tensor tokens_per_expert;  // [E_local] int64: on the host in blocking mode, on the device in budget mode
   std::int64_t dropped = 0;  // pairs dropped on this rank as receiver (blocking / host backends)
   Handle handle;
+  // rank_major only (core/rank_major.h):
+  Tensor topk_indices;  // recv_topk_idx [N, k] int32: local expert ids, -1 for experts elsewhere
+  Tensor topk_weights;  // recv_topk_weights [N, k], dtype of the weights: 0 where -1
+  Tensor expert_rows;   // [sum tokens_per_expert] int32 (budget: expert_rows_capacity) rows of
+                        // recv_x per local expert, end to end in expert order; -1 = padding
 };
 
 struct DispatchGrads {
@@ -78,8 +91,11 @@ class TokenDispatcher {
 
   virtual DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) = 0;
   // expert_out [N, H] -> out [T, H]: the unweighted sum of a token's rows (docs/semantics.md, "Combine").
+  // rank_major: one row per received token, already summed over this rank's experts; out sums
+  // them over the ranks in ascending rank order.
   virtual Tensor combine(const Handle& handle, const TensorView& expert_out) = 0;
   // grad_tokens [N, H], grad_token_probs [N] -> grads of hidden and of the routing weights.
+  // rank_major: grad_token_probs is the gradient of topk_weights, [N, k].
   virtual DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
                                           const TensorView& grad_token_probs) = 0;
   // grad_out [T, H] -> grad of expert_out [N, H] (the dispatch of grad_out along the handle).

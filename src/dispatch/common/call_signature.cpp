@@ -31,6 +31,7 @@ void set_call(CallSignature& s, int experts, bool multihot, std::int64_t hidden,
   s.pad_multiple = options.pad_multiple;
   s.budget_rows = options.budget_rows;
   s.overflow = options.overflow;
+  s.layout = options.layout;
   s.tokens = tokens;
 }
 
@@ -72,6 +73,11 @@ std::exception_ptr compare_headers(const std::vector<CallSignature>& h) {
   if ((r = first_different(h, [](const auto& x) { return x.weight_dtype; })) >= 0)
     return fail(h0.multihot ? "probs" : "weights", "dtype " + std::string(dtype_name(h[r].weight_dtype)),
                 "dtype " + std::string(dtype_name(h0.weight_dtype)), "pass routing weights of the same dtype");
+  if ((r = first_different(h, [](const auto& x) { return x.layout; })) >= 0) {
+    auto name = [](DispatchLayout l) { return std::string(l == DispatchLayout::rank_major ? "rank_major" : "expert_major"); };
+    return fail("options.layout", "layout " + name(h[r].layout), "layout " + name(h0.layout),
+                "dispatch into the same layout");
+  }
   if ((r = first_different(h, [](const auto& x) { return x.mode; })) >= 0)
     return fail("options.mode", mode_name(h[r].mode), mode_name(h0.mode), "dispatch in the same mode");
   if ((r = first_different(h, [](const auto& x) { return x.pad_multiple; })) >= 0)

@@ -47,6 +47,9 @@ struct CallSignature {
   // several, sets them.
   DType hidden_dtype = DType::f32;
   DType weight_dtype = DType::f32;
+  // Not among the shared words either: a backend that writes one layout refuses the other
+  // locally (check::expert_major_layout); the host backend, which writes both, compares it.
+  DispatchLayout layout = DispatchLayout::expert_major;
 };
 
 // Writes the kWords shared words of `s` to `w` (64-bit words: std::int64_t or long long).

@@ -31,4 +31,9 @@ void routing_form(const DispatchInput& in, std::int64_t tokens, int experts, Dev
   }
 }
 
+void expert_major_layout(const DispatchOptions& options, std::string_view backend) {
+  FLEXEP_CHECK_ARG(options.layout == DispatchLayout::expert_major, "options.layout", "is rank_major, which the ",
+                   backend, " backend does not write; allowed: expert_major (rank_major: the deepep and host backends)");
+}
+
 }  // namespace flexep::check

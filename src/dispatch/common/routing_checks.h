@@ -18,4 +18,7 @@ namespace flexep::check {
 void routing_form(const DispatchInput& in, std::int64_t tokens, int experts, Device device,
                   const std::function<void(std::int64_t k)>& check_k);
 
+// options.layout for a backend that writes the expert-major layout only.
+void expert_major_layout(const DispatchOptions& options, std::string_view backend);
+
 }  // namespace flexep::check

@@ -47,6 +47,7 @@ AlltoallDispatcher::Routing check_input(const DispatchInput& in, const DispatchO
     FLEXEP_CHECK_ARG(k <= INT_MAX, "indices", "has ", k, " columns; at most ", INT_MAX);
   });
   r.slots = r.multihot ? experts : static_cast<int>(in.indices.size(1));
+  check::expert_major_layout(opt, "alltoall");
   validate(plan_params(opt, ranks, experts));
   // Slots and send positions are indexed with 32-bit integers in the kernels.
   FLEXEP_CHECK_ARG(r.tokens * std::max(r.slots, ranks) <= INT_MAX, "hidden", "has ", r.tokens,

@@ -15,6 +15,8 @@ struct HostHandle : HandleState {
   std::int64_t slots = 0;               // k of the internal top-k form (multihot: max experts per token)
   std::vector<std::int64_t> indices;    // [tokens * slots] global expert ids, -1 = none
   std::vector<std::int64_t> slot_rows;  // [tokens * slots] row on the owner rank, -1 = none or dropped
+                                        // (expert_major)
+  std::vector<std::int64_t> dest_rows;  // [tokens * R] row on rank d, -1 = none or dropped (rank_major)
 };
 
 }  // namespace flexep::host

@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "dispatch/host/dispatcher/wire_values.h"
 #include "flexep/core/error.h"
 
 namespace flexep::host {
@@ -32,24 +33,6 @@ void pull_rows(int me, int local_experts, const std::vector<SenderRows>& senders
 }
 
 namespace {
-template <class Elem>
-float widen(Elem v) {
-  if constexpr (std::is_same_v<Elem, float>)
-    return v;
-  else
-    return v.to_float();
-}
-
-// The value of `v` after a round trip through the wire dtype Elem.
-template <class Elem, class Acc>
-Acc round_to(Acc v) {
-  if constexpr (std::is_same_v<Elem, bf16>)
-    return bf16::from_float(v).to_float();
-  else if constexpr (std::is_same_v<Elem, f16>)
-    return f16::from_float(v).to_float();
-  else
-    return v;
-}
 
 // Two-level sum (docs/semantics.md, "Combine"): per owner rank, the token's rows summed in fp32 over
 // ascending local experts and rounded to the hidden dtype (what crosses the wire), then these partials
@@ -86,40 +69,20 @@ void sum_typed(int local_experts, const std::int64_t* indices, const std::int64_
       const TensorView& src = rows[static_cast<std::size_t>(owner)];
       FLEXEP_CHECK(row < src.size(0), "host combine: row ", row, " outside the ", src.size(0), " rows of rank ", owner);
       const Elem* r = static_cast<const Elem*>(src.data) + row * H;
-      for (std::int64_t h = 0; h < H; ++h) {
-        if constexpr (std::is_same_v<Acc, double>)
-          part[static_cast<std::size_t>(h)] += r[h];
-        else
-          part[static_cast<std::size_t>(h)] += widen(r[h]);
-      }
+      for (std::int64_t h = 0; h < H; ++h) part[static_cast<std::size_t>(h)] += widen<Acc>(r[h]);
     }
     if (owner >= 0) flush();
-    for (std::int64_t h = 0; h < H; ++h) {
-      if constexpr (std::is_same_v<Elem, bf16>)
-        dst[t * H + h] = bf16::from_float(total[static_cast<std::size_t>(h)]);
-      else if constexpr (std::is_same_v<Elem, f16>)
-        dst[t * H + h] = f16::from_float(total[static_cast<std::size_t>(h)]);
-      else
-        dst[t * H + h] = total[static_cast<std::size_t>(h)];
-    }
+    for (std::int64_t h = 0; h < H; ++h) dst[t * H + h] = narrow<Elem>(total[static_cast<std::size_t>(h)]);
   }
 }
 }  // namespace
 
 void sum_rows(int local_experts, const std::int64_t* indices, const std::int64_t* slot_rows, std::int64_t slots,
               const std::vector<TensorView>& rows, const TensorView& out) {
-  switch (out.dtype) {
-    case DType::f64:
-      return sum_typed<double, double>(local_experts, indices, slot_rows, slots, rows, out);
-    case DType::f32:
-      return sum_typed<float, float>(local_experts, indices, slot_rows, slots, rows, out);
-    case DType::bf16:
-      return sum_typed<float, bf16>(local_experts, indices, slot_rows, slots, rows, out);
-    case DType::f16:
-      return sum_typed<float, f16>(local_experts, indices, slot_rows, slots, rows, out);
-    default:
-      throw_error("host combine: dtype ", dtype_name(out.dtype), " is not supported");
-  }
+  const bool known = with_row_types(out.dtype, [&]<class Acc, class Elem>() {
+    sum_typed<Acc, Elem>(local_experts, indices, slot_rows, slots, rows, out);
+  });
+  if (!known) throw_error("host combine: dtype ", dtype_name(out.dtype), " is not supported");
 }
 
 void gather_probs(int local_experts, const std::int64_t* indices, const std::int64_t* slot_rows, std::int64_t slots,

@@ -62,6 +62,7 @@ Dispatcher::Routing check_input(const DispatchInput& in, const TensorView& scale
                      cfg.slots, " slots per token (HybridEpOptions::max_topk)");
   });
   r.slots = r.multihot ? cfg.slots : static_cast<int>(in.indices.size(1));
+  check::expert_major_layout(opt, "hybridep");
   validate(call_signature::plan_params(opt, cfg.ranks, cfg.experts));
   if (opt.mode == DispatchMode::budget)
     FLEXEP_CHECK_ARG(opt.budget_rows <= cfg.capacity_rows, "options.budget_rows", opt.budget_rows, " rows exceed the ",

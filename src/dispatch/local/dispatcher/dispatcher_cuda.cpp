@@ -1,5 +1,6 @@
 #include <optional>
 
+#include "dispatch/common/routing_checks.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/device_errors.h"
 #include "flexep/cuda/local_plan.h"
@@ -30,6 +31,7 @@ class LocalCudaDispatcher final : public TokenDispatcher {
     FLEXEP_CHECK_ARG(!in.multihot(), "routing_map",
                      "the single-GPU dispatcher takes the top-k form (indices, weights); convert with "
                      "multihot_to_topk or use the hybridep backend");
+    check::expert_major_layout(options, "local");
     const Device dev = Device::cuda(device_);
     check::rank(in.hidden, 2, "hidden");
     check::dtype(in.hidden, {DType::bf16, DType::f32}, "hidden");
