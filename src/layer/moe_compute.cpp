@@ -5,6 +5,7 @@
 #include "flexep/core/checks.h"
 #include "flexep/dispatch/host.h"
 #include "layer/add_into.h"
+#include "layer/rank_major_rows.h"
 #include "layer/shared_layout.h"
 
 namespace flexep {
@@ -17,6 +18,7 @@ struct MoESaved {
   GateOutput gate;
   Tensor masked_indices;  // [T, k] int64, padding tokens set to -1
   DispatchResult dispatched;
+  std::optional<ref::ExpertMajorRows> rank_major;  // a rank-major dispatch's rows, as the experts read them
   ExpertsOutput experts;
   SharedOutput shared;
 };
@@ -201,9 +203,19 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
   in.indices = saved->masked_indices;
   in.weights = saved->gate.weights;
   saved->dispatched = dispatcher_->dispatch(in, dispatch_);
-  saved->experts = experts_->forward(w.experts, saved->dispatched.tokens, saved->dispatched.token_probs,
-                                     host_counts(saved->dispatched.tokens_per_expert));
-  Tensor y = dispatcher_->combine(saved->dispatched.handle, saved->experts.out);
+  const std::vector<std::int64_t> counts = host_counts(saved->dispatched.tokens_per_expert);
+  Tensor y;
+  if (dispatch_.layout == DispatchLayout::rank_major) {
+    // As Automodel's GroupedExpertsDeepEP: the experts read the received rows in expert order, and
+    // their rows are summed back per received token before the combine.
+    const ref::ExpertMajorRows& m = saved->rank_major.emplace(ref::gather_expert_major(saved->dispatched));
+    saved->experts = experts_->forward(w.experts, m.tokens, m.probs, counts);
+    y = dispatcher_->combine(saved->dispatched.handle, ref::sum_per_received_row(saved->experts.out, m));
+  } else {
+    saved->experts =
+        experts_->forward(w.experts, saved->dispatched.tokens, saved->dispatched.token_probs, counts);
+    y = dispatcher_->combine(saved->dispatched.handle, saved->experts.out);
+  }
   if (shared_) {
     saved->shared = shared_->forward(views_of(w.shared), xc);
     ref::add_into(y, saved->shared.out);
@@ -231,12 +243,20 @@ MoEBackward MoECompute::backward(const MoEWeights& weights, const MoESaved& s, c
 
   MoEBackward out;
   Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, g);
+  if (s.rank_major) grad_rows = ref::gather_rows(grad_rows, *s.rank_major);
   const ExpertGradients experts_grads{
       zeros_like(w.experts.gate_and_up_projs, compute), zeros_like(w.experts.down_projs, compute),
       zeros_like(w.experts.gate_up_proj_bias, compute), zeros_like(w.experts.down_proj_bias, compute)};
   ExpertsGrads eg = experts_->backward(w.experts, s.experts, grad_rows, experts_grads);
   out.gradients.experts = in_weight_dtypes(experts_grads, weights.experts);
-  DispatchGrads dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
+  DispatchGrads dg;
+  if (s.rank_major) {
+    const ref::RankMajorGrads rg =
+        ref::scatter_to_received(eg.tokens, eg.probs, *s.rank_major, s.dispatched.topk_weights.dtype());
+    dg = dispatcher_->dispatch_backward(s.dispatched.handle, rg.rows, rg.topk_weights);
+  } else {
+    dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
+  }
   Tensor grad_x = dg.hidden;
   if (gate_ && !s.routing_override) {
     // Straight into the weights' dtypes: the gate sums in f64 and rounds once.

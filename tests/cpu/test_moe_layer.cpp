@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -1102,4 +1103,41 @@ TEST(MoELayer, ReplayIndicesReachTheGateAndLatentProjectionIsRefused) {
   const auto e = catch_error<ArgumentError>([&] { MoELayer(latent, BackendConfig{}, nullptr, f64_options()); });
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->argument(), "moe.moe_latent_size");
+}
+
+// A rank-major dispatch (DeepEP's layout) under the layer: the experts read the received rows
+// through expert_rows and their rows are summed per received token before the combine, so the
+// layer's output and every gradient are bitwise those of the expert-major dispatch.
+TEST(MoELayer, RankMajorDispatchGivesTheExpertMajorLayerBitwise) {
+  for (int R : {2, 4})
+    for (DType dt : {DType::f32, DType::f64}) {
+      SCOPED_TRACE("R " + std::to_string(R) + ", " + std::string(dtype_name(dt)));
+      MoEConfig c = small_config(Activation::swiglu, ScoreFunc::sigmoid);
+      c.n_activated_experts = 3;
+      c.expert_bias = true;
+      c.n_shared_experts = 1;
+      MoELayerOptions em = f64_options();
+      em.param_dtype = dt;
+      em.dispatch.pad_multiple = 2;
+      MoELayerOptions rm = em;
+      rm.dispatch.layout = DispatchLayout::rank_major;
+      LayerGroup a(R, c, BackendConfig{}, em), b(R, c, BackendConfig{}, rm);
+      std::vector<Tensor> xs = inputs_for(R, c.dim, 5), grads;
+      for (Tensor& x : xs) x = x.to(dt);
+      for (int r = 0; r < R; ++r) grads.push_back(randn(xs[r].shape(), 900 + r).to(dt));
+      const auto ya = a.forward(xs, {}, true), yb = b.forward(xs, {}, true);
+      const auto gxa = a.backward(ya, grads), gxb = b.backward(yb, grads);
+      for (int r = 0; r < R; ++r) {
+        SCOPED_TRACE("rank " + std::to_string(r));
+        ASSERT_EQ(ya[r].out.nbytes(), yb[r].out.nbytes());
+        EXPECT_EQ(std::memcmp(ya[r].out.raw(), yb[r].out.raw(), ya[r].out.nbytes()), 0);
+        EXPECT_EQ(std::memcmp(gxa[r].raw(), gxb[r].raw(), gxa[r].nbytes()), 0);
+        const auto pa = a[r].parameters(), pb = b[r].parameters();
+        ASSERT_EQ(pa.size(), pb.size());
+        for (std::size_t i = 0; i < pa.size(); ++i) {
+          ASSERT_TRUE(pa[i]->grad.defined()) << pa[i]->name;
+          EXPECT_EQ(std::memcmp(pa[i]->grad.raw(), pb[i]->grad.raw(), pa[i]->grad.nbytes()), 0) << pa[i]->name;
+        }
+      }
+    }
 }
