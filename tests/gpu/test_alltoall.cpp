@@ -216,7 +216,8 @@ TEST(AlltoallMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
 TEST(AlltoallMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
   if (!require_gpus(2)) return;
   const int R = gpu_ranks(), E = 2 * R;
-  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id);
+  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id),
+      rank_major(bad_id);
   const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
     auto d = make_alltoall_dispatcher(g.comm, E);
     const std::size_t r = static_cast<std::size_t>(g.rank);
@@ -249,6 +250,13 @@ TEST(AlltoallMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
     } catch (...) {
       bad_dtype[r] = std::current_exception();
     }
+    try {  // every rank asks for DeepEP's layout, which alltoall does not write
+      DispatchOptions o;
+      o.layout = DispatchLayout::rank_major;
+      d->dispatch(device_inputs(g, E, 6, 8, 2).view(), o);
+    } catch (...) {
+      rank_major[r] = std::current_exception();
+    }
     d->dispatch(device_inputs(g, E, 6, 8, 2).view(), {});  // the error records were cleared
   });
   ASSERT_TRUE(all_ok(errors));
@@ -260,6 +268,9 @@ TEST(AlltoallMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
     return contains(w, "token 4 lists expert 1 twice");
   })));
   EXPECT_TRUE(all_threw<ArgumentError>(bad_dtype, argument_is("weights", [](const std::string&) { return true; })));
+  EXPECT_TRUE(all_threw<ArgumentError>(rank_major, argument_is("options.layout", [](const std::string& w) {
+    return contains(w, "the alltoall backend does not write");
+  })));
   for (int r = 0; r < R; ++r) {
     if (r == 1) continue;
     EXPECT_TRUE(contains(what_of(bad_dtype[static_cast<std::size_t>(r)]), "rank 1 failed its checks"));

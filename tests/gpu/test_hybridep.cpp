@@ -801,7 +801,8 @@ TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
 TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;
-  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id);
+  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), repeated(bad_id), bad_dtype(bad_id),
+      rank_major(bad_id);
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
@@ -836,6 +837,13 @@ TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
         } catch (...) {
           bad_dtype[r] = std::current_exception();
         }
+        try {  // every rank asks for DeepEP's layout, which hybridep does not write
+          DispatchOptions o;
+          o.layout = DispatchLayout::rank_major;
+          d->dispatch(device_inputs(g, E, 6, 8, 2).view(), o);
+        } catch (...) {
+          rank_major[r] = std::current_exception();
+        }
         DispatchResult ok = d->dispatch(device_inputs(g, E, 6, 8, 2).view(), {});  // the records were cleared
         d->combine(ok.handle, ok.tokens);
       },
@@ -849,6 +857,9 @@ TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
                                          return contains(w, "token 4 lists expert 1 twice");
                                        })));
   EXPECT_TRUE(all_threw<ArgumentError>(bad_dtype, argument_is("weights", [](const std::string&) { return true; })));
+  EXPECT_TRUE(all_threw<ArgumentError>(rank_major, argument_is("options.layout", [](const std::string& w) {
+                                         return contains(w, "the hybridep backend does not write");
+                                       })));
   for (int r = 0; r < R; ++r)
     if (r != 1) {
       EXPECT_TRUE(contains(what_of(bad_dtype[static_cast<std::size_t>(r)]), "rank 1 failed its checks"));
