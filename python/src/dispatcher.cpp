@@ -76,6 +76,21 @@ nb::tuple dispatch(TokenDispatcher& d, nb::handle hidden, nb::handle indices, nb
                         PyHandle{r.handle});
 }
 
+// DeepEP's layout (docs/semantics.md, "Rank-major dispatch"), with DeepEP's names.
+nb::tuple dispatch_rank_major(TokenDispatcher& d, nb::handle hidden, nb::handle indices, nb::handle weights,
+                              const std::string& mode, std::int64_t budget_rows, const std::string& overflow,
+                              std::int64_t pad_multiple, bool check_finite, std::uintptr_t stream) {
+  DispatchInput in;
+  in.hidden = to_view_or_none(hidden, "hidden");
+  in.indices = to_view_or_none(indices, "indices");
+  in.weights = to_view_or_none(weights, "weights");
+  DispatchOptions o = make_options(mode, budget_rows, overflow, pad_multiple, check_finite);
+  o.layout = DispatchLayout::rank_major;
+  const DispatchResult r = on_stream_without_gil(stream, [&] { return d.dispatch(in, o); });
+  return nb::make_tuple(to_python(r.tokens), to_python(r.topk_indices), to_python(r.topk_weights),
+                        to_python(r.tokens_per_expert), to_python(r.expert_rows), r.dropped, PyHandle{r.handle});
+}
+
 std::shared_ptr<TokenDispatcher> make_gpu_dispatcher(const std::string& name, std::shared_ptr<ProcessGroup> comm,
                                                      int num_experts, const std::string& backend_json,
                                                      std::int64_t hidden, std::int64_t max_tokens_per_rank,
@@ -168,6 +183,12 @@ void bind_token_dispatcher(nb::module_& m) {
            nb::arg("budget_rows") = 0, nb::arg("overflow") = "error", nb::arg("pad_multiple") = 1,
            nb::arg("check_finite") = true, nb::arg("stream") = 0,
            "-> (tokens [N,H], token_probs [N], tokens_per_expert [E_local], dropped, handle)")
+      .def("dispatch_rank_major", &dispatch_rank_major, nb::arg("hidden"), nb::arg("indices"), nb::arg("weights"),
+           nb::arg("mode") = "blocking", nb::arg("budget_rows") = 0, nb::arg("overflow") = "error",
+           nb::arg("pad_multiple") = 1, nb::arg("check_finite") = true, nb::arg("stream") = 0,
+           "DeepEP's rank-major layout -> (recv_x [N,H], recv_topk_idx [N,k] int32, recv_topk_weights [N,k], "
+           "tokens_per_expert [E_local], expert_rows int32, dropped, handle); combine then takes [N,H] rows "
+           "summed over this rank's experts, dispatch_backward the gradient of recv_topk_weights [N,k]")
       .def(
           "combine",
           [](TokenDispatcher& d, const PyHandle* h, nb::handle expert_out, std::uintptr_t stream) {
