@@ -86,6 +86,45 @@ class _HandleHolder:
     handle = None
 
 
+class _RankMajorDispatch(torch.autograd.Function):
+    """DeepEP's dispatch (docs/semantics.md, "Rank-major dispatch"): x [T,H], top-k (indices,
+    weights) -> recv_x [N,H], recv_topk_idx [N,k] int64, recv_topk_weights [N,k] float32,
+    tokens_per_expert, expert_rows. Backward: grad_x is the sum of grad_recv_x over the ranks, the
+    weights' gradient that of recv_topk_weights at each slot's owner."""
+
+    @staticmethod
+    def forward(ctx, x, weights, indices, dispatcher, options, holder):
+        res = dispatcher.dispatch_rank_major(x.contiguous(), indices.contiguous(), weights.contiguous(),
+                                             stream=_stream(x), **options)
+        recv_x, recv_idx, recv_w, tpe, expert_rows, dropped, handle = res
+        ctx.dispatcher, ctx.handle = dispatcher, handle
+        holder.handle = handle
+        recv_idx, tpe, expert_rows = _out(recv_idx).long(), _out(tpe), _out(expert_rows)
+        ctx.mark_non_differentiable(recv_idx, tpe, expert_rows)
+        return _out(recv_x), recv_idx, _out(recv_w), tpe, expert_rows
+
+    @staticmethod
+    def backward(ctx, grad_x, _idx, grad_w, _tpe, _rows):
+        if grad_w is None:
+            grad_w = torch.zeros(ctx.handle.rows, ctx.handle.topk, dtype=torch.float32, device=grad_x.device)
+        gx, gw = ctx.dispatcher.dispatch_backward(ctx.handle, grad_x.contiguous(), grad_w.contiguous(),
+                                                  stream=_stream(grad_x))
+        return _out(gx), _out(gw), None, None, None, None
+
+
+def dispatch_rank_major(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *,
+                        pad_multiple: int = 1, mode: str = "blocking", budget_rows: int = 0,
+                        overflow: str = "error"):
+    """DeepEP's rank-major dispatch on a dispatcher that writes it (host; deepep): returns (recv_x,
+    recv_topk_idx, recv_topk_weights, tokens_per_expert, expert_rows, handle), differentiable in x
+    and weights. combine() of this handle takes one row per received token, summed over this rank's
+    experts."""
+    opts = dict(pad_multiple=pad_multiple, mode=mode, budget_rows=budget_rows, overflow=overflow)
+    holder = _HandleHolder()
+    out = _RankMajorDispatch.apply(x, weights, indices, dispatcher, opts, holder)
+    return (*out, holder.handle)
+
+
 class _DispatchWithHandle(_Dispatch):
     # autograd outputs must be tensors: the handle leaves through a holder object (and stays in ctx).
     @staticmethod

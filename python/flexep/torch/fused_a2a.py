@@ -138,12 +138,37 @@ def _rank_major_missing(name: str):
         "(expert-major, any backend)")
 
 
+class DeepEPHandle:
+    """What fused_dispatch returns as its handle: the dispatcher and the library's handle."""
+
+    def __init__(self, dispatcher, handle):
+        self.dispatcher, self.handle = dispatcher, handle
+
+
 def fused_dispatch(x, token_indices, token_probs, num_experts, group, async_finish=False,
                    allocate_on_comm_stream=False):
-    """Automodel's fused_dispatch (DeepEP normal mode, rank-major output): not available yet."""
-    _rank_major_missing("fused_dispatch")
+    """Automodel's fused_dispatch (DeepEP normal mode, rank-major output): (recv_x [N,H],
+    recv_token_indices [N,k] int64 local ids with -1 elsewhere, recv_token_probs [N,k] float32,
+    tokens_per_expert (a CPU int64 tensor, as Automodel's), handle). Differentiable in x and
+    token_probs. async_finish / allocate_on_comm_stream: flexep's calls are stream-ordered, so they
+    change nothing. On flexep's simulated ranks (HostRank) now; a torch.distributed group needs the
+    deepep backend, not built yet."""
+    del async_finish, allocate_on_comm_stream
+    if not isinstance(group, HostRank):
+        _rank_major_missing("fused_dispatch")
+    d = _dispatchers.get_dispatcher(BackendConfig(dispatcher="host"), int(num_experts), group)
+    holder = F._HandleHolder()
+    recv_x, recv_idx, recv_w, tpe, _ = F._RankMajorDispatch.apply(x, token_probs.float(), token_indices, d, {},
+                                                                  holder)
+    return recv_x, recv_idx, recv_w, tpe.cpu(), DeepEPHandle(d, holder.handle)
 
 
 def fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=False):
-    """Automodel's fused_combine (DeepEP normal mode): not available yet."""
-    _rank_major_missing("fused_combine")
+    """Automodel's fused_combine (DeepEP normal mode): x [N,H], one row per received token (the
+    experts' rows already summed), -> (combined_x [T,H], None), the sum over the ranks in
+    ascending order; backward re-dispatches along the handle."""
+    del group, async_finish, allocate_on_comm_stream
+    if not isinstance(handle, DeepEPHandle):
+        raise _flexep.ArgumentError("flexep: invalid argument 'handle': expected what fused_dispatch returned, "
+                                    f"got {type(handle).__name__}")
+    return F.combine(handle.dispatcher, handle.handle, x), None
