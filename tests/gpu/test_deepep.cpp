@@ -88,19 +88,19 @@ std::vector<RankMajorOutputs> run_host_rank_major(const Config& c, int R) {
   return outs;
 }
 
-DeepEpOptions options_for(const Config& c) {
+DeepEpOptions options_for(const Config& c, int ranks) {
   DeepEpOptions o;
   o.hidden = c.hidden;
   std::int64_t most = 1;
   for (std::int64_t t : c.tokens) most = std::max(most, t);
   o.max_tokens_per_rank = most;
-  o.max_topk = 8;
+  o.max_topk = std::min(8, c.experts_per_rank * ranks);
   o.timeout_seconds = 20;
   return o;
 }
 
 RankMajorOutputs run_deepep(GpuRank& g, const Config& c) {
-  auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c));
+  auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
   auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
   auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
   return run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.rank, up, down);
@@ -170,7 +170,7 @@ TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
-        auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c));
+        auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
         auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
         auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
         for (int i = 0; i < 3; ++i)  // one dispatcher: the epochs grow, the windows are reused
