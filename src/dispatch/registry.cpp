@@ -12,6 +12,7 @@
 #ifdef FLEXEP_WITH_CUDA
 #include "flexep/comm/communicator.h"
 #include "flexep/dispatch/alltoall.h"
+#include "flexep/dispatch/deepep.h"
 #include "flexep/dispatch/hybridep.h"
 #endif
 
@@ -49,6 +50,17 @@ std::unique_ptr<TokenDispatcher> make_hybridep(const DispatcherSpec& s) {
   if (s.timeout_seconds > 0) o.timeout_seconds = s.timeout_seconds;
   return make_hybridep_dispatcher(communicator_of(s, "hybridep"), s.num_experts, o);
 }
+std::unique_ptr<TokenDispatcher> make_deepep(const DispatcherSpec& s) {
+  DeepEpOptions o;
+  o.hidden = s.hidden;
+  o.max_tokens_per_rank = s.max_tokens_per_rank;
+  o.max_topk = s.max_topk;
+  o.max_recv_rows = s.max_recv_rows;
+  o.sms = s.backend.deepep_num_sms > 0 ? s.backend.deepep_num_sms : s.backend.dispatcher_num_sms;
+  o.stream = s.stream;
+  if (s.timeout_seconds > 0) o.timeout_seconds = s.timeout_seconds;
+  return make_deepep_dispatcher(communicator_of(s, "deepep"), s.num_experts, o);
+}
 constexpr std::string_view kNoCuda = "needs a CUDA build";
 #else
 constexpr std::string_view kNoCuda = "needs a CUDA build (this one has none)";
@@ -69,7 +81,13 @@ const std::array<DispatcherBackend, 4>& table() {
       {"hybridep", "NVLink kernels on NCCL symmetric windows, expert-major output, no host sync in budget mode",
        true, true, nullptr, kNoCuda},
 #endif
-      {"deepep", "DeepEP's index-based, rank-major dispatch", true, true, nullptr, "is not built in flexep yet"},
+#ifdef FLEXEP_WITH_CUDA
+      {"deepep", "DeepEP's rank-major layout over NVLink windows (blocking mode, rank_major layout only so far)", true,
+       true, make_deepep, ""},
+#else
+      {"deepep", "DeepEP's rank-major layout over NVLink windows (blocking mode, rank_major layout only so far)", true,
+       true, nullptr, kNoCuda},
+#endif
   }};
   return backends;
 }

@@ -113,7 +113,7 @@ def get_dispatcher(backend: BackendConfig, num_experts: int, group=None, device:
     name = _GPU_BACKEND_NAMES.get(backend.dispatcher, backend.dispatcher)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     key = (name, _group_key(group), device.index, num_experts)
-    if name == "hybridep":
+    if name in ("hybridep", "deepep"):  # buffers sized once
         key += (hidden, max_tokens_per_rank, max_topk, id(owner) if owner is not None else None)
     if key not in _dispatchers:
         comm = create_communicator(group, device, reuse_nccl=os.environ.get("FLEXEP_REUSE_NCCL") == "1")

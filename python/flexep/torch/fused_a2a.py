@@ -6,8 +6,8 @@ by their own names and signatures, computed by flexep's dispatchers.
   `host` backend for simulated CPU ranks (group=HostRank(world, rank)).
 - init_hybrid_ep_buffer / reset_hybrid_ep_buffer: make the group's dispatcher now / drop it.
 - set_deepep_num_sms: the SM count of dispatchers made afterwards.
-- fused_dispatch / fused_combine: DeepEP's rank-major contract; they need flexep's `deepep` backend,
-  which is not built yet, and say so.
+- fused_dispatch / fused_combine: DeepEP's rank-major contract; served by the `host` backend for
+  simulated CPU ranks; on GPUs (flexep's `deepep` backend) they are not wired yet, and say so.
 
 The handle they return is flexep's: it carries the dispatcher, so combine needs nothing else.
 """
@@ -133,9 +133,9 @@ def hybrid_ep_combine(x: torch.Tensor, handle: HybridEPHandle, num_permuted_toke
 
 def _rank_major_missing(name: str):
     raise _flexep.ArgumentError(
-        f"flexep: {name} needs DeepEP's rank-major layout, which flexep's deepep backend provides and this "
-        "build does not have yet; use hybrid_ep_dispatch / hybrid_ep_combine or MoEFlexTokenDispatcher "
-        "(expert-major, any backend)")
+        f"flexep: {name} with a torch.distributed group needs flexep's deepep backend, which flexep.torch does "
+        "not use yet (it runs on simulated ranks: group=HostRank(world, rank)); use hybrid_ep_dispatch / "
+        "hybrid_ep_combine or MoEFlexTokenDispatcher (expert-major, any backend)")
 
 
 class DeepEPHandle:
@@ -152,7 +152,7 @@ def fused_dispatch(x, token_indices, token_probs, num_experts, group, async_fini
     tokens_per_expert (a CPU int64 tensor, as Automodel's), handle). Differentiable in x and
     token_probs. async_finish / allocate_on_comm_stream: flexep's calls are stream-ordered, so they
     change nothing. On flexep's simulated ranks (HostRank) now; a torch.distributed group needs the
-    deepep backend, not built yet."""
+    deepep backend, which flexep.torch does not use yet."""
     del async_finish, allocate_on_comm_stream
     if not isinstance(group, HostRank):
         _rank_major_missing("fused_dispatch")

@@ -1,0 +1,52 @@
+// The `deepep` backend of the TokenDispatcher: DeepEP's rank-major layout (docs/semantics.md,
+// "Rank-major dispatch"; docs/deepep.md), rows moved by our CUDA kernels over NVLink into NCCL
+// symmetric windows (NCCL_WIN_DEFAULT, never multicast). All ranks in one NVLink domain (at most
+// 32 ranks). Per call on each rank:
+//
+//   dispatch:  a count kernel validates the ids and counts rows per destination rank and pairs per
+//              expert; the counts and the call signature are all-gathered (host sync: blocking mode);
+//              every rank derives every receiver's layout (core/rank_major.h); a kernel ranks this
+//              rank's tokens per destination, and the send kernel writes each (token, destination)
+//              row ONCE, at its final rank-major place in the destination's window, with its slots
+//              (recv_topk_idx, recv_topk_weights) and source token, then releases one flag per
+//              destination; the receive kernel acquires them and lists each local expert's rows
+//              (expert_rows). recv_x, recv_topk_idx and recv_topk_weights ARE the window: no copy.
+//   combine:   each received row travels back to its source's window (one row per (token, rank));
+//              the source sums them in fp32 over ascending rank: bitwise the host backend.
+//   backwards: dispatch_backward is a combine that also returns the slots' weight gradients;
+//              combine_backward writes grad_out rows along the saved layout (no count exchange).
+//
+// Every flag carries a growing epoch (one per kind of operation); every wait has a deadline and
+// ends in a TimeoutError naming the phase and the rank waited for.
+//
+// Validity of outputs: recv_x, recv_topk_idx and recv_topk_weights are views of the receive window,
+// valid until this rank's next combine call (a peer overwrites them only after that combine's rows
+// reached it); the output of combine_backward likewise until the next dispatch_backward. Clone them
+// to keep them longer.
+//
+// Built now: the blocking mode of the rank-major layout, top-k form, bf16 rows, f32 weights.
+// Not yet: budget mode (GPU-side count exchange), the expert-major layout, FP8, low-latency mode.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "flexep/comm/communicator.h"
+#include "flexep/dispatch/dispatcher.h"
+
+namespace flexep {
+
+struct DeepEpOptions {
+  std::int64_t hidden = 0;               // H of every call (required)
+  std::int64_t max_tokens_per_rank = 0;  // T of any call on any rank, at most (required)
+  int max_topk = 0;                      // k at most (0: the number of experts)
+  std::int64_t max_recv_rows = 0;        // rows of the receive window (0: ranks * max_tokens_per_rank)
+  int sms = 0;                           // CTAs of the send kernels (0: 20, DeepEP's default)
+  double timeout_seconds = 30;           // deadline of every device wait
+  void* stream = nullptr;                // cudaStream_t of every call; nullptr: the current stream
+};
+
+std::unique_ptr<TokenDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,
+                                                        const DeepEpOptions& options);
+
+}  // namespace flexep

@@ -1,0 +1,93 @@
+// The deepep combine and dispatch_backward: one row per received token back to its source, summed
+// there over the ranks in ascending order (docs/semantics.md, "Rank-major dispatch").
+#include "dispatch/deepep/dispatcher/dispatcher.h"
+#include "flexep/core/checks.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::deepep {
+
+void DeepEpDispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, const TensorView& grad_w,
+                                 const TensorView& out, const TensorView& out_w, Kind kind, Phase phase) {
+  const cudaStream_t s = stream();
+  const int ctas = options_.sms > 0 ? options_.sms : 20;
+  SendPartialsCall c;
+  c.peers = sym_.peers();
+  c.rank = rank();
+  c.ranks = world_size();
+  c.k = static_cast<int>(h.slots);
+  c.rows = h.rows;
+  c.hidden = h.hidden;
+  c.max_tokens = options_.max_tokens_per_rank;
+  for (int src = 0; src <= world_size(); ++src) c.source_begin[src] = h.source_begin[src];
+  c.y = rows.data;
+  c.grad_w = grad_w.defined() ? grad_w.ptr<float>() : nullptr;
+  c.src = h.recv_src.data<std::int32_t>();
+  c.win = win_;
+  c.op = ops_ + kind;
+  c.kind = kind;
+  launch_send_partials(c, ctas, s);
+
+  ReduceCall r;
+  r.flags = own_flags();
+  r.ranks = world_size();
+  r.kind = kind;
+  r.k = static_cast<int>(h.slots);
+  r.local_experts = local_experts();
+  r.op = ops_ + kind;
+  r.status = status_;
+  r.timeout_ns = timeout_ns(options_.timeout_seconds);
+  r.phase = phase;
+  r.window = window();
+  r.win = win_;
+  r.tokens = h.tokens;
+  r.hidden = h.hidden;
+  r.max_tokens = options_.max_tokens_per_rank;
+  r.dest_row = h.dest_row.data<std::int32_t>();
+  r.slot_expert = h.slot_expert.data<std::int32_t>();
+  r.out = out.data;
+  r.grad_w = out_w.defined() ? static_cast<float*>(out_w.data) : nullptr;
+  launch_reduce(r, ctas, s);
+}
+
+Tensor DeepEpDispatcher::combine(const Handle& handle, const TensorView& expert_out) {
+  cuda::init();
+  cuda::DeviceGuard device_guard(comm_->device());
+  const cudaStream_t s = stream();
+  cuda::StreamGuard stream_guard(s);
+  require_usable();
+  const DeepEpHandle& h = own_handle(handle);
+  check_handle_tensor(expert_out, h.rows, h.hidden, h.hidden_dtype, "expert_out");
+  check::device(expert_out, Device::cuda(comm_->device()), "expert_out");
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(expert_out.data) % 16 == 0, "expert_out",
+                   "must be 16-byte aligned");
+  Tensor out = Tensor::empty({h.tokens, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
+  move_back(h, expert_out, TensorView(), out, TensorView(), kCombine, Phase::combine_partials);
+  check(s, "combine");
+  return out;
+}
+
+DispatchGrads DeepEpDispatcher::dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
+                                                  const TensorView& grad_token_probs) {
+  cuda::init();
+  cuda::DeviceGuard device_guard(comm_->device());
+  const cudaStream_t s = stream();
+  cuda::StreamGuard stream_guard(s);
+  require_usable();
+  const DeepEpHandle& h = own_handle(handle);
+  const Device dev = Device::cuda(comm_->device());
+  check_handle_tensor(grad_tokens, h.rows, h.hidden, h.hidden_dtype, "grad_tokens");
+  check::device(grad_tokens, dev, "grad_tokens");
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(grad_tokens.data) % 16 == 0, "grad_tokens",
+                   "must be 16-byte aligned");
+  check_handle_tensor(grad_token_probs, h.rows, h.slots, h.prob_dtype, "grad_token_probs");  // of recv_topk_weights
+  check::device(grad_token_probs, dev, "grad_token_probs");
+  DispatchGrads g;
+  g.hidden = Tensor::empty({h.tokens, h.hidden}, DType::bf16, dev);
+  g.weights = Tensor::empty({h.tokens, h.slots}, DType::f32, dev);
+  move_back(h, grad_tokens, grad_token_probs, g.hidden, g.weights, kDispatchBackward,
+            Phase::dispatch_backward_partials);
+  check(s, "dispatch_backward");
+  return g;
+}
+
+}  // namespace flexep::deepep

@@ -1,0 +1,236 @@
+// The deepep dispatch and combine_backward: the rows out, at their final rank-major places. The
+// dispatch's steps, on every rank:
+//   1. local checks, and the count kernel (ids validated, rows per destination, pairs per expert);
+//      a failure is not raised yet: it travels with step 2, so that every rank stops together;
+//   2. one all-gather of [signature | pairs per expert | rows per destination] (host sync);
+//      every rank applies the same agreement rules and derives every receiver's layout;
+//   3. the rank of every token among those bound for each destination (dest_row), then the send
+//      kernel: each (token, destination) row once into the destination's window, with its slots;
+//   4. the receive kernel: every source's flag acquired, each local expert's rows listed.
+#include <algorithm>
+
+#include "dispatch/common/call_signature.h"
+#include "dispatch/deepep/dispatcher/dispatcher.h"
+#include "flexep/core/checks.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::deepep {
+
+namespace {
+
+struct Routing {
+  std::int64_t tokens = 0, hidden = 0;
+  int k = 0;
+};
+
+Routing check_input(const DispatchInput& in, const DispatchOptions& opt, int ranks, int experts, int device,
+                    std::int64_t hidden, std::int64_t max_tokens, int max_topk) {
+  FLEXEP_CHECK_ARG(opt.layout == DispatchLayout::rank_major, "options.layout",
+                   "is expert_major, which the deepep backend does not write yet; allowed: rank_major (DeepEP's "
+                   "layout; expert_major: the hybridep or alltoall backend)");
+  FLEXEP_CHECK_ARG(opt.mode == DispatchMode::blocking, "options.mode",
+                   "is budget, which the deepep backend does not offer yet; allowed: blocking");
+  FLEXEP_CHECK_ARG(!in.multihot(), "routing_map",
+                   "the deepep backend takes the top-k form (indices, weights), as DeepEP's dispatch does");
+  const Device dev = Device::cuda(device);
+  check::rank(in.hidden, 2, "hidden");
+  check::dtype(in.hidden, {DType::bf16}, "hidden");
+  check::device(in.hidden, dev, "hidden");
+  Routing r;
+  r.tokens = in.hidden.size(0);
+  r.hidden = in.hidden.size(1);
+  FLEXEP_CHECK_ARG(r.hidden == hidden, "hidden", "has H=", r.hidden,
+                   " but this deepep dispatcher was created for DeepEpOptions::hidden=", hidden);
+  FLEXEP_CHECK_ARG(r.tokens <= max_tokens, "hidden", "has ", r.tokens, " tokens, more than the ", max_tokens,
+                   " the buffers hold (DeepEpOptions::max_tokens_per_rank)");
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(in.hidden.data) % 16 == 0, "hidden",
+                   "must be 16-byte aligned (rows move as 16-byte vectors)");
+  FLEXEP_CHECK_ARG(in.indices.defined(), "indices", "is required (the top-k form: indices, weights)");
+  check::shape(in.indices, {r.tokens, -1}, "indices");
+  check::dtype(in.indices, {DType::i32, DType::i64}, "indices");
+  check::device(in.indices, dev, "indices");
+  r.k = static_cast<int>(in.indices.size(1));
+  FLEXEP_CHECK_ARG(r.k >= 1 && r.k <= max_topk, "indices", "has k=", r.k, " columns; this deepep dispatcher holds 1 to ",
+                   max_topk, " slots per token (DeepEpOptions::max_topk)");
+  check::shape(in.weights, {r.tokens, r.k}, "weights");
+  check::dtype(in.weights, {DType::f32}, "weights");
+  check::device(in.weights, dev, "weights");
+  validate(call_signature::plan_params(opt, ranks, experts));
+  return r;
+}
+
+call_signature::DeviceViolation describe_violation(const call_signature::CallSignature& h) {
+  return {"indices", call_signature::index_violation(h)};
+}
+
+}  // namespace
+
+DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
+  cuda::init();
+  cuda::DeviceGuard device_guard(comm_->device());
+  const cudaStream_t s = stream();
+  cuda::StreamGuard stream_guard(s);
+  require_usable();
+  const int R = world_size(), E = experts_, L = local_experts(), me = rank();
+  const Device dev = Device::cuda(comm_->device());
+
+  // 1. Local checks and the count kernel.
+  Routing rt;
+  call_signature::CallSignature mine;
+  auto h = std::make_shared<DeepEpHandle>();
+  Tensor dest_flag, counts;
+  const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
+    rt = check_input(input, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank, max_topk_);
+    h->slot_expert = Tensor::empty({rt.tokens * rt.k}, DType::i32, dev);
+    dest_flag = Tensor::zeros({R * rt.tokens}, DType::i32, dev);
+    counts = Tensor::zeros({E + R}, DType::i64, dev);
+    launch_count(input.indices.data, input.indices.dtype == DType::i64, rt.tokens, rt.k, E, L, R,
+                 h->slot_expert.data<std::int32_t>(), reinterpret_cast<long long*>(counts.raw()),
+                 dest_flag.data<std::int32_t>(), errors_.record(), s);
+    errors_.check(s, "dispatch");  // a bad id: ArgumentError naming "indices"
+  });
+  call_signature::set_call(mine, E, false, rt.hidden, rt.k, options, local ? 0 : rt.tokens);
+
+  // 2. The count exchange, the agreement, every receiver's layout.
+  const std::int64_t P = call_signature::kWords + E + R;
+  std::vector<long long> words(static_cast<std::size_t>(P), 0);
+  call_signature::encode_words(mine, words.data());
+  if (!local) {
+    const Tensor c = cuda::to_host(counts, s);
+    std::copy(c.data<std::int64_t>(), c.data<std::int64_t>() + E + R, words.begin() + call_signature::kWords);
+  }
+  const std::vector<long long> all = comm_->all_gather_i64(words, "deepep dispatch:count-exchange");
+  std::vector<call_signature::CallSignature> headers;
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(R * R));
+  std::vector<std::int64_t> pairs_here(static_cast<std::size_t>(L), 0);  // pairs for this rank's experts
+  for (int src = 0; src < R; ++src) {
+    const long long* p = all.data() + src * P;
+    headers.push_back(call_signature::decode_words(p));
+    for (int le = 0; le < L; ++le) pairs_here[static_cast<std::size_t>(le)] += p[call_signature::kWords + me * L + le];
+    for (int d = 0; d < R; ++d) rows[static_cast<std::size_t>(src * R + d)] = p[call_signature::kWords + E + d];
+  }
+  if (local) std::rethrow_exception(local);
+  if (auto err = call_signature::peer_failure(headers, me, describe_violation)) std::rethrow_exception(err);
+  if (auto err = call_signature::compare_headers(headers)) std::rethrow_exception(err);
+  const std::vector<RankMajorLayout> layouts = rank_major_layouts(rows, call_signature::plan_params(options, R, E));
+  for (int d = 0; d < R; ++d)  // every rank checks every receiver: all raise alike
+    FLEXEP_CHECK(layouts[static_cast<std::size_t>(d)].out_rows <= capacity_rows_, "deepep dispatch: rank ", d,
+                 " receives ", layouts[static_cast<std::size_t>(d)].out_rows, " rows, more than the ", capacity_rows_,
+                 " its receive buffer holds (DeepEpOptions::max_recv_rows)");
+  const RankMajorLayout& lay = layouts[static_cast<std::size_t>(me)];
+  const std::int64_t N = lay.out_rows, k = rt.k;
+
+  std::vector<std::int64_t> tpe(static_cast<std::size_t>(L)), lists(static_cast<std::size_t>(2 * L));
+  std::int64_t M = 0;
+  for (int le = 0; le < L; ++le) {
+    const std::int64_t pad = options.pad_multiple;
+    tpe[static_cast<std::size_t>(le)] = (pairs_here[static_cast<std::size_t>(le)] + pad - 1) / pad * pad;
+    lists[static_cast<std::size_t>(le)] = M;
+    lists[static_cast<std::size_t>(L + le)] = tpe[static_cast<std::size_t>(le)];
+    M += tpe[static_cast<std::size_t>(le)];
+  }
+  const Tensor lists_dev = cuda::to_device(Tensor::from_vector(lists, {2 * L}), comm_->device(), s);
+
+  // 3. Where each token goes, then the rows out.
+  h->backend = "deepep";
+  h->owner = this;
+  h->rank = me;
+  h->tokens = rt.tokens;
+  h->topk = k;
+  h->hidden = rt.hidden;
+  h->rows = N;
+  h->local_experts = L;
+  h->hidden_dtype = DType::bf16;
+  h->prob_dtype = DType::f32;
+  h->layout = DispatchLayout::rank_major;
+  h->sequence = ++calls_;
+  h->slots = k;
+  for (int src = 0; src <= R; ++src)
+    h->source_begin[src] = src < R ? lay.source_begin[static_cast<std::size_t>(src)] : lay.required_rows;
+  h->dest_row = Tensor::empty({R * rt.tokens}, DType::i32, dev);
+  RankRowsCall rr;
+  rr.dest_flag = dest_flag.data<std::int32_t>();
+  for (int d = 0; d < R; ++d) rr.row_begin[d] = layouts[static_cast<std::size_t>(d)].source_begin[static_cast<std::size_t>(me)];
+  rr.tokens = rt.tokens;
+  rr.ranks = R;
+  rr.dest_row = h->dest_row.data<std::int32_t>();
+  launch_rank_rows(rr, s);
+
+  DispatchResult result;
+  result.expert_rows = Tensor::empty({M}, DType::i32, dev);
+  move_rows(*h, input.hidden, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens,
+            &result.expert_rows, &lists_dev);
+  h->recv_src = Tensor::empty({N}, DType::i32, dev);  // kept: a later dispatch rewrites the window's copy
+  if (N > 0)
+    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(h->recv_src.raw(), window() + win_.src, static_cast<std::size_t>(N) * 4,
+                                      cudaMemcpyDeviceToDevice, s));
+  check(s, "dispatch");
+
+  result.tokens = Tensor::wrap(TensorView(window() + win_.x, DType::bf16, {N, rt.hidden}, dev));
+  result.topk_indices = Tensor::wrap(TensorView(window() + win_.idx, DType::i32, {N, k}, dev));
+  result.topk_weights = Tensor::wrap(TensorView(window() + win_.w, DType::f32, {N, k}, dev));
+  result.tokens_per_expert = Tensor::from_vector(tpe, {L});
+  result.handle = std::move(h);
+  return result;
+}
+
+void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert,
+                                 const TensorView& weights, unsigned long long rows_at, Kind kind, Phase phase,
+                                 const Tensor* expert_rows, const Tensor* lists) {
+  const cudaStream_t s = stream();
+  const int L = local_experts();
+  SendRowsCall c;
+  c.peers = sym_.peers();
+  c.rank = rank();
+  c.ranks = world_size();
+  c.local_experts = L;
+  c.k = static_cast<int>(h.slots);
+  c.tokens = h.tokens;
+  c.hidden = h.hidden;
+  c.x = rows.data;
+  c.slot_expert = slot_expert ? slot_expert->data<std::int32_t>() : nullptr;
+  c.weights = slot_expert ? weights.ptr<float>() : nullptr;
+  c.dest_row = h.dest_row.data<std::int32_t>();
+  c.rows_at = rows_at;
+  c.win = win_;
+  c.op = ops_ + kind;
+  c.kind = kind;
+  launch_send_rows(c, options_.sms > 0 ? options_.sms : 20, s);
+
+  ReceiveCall r;
+  r.flags = own_flags();
+  r.ranks = world_size();
+  r.kind = kind;
+  r.op = ops_ + kind;
+  r.status = status_;
+  r.timeout_ns = timeout_ns(options_.timeout_seconds);
+  r.phase = phase;
+  r.idx = reinterpret_cast<const int*>(window() + win_.idx);
+  r.k = static_cast<int>(h.slots);
+  r.local_experts = L;
+  r.rows = h.rows;
+  if (expert_rows) {
+    r.list_begin = reinterpret_cast<const long long*>(lists->raw());
+    r.list_len = r.list_begin + L;
+    r.expert_rows = expert_rows->data<std::int32_t>();
+  }
+  launch_receive(r, s);
+}
+
+Tensor DeepEpDispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {
+  cuda::init();
+  cuda::DeviceGuard device_guard(comm_->device());
+  const cudaStream_t s = stream();
+  cuda::StreamGuard stream_guard(s);
+  require_usable();
+  const DeepEpHandle& h = own_handle(handle);
+  check_handle_tensor(grad_out, h.tokens, h.hidden, h.hidden_dtype, "grad_out");
+  check::device(grad_out, Device::cuda(comm_->device()), "grad_out");
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(grad_out.data) % 16 == 0, "grad_out", "must be 16-byte aligned");
+  move_rows(h, grad_out, nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows, nullptr,
+            nullptr);
+  check(s, "combine_backward");
+  return Tensor::wrap(TensorView(window() + win_.grad, DType::bf16, {h.rows, h.hidden}, Device::cuda(comm_->device())));
+}
+
+}  // namespace flexep::deepep

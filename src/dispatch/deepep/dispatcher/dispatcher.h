@@ -1,0 +1,84 @@
+// The deepep TokenDispatcher (include/flexep/dispatch/deepep.h has the data flow). The class is
+// split over dispatcher_cuda.cpp (set-up, buffers, errors), dispatch_cuda.cpp (dispatch and
+// combine_backward, the row stores) and combine_cuda.cpp (combine and dispatch_backward, the way
+// back). Included only by *_cuda.cpp files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "dispatch/deepep/kernels/kernels.h"
+#include "flexep/comm/communicator.h"
+#include "flexep/comm/symmetric_buffer.h"
+#include "flexep/core/rank_major.h"
+#include "flexep/cuda/device_errors.h"
+#include "flexep/dispatch/deepep.h"
+
+namespace flexep::deepep {
+
+// The deadline of a device wait, in %globaltimer nanoseconds.
+unsigned long long timeout_ns(double seconds);
+
+// What a dispatch leaves for its combine and the backwards.
+struct DeepEpHandle : HandleState {
+  std::uint64_t sequence = 0;
+  std::int64_t slots = 0;                         // k
+  Tensor slot_expert;                             // [T * k] int32, validated ids (-1: none)
+  Tensor dest_row;                                // [R * T] int32: row on rank d, -1 = not sent
+  Tensor recv_src;                                // [N] int32: the source token of each received row
+  long long source_begin[kMaxSymmetricPeers + 1] = {};  // this rank's receive side: rows from source s
+};
+
+class DeepEpDispatcher final : public TokenDispatcher {
+ public:
+  DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options);
+  ~DeepEpDispatcher() override;
+
+  std::string_view backend() const override { return "deepep"; }
+  int rank() const override { return comm_->rank(); }
+  int world_size() const override { return comm_->size(); }
+  int num_experts() const override { return experts_; }
+
+  DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
+  Tensor combine(const Handle& handle, const TensorView& expert_out) override;
+  DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
+                                  const TensorView& grad_token_probs) override;
+  Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
+
+ private:
+  cudaStream_t stream() const;
+  const DeepEpHandle& own_handle(const Handle& handle) const;
+  void require_usable() const;
+  // Waits for `s` and raises what the kernels recorded (a timeout names the phase and the rank);
+  // after a timeout the dispatcher is unusable.
+  void check(cudaStream_t s, const std::string& op);
+  // Sends `rows` ([T, H], this rank's tokens) along the handle's dest_row into the peers' windows
+  // at `rows_at` (with the slots when given), then waits for the rows coming here.
+  void move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert, const TensorView& weights,
+                 unsigned long long rows_at, Kind kind, Phase phase, const Tensor* expert_rows,
+                 const Tensor* lists);
+  // The way back: `rows` ([N, H], one per received token) to their sources, summed there into out.
+  void move_back(const DeepEpHandle& h, const TensorView& rows, const TensorView& grad_w, const TensorView& out,
+                 const TensorView& out_w, Kind kind, Phase phase);
+  char* window() const { return static_cast<char*>(sym_.local()); }
+  const unsigned* own_flags() const;
+
+  std::shared_ptr<Communicator> comm_;
+  int experts_;
+  DeepEpOptions options_;
+  std::int64_t capacity_rows_ = 0;
+  int max_topk_ = 0;
+  WindowLayout win_;
+  SymmetricBuffer sym_;
+  char* local_ = nullptr;  // device: OpControl[kKinds], then Status
+  OpControl* ops_ = nullptr;
+  Status* status_ = nullptr;
+  cuda::DeviceErrors errors_;
+  std::uint64_t calls_ = 0;
+  bool broken_ = false;
+  std::string broken_why_;
+};
+
+}  // namespace flexep::deepep

@@ -1,0 +1,158 @@
+// The deepep dispatcher's set-up: the window (its layout, the flags, the operation state), the
+// stream helpers, the error check every call ends with, and the factory.
+#include <cmath>
+#include <cstring>
+
+#include "dispatch/deepep/dispatcher/dispatcher.h"
+#include "flexep/core/error.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep {
+namespace deepep {
+
+namespace {
+
+unsigned long long align16(unsigned long long x) { return (x + 15) / 16 * 16; }
+
+WindowLayout window_layout(int ranks, std::int64_t cap, std::int64_t hidden, int k, std::int64_t max_tokens) {
+  WindowLayout w;
+  unsigned long long at = 0;
+  auto take = [&](unsigned long long bytes) {
+    const unsigned long long here = at;
+    at = align16(at + bytes);
+    return here;
+  };
+  const auto C = static_cast<unsigned long long>(cap), H = static_cast<unsigned long long>(hidden),
+             K = static_cast<unsigned long long>(k), R = static_cast<unsigned long long>(ranks),
+             T = static_cast<unsigned long long>(max_tokens);
+  w.x = take(C * H * 2);
+  w.idx = take(C * K * 4);
+  w.w = take(C * K * 4);
+  w.src = take(C * 4);
+  w.grad = take(C * H * 2);
+  w.part = take(R * T * H * 2);
+  w.part_w = take(R * T * K * 4);
+  w.bytes = at > 0 ? at : 16;
+  return w;
+}
+
+std::string phase_name(int phase) {
+  switch (static_cast<Phase>(phase)) {
+    case Phase::dispatch_tokens: return "deepep dispatch:rows";
+    case Phase::combine_partials: return "deepep combine:rows";
+    case Phase::dispatch_backward_partials: return "deepep dispatch_backward:rows";
+    case Phase::combine_backward_rows: return "deepep combine_backward:rows";
+    default: return "deepep";
+  }
+}
+
+}  // namespace
+
+unsigned long long timeout_ns(double seconds) {
+  const double ns = seconds * 1e9;
+  return ns >= 1.8e19 ? 18000000000000000000ull : static_cast<unsigned long long>(std::llround(ns));
+}
+
+DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options)
+    : comm_(std::move(comm)),
+      experts_(num_experts),
+      options_(options),
+      sym_(comm_, "deepep buffer"),
+      errors_(comm_->device()) {
+  const int R = comm_->size();
+  PlanParams p;
+  p.ranks = R;
+  p.experts = num_experts;
+  validate(p);
+  FLEXEP_CHECK_ARG(R <= kMaxSymmetricPeers, "comm", "has ", R, " ranks; the deepep backend supports at most ",
+                   kMaxSymmetricPeers, " (one NVLink domain)");
+  FLEXEP_CHECK_ARG(options.hidden >= 8 && options.hidden % 8 == 0, "options.hidden", options.hidden,
+                   " must be a positive multiple of 8 (rows move as 16-byte vectors)");
+  FLEXEP_CHECK_ARG(options.max_tokens_per_rank >= 1, "options.max_tokens_per_rank", "must be >= 1, got ",
+                   options.max_tokens_per_rank);
+  max_topk_ = options.max_topk > 0 ? options.max_topk : num_experts;
+  FLEXEP_CHECK_ARG(max_topk_ <= num_experts, "options.max_topk", max_topk_, " exceeds the ", num_experts, " experts");
+  capacity_rows_ = options.max_recv_rows > 0 ? options.max_recv_rows : R * options.max_tokens_per_rank;
+  FLEXEP_CHECK_ARG(capacity_rows_ <= static_cast<std::int64_t>(INT32_MAX), "options.max_recv_rows", capacity_rows_,
+                   " rows exceed the 32-bit row indices of the kernels");
+  FLEXEP_CHECK_ARG(options.sms >= 0 && options.sms <= 1024, "options.sms", options.sms, " is outside [0, 1024]");
+  FLEXEP_CHECK_ARG(options.timeout_seconds > 0, "options.timeout_seconds", "must be > 0, got ",
+                   options.timeout_seconds);
+  win_ = window_layout(R, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank);
+  cuda::DeviceGuard guard(comm_->device());
+  // The operation state starts at epoch 0 like the flags; zeroed (and the device synchronised)
+  // before the window's barrier, so that no peer's kernel can wait on this rank's zeroing.
+  const std::size_t local_bytes = sizeof(OpControl) * kKinds + sizeof(Status);
+  void* local = nullptr;
+  FLEXEP_CUDA_CHECK(cudaMalloc(&local, local_bytes));
+  FLEXEP_CUDA_CHECK(cudaMemset(local, 0, local_bytes));
+  FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
+  local_ = static_cast<char*>(local);
+  ops_ = reinterpret_cast<OpControl*>(local_);
+  status_ = reinterpret_cast<Status*>(local_ + sizeof(OpControl) * kKinds);
+  SymmetricBufferSpec spec;
+  spec.window_bytes = win_.bytes;
+  spec.flag_bytes = align16(static_cast<unsigned long long>(kKinds) * R * sizeof(unsigned));
+  spec.lsa_barriers = 1;
+  try {
+    sym_.init(spec);
+  } catch (...) {
+    cudaFree(local_);
+    throw;
+  }
+}
+
+DeepEpDispatcher::~DeepEpDispatcher() {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(comm_->device());
+  cudaDeviceSynchronize();  // no kernel may still use the operation state
+  cudaFree(local_);
+  cudaSetDevice(previous);
+}
+
+cudaStream_t DeepEpDispatcher::stream() const {
+  return options_.stream ? static_cast<cudaStream_t>(options_.stream) : cuda::current_stream();
+}
+
+const unsigned* DeepEpDispatcher::own_flags() const {
+  return reinterpret_cast<const unsigned*>(sym_.peers().flags[comm_->rank()]);
+}
+
+void DeepEpDispatcher::require_usable() const {
+  FLEXEP_CHECK(!broken_, "rank ", comm_->rank(), ": this deepep dispatcher is unusable after an earlier error (",
+               broken_why_, "); create a new one");
+}
+
+const DeepEpHandle& DeepEpDispatcher::own_handle(const Handle& handle) const {
+  check_handle(handle);
+  const auto* h = dynamic_cast<const DeepEpHandle*>(handle.get());
+  FLEXEP_CHECK_ARG(h != nullptr, "handle", "claims this dispatcher as owner but is not a deepep handle");
+  return *h;
+}
+
+void DeepEpDispatcher::check(cudaStream_t s, const std::string& op) {
+  // Every device wait has a deadline, so the stream finishes even when a peer never arrives.
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(s));
+  Status st;
+  FLEXEP_CUDA_CHECK(cudaMemcpy(&st, status_, sizeof st, cudaMemcpyDeviceToHost));
+  if (st.code == 0) return;
+  broken_ = true;
+  broken_why_ = op + " failed";
+  if (st.code == static_cast<int>(hybridep::StatusCode::timeout))
+    throw TimeoutError(phase_name(st.phase), st.peer,
+                       detail::concat("rank ", comm_->rank(), ": ", op, " waited ", options_.timeout_seconds,
+                                      " s for rank ", st.peer, "'s rows (DeepEpOptions::timeout_seconds)"));
+  throw Error(detail::concat("rank ", comm_->rank(), ": deepep ", op, " failed on the device (status ", st.code,
+                             ", phase ", phase_name(st.phase), ", rank ", st.peer, ")"));
+}
+
+}  // namespace deepep
+
+std::unique_ptr<TokenDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,
+                                                        const DeepEpOptions& options) {
+  FLEXEP_CHECK_ARG(comm != nullptr, "comm", "is null; pass the rank's Communicator");
+  return std::make_unique<deepep::DeepEpDispatcher>(std::move(comm), num_experts, options);
+}
+
+}  // namespace flexep

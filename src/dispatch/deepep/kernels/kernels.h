@@ -1,0 +1,126 @@
+// Launchers of the deepep kernels (rows.cu, receive.cu, partials.cu) and the views they take by
+// value. Every sender kernel is one OpSession on its kind's OpControl: it releases the epoch into
+// one flag per peer when its last CTA is done; the matching receiver kernel acquires them.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dispatch/hybridep/kernels/device_state.h"
+#include "flexep/comm/symmetric_buffer.h"
+#include "flexep/cuda/device_errors.h"
+
+namespace flexep::deepep {
+
+using hybridep::OpControl;
+using hybridep::Phase;
+using hybridep::Status;
+
+// The four kinds of operation, each with its own epoch and one flag per source rank.
+enum Kind : int { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3, kKinds = 4 };
+
+// Byte offsets into every rank's window (the same on all ranks).
+struct WindowLayout {
+  unsigned long long x = 0;       // [cap, H] bf16: recv_x
+  unsigned long long idx = 0;     // [cap, k] int32: recv_topk_idx
+  unsigned long long w = 0;       // [cap, k] f32: recv_topk_weights
+  unsigned long long src = 0;     // [cap] int32: the source token of each received row
+  unsigned long long grad = 0;    // [cap, H] bf16: combine_backward's rows
+  unsigned long long part = 0;    // [R, T_max, H] bf16: the rows coming back (combine, dispatch_backward)
+  unsigned long long part_w = 0;  // [R, T_max, K] f32: their weight gradients (dispatch_backward)
+  unsigned long long bytes = 0;
+};
+
+// Validates ids and counts (one thread per token): slot_expert[t * k + j] = the id or -1 (a bad id
+// is reported as "indices" and becomes -1), counts[e] += pairs of expert e, counts[E + d] += 1 for
+// every rank d that owns one of the token's experts, and dest_flag[d * T + t] = 1 then. counts and
+// dest_flag zero on entry.
+void launch_count(const void* indices, bool indices_i64, std::int64_t tokens, int k, int experts, int local_experts,
+                  int ranks, int* slot_expert, long long* counts, int* dest_flag, cuda::DeviceErrorRecord* errors,
+                  cudaStream_t stream);
+
+// dest_row[d * T + t] = row_begin[d] + (rank of t among the tokens with dest_flag[d * T + t]), or -1.
+// One CTA per destination, a block scan: deterministic.
+struct RankRowsCall {
+  const int* dest_flag = nullptr;
+  long long row_begin[kMaxSymmetricPeers] = {};
+  std::int64_t tokens = 0;
+  int ranks = 0;
+  int* dest_row = nullptr;
+};
+void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream);
+
+// Sender: row t goes to dest_row[d * T + t] of rank d's window at `rows_at` (and, with slots, its
+// k slots as d's local ids, their weights, and t). Then one flag per destination: flags[kind * R + me].
+struct SendRowsCall {
+  SymmetricPeers peers{};
+  int rank = 0, ranks = 0, local_experts = 0, k = 0;
+  std::int64_t tokens = 0, hidden = 0;
+  const void* x = nullptr;             // [T, H] bf16
+  const int* slot_expert = nullptr;    // [T * k] (null: no slots travel)
+  const float* weights = nullptr;      // [T * k]
+  const int* dest_row = nullptr;       // [R * T]
+  unsigned long long rows_at = 0;      // WindowLayout::x or ::grad
+  WindowLayout win{};
+  OpControl* op = nullptr;
+  int kind = kDispatch;
+};
+void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream);
+
+// Receiver: waits (deadline) for the flags of every source of `kind` at the epoch its sender
+// kernel closed; then, with expert_rows, CTA e lists local expert e's rows (any slot == e) in
+// ascending order at list_begin[e], padded with -1 to list_len[e].
+struct ReceiveCall {
+  const unsigned* flags = nullptr;  // this rank's flag buffer
+  int ranks = 0, kind = kDispatch;
+  const OpControl* op = nullptr;
+  Status* status = nullptr;
+  unsigned long long timeout_ns = 0;
+  Phase phase = Phase::dispatch_tokens;
+  const int* idx = nullptr;  // this rank's recv_topk_idx (window)
+  int k = 0, local_experts = 0;
+  std::int64_t rows = 0;
+  const long long* list_begin = nullptr;  // [L]
+  const long long* list_len = nullptr;    // [L]
+  int* expert_rows = nullptr;             // null: only wait
+};
+void launch_receive(const ReceiveCall& c, cudaStream_t stream);
+
+// Sender of the way back: received row i (from source s, token src[i]) goes to rank s's window at
+// part[me][t] (and its k weight gradients to part_w[me][t]); then one flag per source.
+struct SendPartialsCall {
+  SymmetricPeers peers{};
+  int rank = 0, ranks = 0, k = 0;
+  std::int64_t rows = 0, hidden = 0, max_tokens = 0;
+  long long source_begin[kMaxSymmetricPeers + 1] = {};  // [R + 1]
+  const void* y = nullptr;        // [rows, H] bf16
+  const float* grad_w = nullptr;  // [rows, k] or null
+  const int* src = nullptr;       // this rank's window: the source token of each row
+  WindowLayout win{};
+  OpControl* op = nullptr;
+  int kind = kCombine;
+};
+void launch_send_partials(const SendPartialsCall& c, int ctas, cudaStream_t stream);
+
+// The source: waits for every rank's flag of `kind`, then out[t] = the sum over ranks d, ascending,
+// of part[d][t] where dest_row[d * T + t] >= 0, in fp32, rounded to bf16 once; with grad_w,
+// grad_w[t * k + j] = part_w[owner][t][j] for the slots whose owner kept the token, else 0.
+struct ReduceCall {
+  const unsigned* flags = nullptr;
+  int ranks = 0, kind = kCombine, k = 0, local_experts = 0;
+  const OpControl* op = nullptr;
+  Status* status = nullptr;
+  unsigned long long timeout_ns = 0;
+  Phase phase = Phase::combine_partials;
+  const char* window = nullptr;  // this rank's window
+  WindowLayout win{};
+  std::int64_t tokens = 0, hidden = 0, max_tokens = 0;
+  const int* dest_row = nullptr;     // [R * T]
+  const int* slot_expert = nullptr;  // [T * k]
+  void* out = nullptr;               // [T, H] bf16
+  float* grad_w = nullptr;           // [T, k] or null
+};
+void launch_reduce(const ReduceCall& c, int ctas, cudaStream_t stream);
+
+}  // namespace flexep::deepep

@@ -1,0 +1,109 @@
+// The way back (combine, dispatch_backward): each received row to its source's window, one row per
+// (token, rank), and the source's fixed-order fp32 sum over the ranks.
+#include <cuda_bf16.h>
+
+#include "dispatch/deepep/kernels/kernels.h"
+#include "dispatch/hybridep/device/flag.cuh"
+#include "dispatch/hybridep/device/op_session.cuh"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::deepep {
+
+using hybridep::fence_sys;
+using hybridep::ld_volatile;
+using hybridep::OpSession;
+using hybridep::st_sys;
+using hybridep::wait_flag_at_least;
+using hybridep::WaitContext;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// One warp per received row.
+__global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCall c) {
+  const OpSession session(c.op);
+  const unsigned epoch = session.epoch();
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  const std::int64_t vectors = c.hidden / 8;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; i < c.rows;
+       i += warps) {
+    int s = 0;
+    while (s + 1 < c.ranks && c.source_begin[s + 1] <= i) ++s;
+    const std::int64_t t = __ldcg(c.src + i);
+    const std::int64_t at = static_cast<std::int64_t>(c.rank) * c.max_tokens + t;
+    char* win = c.peers.window[s];
+    const uint4* from = static_cast<const uint4*>(c.y) + i * vectors;
+    uint4* to = reinterpret_cast<uint4*>(win + c.win.part) + at * vectors;
+    for (std::int64_t v = lane; v < vectors; v += 32) to[v] = from[v];
+    if (c.grad_w != nullptr)
+      for (int j = lane; j < c.k; j += 32)
+        reinterpret_cast<float*>(win + c.win.part_w)[at * c.k + j] = c.grad_w[i * c.k + j];
+  }
+  fence_sys(::cuda::memory_order_seq_cst);
+  if (session.last_cta_to_finish()) {
+    for (int d = static_cast<int>(threadIdx.x); d < c.ranks; d += blockDim.x)
+      st_sys(reinterpret_cast<unsigned*>(c.peers.flags[d]) + c.kind * c.ranks + c.rank, epoch,
+             ::cuda::memory_order_release);
+    if (threadIdx.x == 0) session.finish();
+  }
+}
+
+// Every CTA acquires all flags, then a thread per (token, 8 columns).
+__global__ void __launch_bounds__(kThreads) reduce_kernel(ReduceCall c) {
+  const unsigned epoch = ld_volatile(&c.op->epoch);
+  const WaitContext w{c.status, c.timeout_ns, c.phase};
+  bool ok = true;
+  for (int s = static_cast<int>(threadIdx.x); s < c.ranks; s += blockDim.x)
+    ok = ok && wait_flag_at_least(c.flags + c.kind * c.ranks + s, epoch, w, s);
+  if (!__syncthreads_and(ok)) return;
+  const std::int64_t vectors = c.hidden / 8;
+  const std::int64_t items = c.tokens * vectors;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const auto* part = reinterpret_cast<const uint4*>(c.window + c.win.part);
+  for (std::int64_t q = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < items; q += stride) {
+    const std::int64_t t = q / vectors, v = q - t * vectors;
+    float acc[8] = {};
+    for (int d = 0; d < c.ranks; ++d) {
+      if (c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] < 0) continue;
+      const uint4 raw = __ldcg(part + (static_cast<std::int64_t>(d) * c.max_tokens + t) * vectors + v);
+      const auto* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += __bfloat162float(h[i]);
+    }
+    uint4 packed;
+    auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[i]);
+    static_cast<uint4*>(c.out)[q] = packed;
+  }
+  if (c.grad_w == nullptr) return;
+  const auto* part_w = reinterpret_cast<const float*>(c.window + c.win.part_w);
+  for (std::int64_t q = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < c.tokens * c.k;
+       q += stride) {
+    const std::int64_t t = q / c.k, j = q - t * c.k;
+    const int e = c.slot_expert[q];
+    float g = 0.0f;
+    if (e >= 0) {
+      const int d = e / c.local_experts;
+      if (c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] >= 0)
+        g = __ldcg(part_w + (static_cast<std::int64_t>(d) * c.max_tokens + t) * c.k + j);
+    }
+    c.grad_w[q] = g;
+  }
+}
+
+}  // namespace
+
+void launch_send_partials(const SendPartialsCall& c, int ctas, cudaStream_t stream) {
+  send_partials_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep send_partials_kernel");
+}
+
+void launch_reduce(const ReduceCall& c, int ctas, cudaStream_t stream) {
+  reduce_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep reduce_kernel");
+}
+
+}  // namespace flexep::deepep

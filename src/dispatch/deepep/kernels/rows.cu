@@ -1,0 +1,135 @@
+// The sender side of the deepep dispatch and combine_backward: counting and validation, the rank of
+// every token among those bound for each destination, and the row stores into the peers' windows.
+#include <cub/block/block_scan.cuh>
+
+#include "dispatch/deepep/kernels/kernels.h"
+#include "dispatch/hybridep/device/flag.cuh"
+#include "dispatch/hybridep/device/op_session.cuh"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::deepep {
+
+using hybridep::fence_sys;
+using hybridep::OpSession;
+using hybridep::st_sys;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ inline long long load_index(const void* p, bool is64, std::int64_t i) {
+  return is64 ? static_cast<const long long*>(p)[i] : static_cast<const int*>(p)[i];
+}
+
+__global__ void __launch_bounds__(kThreads)
+    count_kernel(const void* indices, bool is64, std::int64_t tokens, int k, int experts, int local_experts,
+                 int ranks, int* slot_expert, unsigned long long* counts, int* dest_flag,
+                 cuda::DeviceErrorRecord* errors) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < tokens; t += stride) {
+    for (int j = 0; j < k; ++j) {
+      const long long e = load_index(indices, is64, t * k + j);
+      bool ok = e >= 0 && e < experts;
+      if (e != -1 && !ok) cuda::report_device_error(errors, cuda::DeviceArg::indices, t, j, e, experts);
+      for (int q = 0; ok && q < j; ++q)
+        if (load_index(indices, is64, t * k + q) == e) {
+          ok = false;
+          cuda::report_device_error(errors, cuda::DeviceArg::indices, t, j, e, experts);
+        }
+      slot_expert[t * k + j] = ok ? static_cast<int>(e) : -1;
+      if (!ok) continue;
+      atomicAdd(&counts[e], 1ull);
+      const int d = static_cast<int>(e) / local_experts;
+      int& flag = dest_flag[static_cast<std::int64_t>(d) * tokens + t];
+      if (flag == 0) {  // only this thread touches token t's flags
+        flag = 1;
+        atomicAdd(&counts[experts + d], 1ull);
+      }
+    }
+  }
+  (void)ranks;
+}
+
+__global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int d = static_cast<int>(blockIdx.x);
+  const int* flag = c.dest_flag + static_cast<std::int64_t>(d) * c.tokens;
+  int* row = c.dest_row + static_cast<std::int64_t>(d) * c.tokens;
+  long long next = c.row_begin[d];
+  for (std::int64_t base = 0; base < c.tokens; base += kThreads) {
+    const std::int64_t t = base + threadIdx.x;
+    const int f = t < c.tokens ? flag[t] : 0;
+    int before = 0, total = 0;
+    Scan(scan).ExclusiveSum(f, before, total);
+    if (t < c.tokens) row[t] = f ? static_cast<int>(next + before) : -1;
+    next += total;
+    __syncthreads();  // the scan storage is reused
+  }
+}
+
+// One warp per (destination, token) pair; the row in 16-byte vectors, the slots by lanes 0..k-1.
+__global__ void __launch_bounds__(kThreads) send_rows_kernel(SendRowsCall c) {
+  const OpSession session(c.op);
+  const unsigned epoch = session.epoch();
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  const std::int64_t vectors = c.hidden / 8;  // 8 bf16 per uint4
+  const std::int64_t pairs = static_cast<std::int64_t>(c.ranks) * c.tokens;
+  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; p < pairs;
+       p += warps) {
+    const int row = c.dest_row[p];
+    if (row < 0) continue;
+    const int d = static_cast<int>(p / c.tokens);
+    const std::int64_t t = p - static_cast<std::int64_t>(d) * c.tokens;
+    char* win = c.peers.window[d];
+    const uint4* from = static_cast<const uint4*>(c.x) + t * vectors;
+    uint4* to = reinterpret_cast<uint4*>(win + c.rows_at) + static_cast<std::int64_t>(row) * vectors;
+    for (std::int64_t v = lane; v < vectors; v += 32) to[v] = from[v];
+    if (c.slot_expert != nullptr) {
+      for (int j = lane; j < c.k; j += 32) {
+        const int e = c.slot_expert[t * c.k + j];
+        const bool here = e >= 0 && e / c.local_experts == d;
+        reinterpret_cast<int*>(win + c.win.idx)[static_cast<std::int64_t>(row) * c.k + j] =
+            here ? e - d * c.local_experts : -1;
+        reinterpret_cast<float*>(win + c.win.w)[static_cast<std::int64_t>(row) * c.k + j] =
+            here ? c.weights[t * c.k + j] : 0.0f;
+      }
+      if (lane == 0) reinterpret_cast<int*>(win + c.win.src)[row] = static_cast<int>(t);
+    }
+  }
+  // Every thread orders its own stores before the flags (the peers read them after acquiring).
+  fence_sys(::cuda::memory_order_seq_cst);
+  if (session.last_cta_to_finish()) {
+    for (int d = static_cast<int>(threadIdx.x); d < c.ranks; d += blockDim.x)
+      st_sys(reinterpret_cast<unsigned*>(c.peers.flags[d]) + c.kind * c.ranks + c.rank, epoch,
+             ::cuda::memory_order_release);
+    if (threadIdx.x == 0) session.finish();
+  }
+}
+
+}  // namespace
+
+void launch_count(const void* indices, bool indices_i64, std::int64_t tokens, int k, int experts, int local_experts,
+                  int ranks, int* slot_expert, long long* counts, int* dest_flag, cuda::DeviceErrorRecord* errors,
+                  cudaStream_t stream) {
+  if (tokens == 0 || k == 0) return;
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((tokens + kThreads - 1) / kThreads, 4096));
+  count_kernel<<<blocks, kThreads, 0, stream>>>(indices, indices_i64, tokens, k, experts, local_experts, ranks,
+                                                slot_expert, reinterpret_cast<unsigned long long*>(counts),
+                                                dest_flag, errors);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep count_kernel");
+}
+
+void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream) {
+  if (c.tokens == 0) return;
+  rank_rows_kernel<<<c.ranks, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep rank_rows_kernel");
+}
+
+void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream) {
+  send_rows_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep send_rows_kernel");
+}
+
+}  // namespace flexep::deepep

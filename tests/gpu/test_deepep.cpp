@@ -1,0 +1,293 @@
+// The deepep backend (DeepEP's rank-major layout) against the host backend's rank-major layout on the
+// same inputs, bit for bit: recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, expert_rows,
+// combine, combine_backward and dispatch_backward (hidden and weights). Configurations: uniform,
+// Zipf and all tokens to one expert; ranks with T = 0; k from 1 to 8; pad multiples; H from 8 to
+// 7168; int32 ids. Also run-to-run determinism, errors raised on every rank, and a missing peer
+// turning into a TimeoutError that names the phase and the rank.
+//
+// OneRankPerGpu/DeepEpMultiGpu.<Test>/gpus: one rank per GPU (label multigpu);
+// SimulatedRanks/DeepEpMultiGpu.<Test>/2ranks: two ranks sharing GPU 0 (label gpu).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "flexep/dispatch/deepep.h"
+#include "flexep/dispatch/host.h"
+#include "gpu/dispatch_harness.h"
+#include "gpu/gpu_test_util.h"
+#include "gpu/multi_gpu.h"
+
+namespace flexep::testing {
+namespace {
+
+struct Variant {
+  int simulated = 0;
+};
+
+std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
+  return info.param.simulated ? std::to_string(info.param.simulated) + "ranks" : "gpus";
+}
+
+class DeepEpMultiGpu : public ::testing::TestWithParam<Variant> {
+ protected:
+  void SetUp() override { simulated_ranks() = GetParam().simulated; }
+  void TearDown() override { simulated_ranks() = 0; }
+};
+
+INSTANTIATE_TEST_SUITE_P(OneRankPerGpu, DeepEpMultiGpu, ::testing::Values(Variant{0}), variant_name);
+INSTANTIATE_TEST_SUITE_P(SimulatedRanks, DeepEpMultiGpu, ::testing::Values(Variant{2}), variant_name);
+
+bool require_ranks() { return require_gpus(gpus_for_ranks(2)); }
+
+DispatchOptions rank_major(const Config& c) {
+  DispatchOptions o;
+  o.layout = DispatchLayout::rank_major;
+  o.pad_multiple = c.pad;
+  return o;
+}
+
+struct RankMajorOutputs {
+  Tensor recv_x, idx, weights, tpe, expert_rows;
+  Tensor combined, grad_rows, grad_hidden, grad_weights;
+};
+
+template <class Up, class Down>
+RankMajorOutputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, int r, Up up, Down down) {
+  const Tensor hidden = up(in.hidden), indices = up(in.indices), weights = up(in.weights);
+  DispatchInput di;
+  di.hidden = hidden;
+  di.indices = indices;
+  di.weights = weights;
+  DispatchResult res = d.dispatch(di, rank_major(c));
+  RankMajorOutputs out;
+  out.recv_x = down(res.tokens);
+  out.idx = down(res.topk_indices);
+  out.weights = down(res.topk_weights);
+  out.tpe = down(res.tokens_per_expert);
+  out.expert_rows = down(res.expert_rows);
+  const std::int64_t N = res.tokens.size(0), T = in.hidden.size(0), H = c.hidden, k = c.k;
+  out.combined = down(d.combine(res.handle, up(wide_range_rows(N, H, 5, "expert_out", r))));
+  out.grad_rows = down(d.combine_backward(res.handle, up(random_tensor({T, H}, DType::bf16, 6, "grad_out", r))));
+  DispatchGrads g = d.dispatch_backward(res.handle, up(random_tensor({N, H}, DType::bf16, 7, "grad_tokens", r)),
+                                        up(random_tensor({N, k}, DType::f32, 8, "grad_w", r)));
+  out.grad_hidden = down(g.hidden);
+  out.grad_weights = down(g.weights);
+  return out;
+}
+
+std::vector<RankMajorOutputs> run_host_rank_major(const Config& c, int R) {
+  auto world = std::make_shared<HostWorld>(R, 120.0);
+  std::vector<RankMajorOutputs> outs(static_cast<std::size_t>(R));
+  auto id = [](const Tensor& t) { return t; };
+  EXPECT_TRUE(all_ok(run_ranks(R, [&](int r) {
+    auto d = make_host_dispatcher(world, r, c.experts_per_rank * R);
+    outs[static_cast<std::size_t>(r)] = run_sequence(*d, make_inputs(c, R, r), c, r, id, id);
+  })));
+  return outs;
+}
+
+DeepEpOptions options_for(const Config& c, int ranks) {
+  DeepEpOptions o;
+  o.hidden = c.hidden;
+  std::int64_t most = 1;
+  for (std::int64_t t : c.tokens) most = std::max(most, t);
+  o.max_tokens_per_rank = most;
+  o.max_topk = std::min(8, c.experts_per_rank * ranks);
+  o.timeout_seconds = 20;
+  return o;
+}
+
+RankMajorOutputs run_deepep(GpuRank& g, const Config& c) {
+  auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
+  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
+  auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+  return run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.rank, up, down);
+}
+
+void expect_equal(const std::vector<RankMajorOutputs>& want, const std::vector<RankMajorOutputs>& got,
+                  const std::string& name) {
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    SCOPED_TRACE(name + ", rank " + std::to_string(r));
+    const RankMajorOutputs &w = want[r], &g = got[r];
+    ASSERT_TRUE(g.recv_x.defined()) << "no GPU result";
+    EXPECT_TRUE(same_bytes(w.recv_x, g.recv_x)) << "recv_x";
+    EXPECT_TRUE(same_bytes(w.idx, g.idx)) << "recv_topk_idx";
+    EXPECT_TRUE(same_bytes(w.weights, g.weights)) << "recv_topk_weights";
+    EXPECT_TRUE(same_bytes(w.tpe, g.tpe)) << "tokens_per_expert";
+    EXPECT_TRUE(same_bytes(w.expert_rows, g.expert_rows)) << "expert_rows";
+    EXPECT_TRUE(same_bytes(w.combined, g.combined)) << "combine";
+    EXPECT_TRUE(same_bytes(w.grad_rows, g.grad_rows)) << "combine_backward";
+    EXPECT_TRUE(same_bytes(w.grad_hidden, g.grad_hidden)) << "dispatch_backward hidden";
+    EXPECT_TRUE(same_bytes(w.grad_weights, g.grad_weights)) << "dispatch_backward weights";
+  }
+}
+
+void check_configs(const std::vector<Config>& configs, int R = gpu_ranks()) {
+  std::vector<std::vector<RankMajorOutputs>> want;
+  for (const Config& c : configs) want.push_back(run_host_rank_major(c, R));
+  std::vector<std::vector<RankMajorOutputs>> got(configs.size(), std::vector<RankMajorOutputs>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        for (std::size_t i = 0; i < configs.size(); ++i) got[i][static_cast<std::size_t>(g.rank)] = run_deepep(g, configs[i]);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t i = 0; i < configs.size(); ++i) expect_equal(want[i], got[i], configs[i].name);
+}
+
+std::vector<std::int64_t> tokens_for(int R, std::vector<std::int64_t> pattern) {
+  std::vector<std::int64_t> t;
+  for (int r = 0; r < R; ++r) t.push_back(pattern[static_cast<std::size_t>(r) % pattern.size()]);
+  return t;
+}
+
+}  // namespace
+
+TEST_P(DeepEpMultiGpu, MatchesHostUniformZipfAndOneExpert) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  std::vector<Config> configs = {
+      config("uniform k2 H64", 2, 2, 64, tokens_for(R, {40, 23}), RoutingKind::uniform, 1),
+      config("zipf k4 H128 pad4", 4, 4, 128, tokens_for(R, {64, 17}), RoutingKind::zipf, 4),
+      config("hot k1 H8", 2, 1, 8, tokens_for(R, {31, 9}), RoutingKind::hot, 1),
+      config("uniform k8 H256 T0", 4, 8, 256, tokens_for(R, {0, 50}), RoutingKind::uniform, 2),
+      config("uniform k8 H7168", 8, 8, 7168, tokens_for(R, {12, 5}), RoutingKind::uniform, 1),
+  };
+  configs[2].routing.hot_expert = 1;
+  configs.push_back(config("zipf k3 H64 i32", 3, 3, 64, tokens_for(R, {33, 40}), RoutingKind::zipf, 1));
+  configs.back().i32_indices = true;
+  check_configs(configs);
+}
+
+TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  const Config c = config("zipf k4 H128", 4, 4, 128, tokens_for(R, {96, 80}), RoutingKind::zipf, 2);
+  std::vector<std::vector<RankMajorOutputs>> runs(3, std::vector<RankMajorOutputs>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
+        auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
+        auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+        for (int i = 0; i < 3; ++i)  // one dispatcher: the epochs grow, the windows are reused
+          runs[i][static_cast<std::size_t>(g.rank)] = run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.rank, up, down);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  const auto want = run_host_rank_major(c, R);
+  for (int i = 0; i < 3; ++i) expect_equal(want, runs[i], "call " + std::to_string(i));
+}
+
+TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), expert_major(bad_id), too_many(bad_id);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions o;
+        o.hidden = 8;
+        o.max_tokens_per_rank = 6;
+        o.max_topk = 2;
+        auto d = make_deepep_dispatcher(g.comm, E, o);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        DispatchOptions rm;
+        rm.layout = DispatchLayout::rank_major;
+        try {  // the last rank routes token 2 to expert E
+          TopK tk = synthetic_topk(6, 2, E, RoutingSpec{}, 3, g.rank);
+          if (g.rank == g.size - 1) tk.indices.data<std::int64_t>()[2 * 2 + 1] = E;
+          DeviceInputs in = device_inputs(g, E, 6, 8, 2);
+          in.indices = cuda::to_device(tk.indices, g.device, g.stream);
+          d->dispatch(in.view(), rm);
+        } catch (...) {
+          bad_id[r] = std::current_exception();
+        }
+        try {
+          d->dispatch(device_inputs(g, E, 6, 8, 2).view(), DispatchOptions());
+        } catch (...) {
+          expert_major[r] = std::current_exception();
+        }
+        try {  // rank 0 has more tokens than the buffers hold
+          d->dispatch(device_inputs(g, E, g.rank == 0 ? 7 : 6, 8, 2).view(), rm);
+        } catch (...) {
+          too_many[r] = std::current_exception();
+        }
+        DispatchResult ok = d->dispatch(device_inputs(g, E, 6, 8, 2).view(), rm);  // still usable
+        d->combine(ok.handle, ok.tokens);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [](const std::string&) { return true; })));
+  EXPECT_TRUE(all_threw<ArgumentError>(expert_major, argument_is("options.layout", [](const std::string& w) {
+    return contains(w, "deepep backend does not write");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(too_many, argument_is("hidden", [](const std::string&) { return true; })));
+  for (int r = 1; r < R; ++r)
+    EXPECT_TRUE(contains(what_of(too_many[static_cast<std::size_t>(r)]), "rank 0 failed its checks"));
+}
+
+TEST_P(DeepEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  std::atomic<int> finished{0};
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions o;
+        o.hidden = 8;
+        o.max_tokens_per_rank = 16;
+        o.max_topk = 1;
+        o.timeout_seconds = 3;
+        auto d = make_deepep_dispatcher(g.comm, E, o);
+        DispatchOptions rm;
+        rm.layout = DispatchLayout::rank_major;
+        DispatchResult res = d->dispatch(device_inputs(g, E, 16, 8, 1).view(), rm);
+        if (g.rank == 1) {  // silent until the others gave up
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+          while (finished.load() < g.size - 1 && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          return;
+        }
+        try {
+          d->combine(res.handle, res.tokens);
+        } catch (...) {
+          failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+        ++finished;
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (int r = 0; r < R; ++r) {
+    if (r == 1) continue;
+    const std::exception_ptr& e = failures[static_cast<std::size_t>(r)];
+    ASSERT_TRUE(e != nullptr) << "rank " << r << ": no error";
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError& t) {
+      EXPECT_EQ(t.phase(), "deepep combine:rows") << t.what();
+      EXPECT_EQ(t.peer(), 1) << t.what();
+    } catch (...) {
+      ADD_FAILURE() << "not a TimeoutError: " << what_of(e);
+    }
+  }
+}
+
+}  // namespace flexep::testing
+
+namespace flexep::testing {
+
+// One rank: every row stays on its GPU, through the same window and flags.
+TEST(DeepEpOneRank, MatchesHost) {
+  if (!require_gpus(1)) return;
+  simulated_ranks() = 0;
+  check_configs({config("uniform k2 H64", 4, 2, 64, {37}, RoutingKind::uniform, 1),
+                 config("zipf k4 H7168 pad4", 8, 4, 7168, {20}, RoutingKind::zipf, 4)},
+                1);
+}
+
+}  // namespace flexep::testing
