@@ -6,6 +6,14 @@
 
 namespace flexep::deepep {
 
+void DeepEpDispatcher::check_rows(const TensorView& t, std::int64_t rows, const DeepEpHandle& h,
+                                  const std::string& arg) const {
+  check_handle_tensor(t, rows, h.hidden, h.hidden_dtype, arg);
+  check::device(t, Device::cuda(comm_->device()), arg);
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, arg,
+                   "must be 16-byte aligned (rows move as 16-byte vectors)");
+}
+
 void DeepEpDispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, const TensorView& grad_w,
                                  const TensorView& out, const TensorView& out_w, Kind kind, Phase phase) {
   const cudaStream_t s = stream();
@@ -50,16 +58,11 @@ void DeepEpDispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, 
 }
 
 Tensor DeepEpDispatcher::combine(const Handle& handle, const TensorView& expert_out) {
-  cuda::init();
-  cuda::DeviceGuard device_guard(comm_->device());
-  const cudaStream_t s = stream();
-  cuda::StreamGuard stream_guard(s);
+  const CallScope call = open_call();
+  const cudaStream_t s = call.stream;
   require_usable();
   const DeepEpHandle& h = own_handle(handle);
-  check_handle_tensor(expert_out, h.rows, h.hidden, h.hidden_dtype, "expert_out");
-  check::device(expert_out, Device::cuda(comm_->device()), "expert_out");
-  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(expert_out.data) % 16 == 0, "expert_out",
-                   "must be 16-byte aligned");
+  check_rows(expert_out, h.rows, h, "expert_out");
   Tensor out = Tensor::empty({h.tokens, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
   move_back(h, expert_out, TensorView(), out, TensorView(), kCombine, Phase::combine_partials);
   check(s, "combine");
@@ -68,17 +71,12 @@ Tensor DeepEpDispatcher::combine(const Handle& handle, const TensorView& expert_
 
 DispatchGrads DeepEpDispatcher::dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
                                                   const TensorView& grad_token_probs) {
-  cuda::init();
-  cuda::DeviceGuard device_guard(comm_->device());
-  const cudaStream_t s = stream();
-  cuda::StreamGuard stream_guard(s);
+  const CallScope call = open_call();
+  const cudaStream_t s = call.stream;
   require_usable();
   const DeepEpHandle& h = own_handle(handle);
   const Device dev = Device::cuda(comm_->device());
-  check_handle_tensor(grad_tokens, h.rows, h.hidden, h.hidden_dtype, "grad_tokens");
-  check::device(grad_tokens, dev, "grad_tokens");
-  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(grad_tokens.data) % 16 == 0, "grad_tokens",
-                   "must be 16-byte aligned");
+  check_rows(grad_tokens, h.rows, h, "grad_tokens");
   check_handle_tensor(grad_token_probs, h.rows, h.slots, h.prob_dtype, "grad_token_probs");  // of recv_topk_weights
   check::device(grad_token_probs, dev, "grad_token_probs");
   DispatchGrads g;

@@ -66,10 +66,8 @@ call_signature::DeviceViolation describe_violation(const call_signature::CallSig
 }  // namespace
 
 DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
-  cuda::init();
-  cuda::DeviceGuard device_guard(comm_->device());
-  const cudaStream_t s = stream();
-  cuda::StreamGuard stream_guard(s);
+  const CallScope call = open_call();
+  const cudaStream_t s = call.stream;
   require_usable();
   const int R = world_size(), E = experts_, L = local_experts(), me = rank();
   const Device dev = Device::cuda(comm_->device());
@@ -218,15 +216,11 @@ void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, 
 }
 
 Tensor DeepEpDispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {
-  cuda::init();
-  cuda::DeviceGuard device_guard(comm_->device());
-  const cudaStream_t s = stream();
-  cuda::StreamGuard stream_guard(s);
+  const CallScope call = open_call();
+  const cudaStream_t s = call.stream;
   require_usable();
   const DeepEpHandle& h = own_handle(handle);
-  check_handle_tensor(grad_out, h.tokens, h.hidden, h.hidden_dtype, "grad_out");
-  check::device(grad_out, Device::cuda(comm_->device()), "grad_out");
-  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(grad_out.data) % 16 == 0, "grad_out", "must be 16-byte aligned");
+  check_rows(grad_out, h.tokens, h, "grad_out");
   move_rows(h, grad_out, nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows, nullptr,
             nullptr);
   check(s, "combine_backward");

@@ -14,6 +14,7 @@
 #include "flexep/comm/symmetric_buffer.h"
 #include "flexep/core/rank_major.h"
 #include "flexep/cuda/device_errors.h"
+#include "flexep/cuda/runtime.h"
 #include "flexep/dispatch/deepep.h"
 
 namespace flexep::deepep {
@@ -48,7 +49,25 @@ class DeepEpDispatcher final : public TokenDispatcher {
   Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
 
  private:
+  // What every call opens: CUDA initialised, this rank's device and the call's stream current
+  // (temporaries and outputs are allocated, and freed, on it).
+  class CallScope {
+   public:
+    CallScope(int device, cudaStream_t s) : init_((cuda::init(), true)), device_(device), current_(s), stream(s) {}
+
+   private:
+    bool init_;
+    cuda::DeviceGuard device_;
+    cuda::StreamGuard current_;
+
+   public:
+    const cudaStream_t stream;
+  };
+  CallScope open_call() const { return CallScope(comm_->device(), stream()); }
+
   cudaStream_t stream() const;
+  // A [rows, H] bf16 argument of combine or a backward: the handle's shape, this GPU, 16-byte aligned.
+  void check_rows(const TensorView& t, std::int64_t rows, const DeepEpHandle& h, const std::string& arg) const;
   const DeepEpHandle& own_handle(const Handle& handle) const;
   void require_usable() const;
   // Waits for `s` and raises what the kernels recorded (a timeout names the phase and the rank);

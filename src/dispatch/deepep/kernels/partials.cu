@@ -2,17 +2,15 @@
 // (token, rank), and the source's fixed-order fp32 sum over the ranks.
 #include <cuda_bf16.h>
 
+#include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
-#include "dispatch/hybridep/device/op_session.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::deepep {
 
-using hybridep::fence_sys;
 using hybridep::ld_volatile;
 using hybridep::OpSession;
-using hybridep::st_sys;
 using hybridep::wait_flag_at_least;
 using hybridep::WaitContext;
 
@@ -23,7 +21,6 @@ constexpr int kThreads = 256;
 // One warp per received row.
 __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCall c) {
   const OpSession session(c.op);
-  const unsigned epoch = session.epoch();
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
   const std::int64_t vectors = c.hidden / 8;
@@ -41,13 +38,7 @@ __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCal
       for (int j = lane; j < c.k; j += 32)
         reinterpret_cast<float*>(win + c.win.part_w)[at * c.k + j] = c.grad_w[i * c.k + j];
   }
-  fence_sys(::cuda::memory_order_seq_cst);
-  if (session.last_cta_to_finish()) {
-    for (int d = static_cast<int>(threadIdx.x); d < c.ranks; d += blockDim.x)
-      st_sys(reinterpret_cast<unsigned*>(c.peers.flags[d]) + c.kind * c.ranks + c.rank, epoch,
-             ::cuda::memory_order_release);
-    if (threadIdx.x == 0) session.finish();
-  }
+  publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank);
 }
 
 // Every CTA acquires all flags, then a thread per (token, 8 columns).

@@ -2,16 +2,13 @@
 // every token among those bound for each destination, and the row stores into the peers' windows.
 #include <cub/block/block_scan.cuh>
 
+#include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
-#include "dispatch/hybridep/device/flag.cuh"
-#include "dispatch/hybridep/device/op_session.cuh"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::deepep {
 
-using hybridep::fence_sys;
 using hybridep::OpSession;
-using hybridep::st_sys;
 
 namespace {
 
@@ -71,7 +68,6 @@ __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
 // One warp per (destination, token) pair; the row in 16-byte vectors, the slots by lanes 0..k-1.
 __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendRowsCall c) {
   const OpSession session(c.op);
-  const unsigned epoch = session.epoch();
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
   const std::int64_t vectors = c.hidden / 8;  // 8 bf16 per uint4
@@ -98,14 +94,7 @@ __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendRowsCall c) {
       if (lane == 0) reinterpret_cast<int*>(win + c.win.src)[row] = static_cast<int>(t);
     }
   }
-  // Every thread orders its own stores before the flags (the peers read them after acquiring).
-  fence_sys(::cuda::memory_order_seq_cst);
-  if (session.last_cta_to_finish()) {
-    for (int d = static_cast<int>(threadIdx.x); d < c.ranks; d += blockDim.x)
-      st_sys(reinterpret_cast<unsigned*>(c.peers.flags[d]) + c.kind * c.ranks + c.rank, epoch,
-             ::cuda::memory_order_release);
-    if (threadIdx.x == 0) session.finish();
-  }
+  publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank);
 }
 
 }  // namespace
