@@ -230,6 +230,31 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
     EXPECT_TRUE(contains(what_of(too_many[static_cast<std::size_t>(r)]), "rank 0 failed its checks"));
 }
 
+TEST_P(DeepEpMultiGpu, BadOptionsOnOneRankStopEveryRank) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions o;
+        o.hidden = g.rank == 0 ? 7 : 8;
+        o.max_tokens_per_rank = 4;
+        try {
+          make_deepep_dispatcher(g.comm, 2 * g.size, o);
+        } catch (...) {
+          failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  ASSERT_TRUE(failures[0] != nullptr);
+  EXPECT_TRUE(contains(what_of(failures[0]), "'options.hidden'")) << what_of(failures[0]);
+  for (int r = 1; r < R; ++r)
+    EXPECT_TRUE(contains(what_of(failures[static_cast<std::size_t>(r)]), "rank 0 rejected its deepep options"))
+        << what_of(failures[static_cast<std::size_t>(r)]);
+}
+
 TEST_P(DeepEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;

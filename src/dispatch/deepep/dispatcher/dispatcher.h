@@ -66,6 +66,7 @@ class DeepEpDispatcher final : public TokenDispatcher {
   CallScope open_call() const { return CallScope(comm_->device(), stream()); }
 
   cudaStream_t stream() const;
+  void check_options(int num_experts);  // sets max_topk_ and capacity_rows_
   // A [rows, H] bf16 argument of combine or a backward: the handle's shape, this GPU, 16-byte aligned.
   void check_rows(const TensorView& t, std::int64_t rows, const DeepEpHandle& h, const std::string& arg) const;
   const DeepEpHandle& own_handle(const Handle& handle) const;

@@ -59,35 +59,30 @@ DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_e
       options_(options),
       sym_(comm_, "deepep buffer"),
       errors_(comm_->device()) {
+  // The options are checked on every rank before the collective window set-up, and a rank that
+  // rejects its own makes every rank stop (rather than leave the others waiting in the set-up).
+  std::exception_ptr local;
+  try {
+    check_options(num_experts);
+  } catch (...) {
+    local = std::current_exception();
+  }
+  const std::vector<long long> failed = comm_->all_gather_i64({local ? 1 : 0}, "deepep:create");
+  if (local) std::rethrow_exception(local);
+  for (int r = 0; r < comm_->size(); ++r)
+    FLEXEP_CHECK_ARG(failed[static_cast<std::size_t>(r)] == 0, "options", "rank ", r,
+                     " rejected its deepep options, so the set-up stops on every rank: see the error raised there");
   const int R = comm_->size();
-  PlanParams p;
-  p.ranks = R;
-  p.experts = num_experts;
-  validate(p);
-  FLEXEP_CHECK_ARG(R <= kMaxSymmetricPeers, "comm", "has ", R, " ranks; the deepep backend supports at most ",
-                   kMaxSymmetricPeers, " (one NVLink domain)");
-  FLEXEP_CHECK_ARG(options.hidden >= 8 && options.hidden % 8 == 0, "options.hidden", options.hidden,
-                   " must be a positive multiple of 8 (rows move as 16-byte vectors)");
-  FLEXEP_CHECK_ARG(options.max_tokens_per_rank >= 1, "options.max_tokens_per_rank", "must be >= 1, got ",
-                   options.max_tokens_per_rank);
-  max_topk_ = options.max_topk > 0 ? options.max_topk : num_experts;
-  FLEXEP_CHECK_ARG(max_topk_ <= num_experts, "options.max_topk", max_topk_, " exceeds the ", num_experts, " experts");
-  capacity_rows_ = options.max_recv_rows > 0 ? options.max_recv_rows : R * options.max_tokens_per_rank;
-  FLEXEP_CHECK_ARG(capacity_rows_ <= static_cast<std::int64_t>(INT32_MAX), "options.max_recv_rows", capacity_rows_,
-                   " rows exceed the 32-bit row indices of the kernels");
-  FLEXEP_CHECK_ARG(options.sms >= 0 && options.sms <= 1024, "options.sms", options.sms, " is outside [0, 1024]");
-  FLEXEP_CHECK_ARG(options.timeout_seconds > 0, "options.timeout_seconds", "must be > 0, got ",
-                   options.timeout_seconds);
   win_ = window_layout(R, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank);
   cuda::DeviceGuard guard(comm_->device());
   // The operation state starts at epoch 0 like the flags; zeroed (and the device synchronised)
   // before the window's barrier, so that no peer's kernel can wait on this rank's zeroing.
   const std::size_t local_bytes = sizeof(OpControl) * kKinds + sizeof(Status);
-  void* local = nullptr;
-  FLEXEP_CUDA_CHECK(cudaMalloc(&local, local_bytes));
-  FLEXEP_CUDA_CHECK(cudaMemset(local, 0, local_bytes));
+  void* state = nullptr;
+  FLEXEP_CUDA_CHECK(cudaMalloc(&state, local_bytes));
+  FLEXEP_CUDA_CHECK(cudaMemset(state, 0, local_bytes));
   FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
-  local_ = static_cast<char*>(local);
+  local_ = static_cast<char*>(state);
   ops_ = reinterpret_cast<OpControl*>(local_);
   status_ = reinterpret_cast<Status*>(local_ + sizeof(OpControl) * kKinds);
   SymmetricBufferSpec spec;
@@ -100,6 +95,28 @@ DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_e
     cudaFree(local_);
     throw;
   }
+}
+
+void DeepEpDispatcher::check_options(int num_experts) {
+  const int R = comm_->size();
+  PlanParams p;
+  p.ranks = R;
+  p.experts = num_experts;
+  validate(p);
+  FLEXEP_CHECK_ARG(R <= kMaxSymmetricPeers, "comm", "has ", R, " ranks; the deepep backend supports at most ",
+                   kMaxSymmetricPeers, " (one NVLink domain)");
+  FLEXEP_CHECK_ARG(options_.hidden >= 8 && options_.hidden % 8 == 0, "options.hidden", options_.hidden,
+                   " must be a positive multiple of 8 (rows move as 16-byte vectors)");
+  FLEXEP_CHECK_ARG(options_.max_tokens_per_rank >= 1, "options.max_tokens_per_rank", "must be >= 1, got ",
+                   options_.max_tokens_per_rank);
+  max_topk_ = options_.max_topk > 0 ? options_.max_topk : num_experts;
+  FLEXEP_CHECK_ARG(max_topk_ <= num_experts, "options.max_topk", max_topk_, " exceeds the ", num_experts, " experts");
+  capacity_rows_ = options_.max_recv_rows > 0 ? options_.max_recv_rows : R * options_.max_tokens_per_rank;
+  FLEXEP_CHECK_ARG(capacity_rows_ <= static_cast<std::int64_t>(INT32_MAX), "options.max_recv_rows", capacity_rows_,
+                   " rows exceed the 32-bit row indices of the kernels");
+  FLEXEP_CHECK_ARG(options_.sms >= 0 && options_.sms <= 1024, "options.sms", options_.sms, " is outside [0, 1024]");
+  FLEXEP_CHECK_ARG(options_.timeout_seconds > 0, "options.timeout_seconds", "must be > 0, got ",
+                   options_.timeout_seconds);
 }
 
 DeepEpDispatcher::~DeepEpDispatcher() {
