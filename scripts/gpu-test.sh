@@ -7,7 +7,7 @@
 #   FLEXEP_SANITIZER=memcheck|racecheck   run the GPU test binary under compute-sanitizer instead
 #   FLEXEP_CMAKE_ARGS=...   extra configure arguments
 #   FLEXEP_PYTHON=1         also build the Python extension, then run the one-GPU PyTorch tests
-#                           (python/tests/gpu/test_torch_1gpu.py) and bench/automodel_layer_bench.py
+#                           (python/tests/gpu/test_torch_1gpu.py, test_deepep_1gpu.py) and bench/automodel_layer_bench.py
 #                           against NeMo Automodel 0.7.0, installed (--no-deps) from the wheel in .whl/
 #                           (pip download --no-deps nemo-automodel==0.7.0 -d .whl; carry .whl)
 set -uo pipefail
@@ -70,7 +70,7 @@ if [ "${FLEXEP_PYTHON:-0}" = 1 ]; then
     python3 -m pip install --quiet --no-deps --target "$site" "$wheel" > "$out/automodel-install.log" 2>&1 || status=1
   fi
   export PYTHONPATH="$build/python:$site${PYTHONPATH:+:$PYTHONPATH}"
-  timeout "${FLEXEP_PYTEST_TIMEOUT:-300}" python3 -m pytest -q -s "$root/python/tests/gpu/test_torch_1gpu.py" \
+  timeout "${FLEXEP_PYTEST_TIMEOUT:-300}" python3 -m pytest -q -s "$root/python/tests/gpu/test_torch_1gpu.py" "$root/python/tests/gpu/test_deepep_1gpu.py" \
     > "$out/pytest-gpu.log" 2>&1
   rc=$?; grep -E "passed|failed|agree|losses|Error" "$out/pytest-gpu.log" | tail -12; [ $rc = 0 ] || status=$rc
   mkdir -p "$root/bench/results"

@@ -21,8 +21,9 @@ def fmt(v, nd=1):
 
 
 def pass_of(r):
-    """The record's pass (experts: forward/backward), or for a hybridep dispatch call its mode, which
-    the bench states in the note: blocking and budget calls are separate rows; a call started on a
+    """The record's pass (experts: forward/backward), or for a hybridep dispatch call its mode and for
+    a deepep record its layout, which the bench states in the note: blocking and budget calls,
+    rank-major and expert-major calls are separate rows; a call started on a
     busy stream with the ranks lined up (`"start": "aligned"`) is a row of its own too."""
     if r.get("pass"):
         return r["pass"]
@@ -30,6 +31,8 @@ def pass_of(r):
     mode = ""
     if r["phase"] == "dispatch" and r["timing"] == "call" and r["backend"] == "hybridep":
         mode = "budget" if "budget mode" in note else "blocking"
+    if r["backend"] == "deepep":  # its notes start with the layout
+        mode = note.split(":", 1)[0]
     if r.get("start"):
         mode = f"{mode}, {r['start']} start" if mode else f"{r['start']} start"
     return mode

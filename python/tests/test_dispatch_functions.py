@@ -109,8 +109,8 @@ def test_moe_flex_token_dispatcher_by_automodels_names(ranks):
         torch.testing.assert_close(gx, counts[r].expand_as(gx))
 
 
-def test_rank_major_names_say_what_is_missing():
-    with pytest.raises(flexep.ArgumentError, match="deepep backend"):
+def test_fused_dispatch_over_a_group_needs_cuda_tensors():
+    with pytest.raises(flexep.ArgumentError, match="'x'.*deepep backend, which takes CUDA tensors"):
         ft.fused_dispatch(torch.zeros(2, 2), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), 4, None)
 
 

@@ -59,6 +59,7 @@ std::unique_ptr<TokenDispatcher> make_deepep(const DispatcherSpec& s) {
   o.sms = s.backend.deepep_num_sms > 0 ? s.backend.deepep_num_sms : s.backend.dispatcher_num_sms;
   o.stream = s.stream;
   if (s.timeout_seconds > 0) o.timeout_seconds = s.timeout_seconds;
+  o.check_blocking_calls = s.check_blocking_calls;
   return make_deepep_dispatcher(communicator_of(s, "deepep"), s.num_experts, o);
 }
 constexpr std::string_view kNoCuda = "needs a CUDA build";
@@ -82,10 +83,10 @@ const std::array<DispatcherBackend, 4>& table() {
        true, true, nullptr, kNoCuda},
 #endif
 #ifdef FLEXEP_WITH_CUDA
-      {"deepep", "DeepEP's rank-major layout over NVLink windows (blocking mode, rank_major layout only so far)", true,
+      {"deepep", "DeepEP's rank-major layout (and expert-major from it) over NVLink windows, blocking mode", true,
        true, make_deepep, ""},
 #else
-      {"deepep", "DeepEP's rank-major layout over NVLink windows (blocking mode, rank_major layout only so far)", true,
+      {"deepep", "DeepEP's rank-major layout (and expert-major from it) over NVLink windows, blocking mode", true,
        true, nullptr, kNoCuda},
 #endif
   }};

@@ -1,6 +1,7 @@
 // The deepep backend (DeepEP's rank-major layout) against the host backend's rank-major layout on the
 // same inputs, bit for bit: recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, expert_rows,
-// combine, combine_backward and dispatch_backward (hidden and weights). Configurations: uniform,
+// combine, combine_backward and dispatch_backward (hidden and weights); and its expert-major layout
+// against the host's expert-major one (dispatch_harness.h's sequence). Configurations: uniform,
 // Zipf and all tokens to one expert; ranks with T = 0; k from 1 to 8; pad multiples; H from 8 to
 // 7168; int32 ids. Also run-to-run determinism, errors raised on every rank, and a missing peer
 // turning into a TimeoutError that names the phase and the rank.
@@ -162,6 +163,31 @@ TEST_P(DeepEpMultiGpu, MatchesHostUniformZipfAndOneExpert) {
   check_configs(configs);
 }
 
+Outputs run_deepep_expert_major(GpuRank& g, const Config& c) {
+  auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
+  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
+  auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+  auto dropped = [](const DispatchResult& r) { return r.dropped; };
+  return run_sequence(*d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
+}
+
+// The expert-major layout: the rank-major rows gathered into the experts' lists on the receiver,
+// and level 1 of the combine summed there before the rows travel back.
+TEST_P(DeepEpMultiGpu, ExpertMajorMatchesHost) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  std::vector<Config> configs = {
+      config("expert-major uniform k2 H64", 2, 2, 64, tokens_for(R, {40, 23})),
+      config("expert-major zipf k8 H7168 pad 16", 8, 8, 7168, tokens_for(R, {200, 0}), RoutingKind::zipf, 16),
+      config("expert-major hot k1 H8", 2, 1, 8, tokens_for(R, {31, 9}), RoutingKind::hot),
+      config("expert-major uniform k4 H256 pad 128", 4, 4, 256, tokens_for(R, {0, 77}), RoutingKind::uniform, 128),
+      config("no tokens anywhere", 2, 2, 8, tokens_for(R, {0})),
+  };
+  configs.push_back(config("expert-major zipf k3 H64 i32", 3, 3, 64, tokens_for(R, {33, 40}), RoutingKind::zipf));
+  configs.back().i32_indices = true;
+  check_against_host(configs, run_deepep_expert_major);
+}
+
 TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
   if (!require_ranks()) return;
   const int R = gpu_ranks();
@@ -185,7 +211,7 @@ TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
 TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;
-  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), expert_major(bad_id), too_many(bad_id);
+  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), budget(bad_id), too_many(bad_id);
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
@@ -207,9 +233,12 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
           bad_id[r] = std::current_exception();
         }
         try {
-          d->dispatch(device_inputs(g, E, 6, 8, 2).view(), DispatchOptions());
+          DispatchOptions b = rm;
+          b.mode = DispatchMode::budget;
+          b.budget_rows = 12;
+          d->dispatch(device_inputs(g, E, 6, 8, 2).view(), b);
         } catch (...) {
-          expert_major[r] = std::current_exception();
+          budget[r] = std::current_exception();
         }
         try {  // rank 0 has more tokens than the buffers hold
           d->dispatch(device_inputs(g, E, g.rank == 0 ? 7 : 6, 8, 2).view(), rm);
@@ -222,8 +251,8 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
   EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [](const std::string&) { return true; })));
-  EXPECT_TRUE(all_threw<ArgumentError>(expert_major, argument_is("options.layout", [](const std::string& w) {
-    return contains(w, "deepep backend does not write");
+  EXPECT_TRUE(all_threw<ArgumentError>(budget, argument_is("options.mode", [](const std::string& w) {
+    return contains(w, "allowed: blocking");
   })));
   EXPECT_TRUE(all_threw<ArgumentError>(too_many, argument_is("hidden", [](const std::string&) { return true; })));
   for (int r = 1; r < R; ++r)
@@ -313,6 +342,9 @@ TEST(DeepEpOneRank, MatchesHost) {
   check_configs({config("uniform k2 H64", 4, 2, 64, {37}, RoutingKind::uniform, 1),
                  config("zipf k4 H7168 pad4", 8, 4, 7168, {20}, RoutingKind::zipf, 4)},
                 1);
+  check_against_host({config("expert-major zipf k4 H7168 pad4", 8, 4, 7168, tokens_for(gpu_ranks(), {300, 41}),
+                             RoutingKind::zipf, 4)},
+                     run_deepep_expert_major);
 }
 
 }  // namespace flexep::testing

@@ -1,33 +1,24 @@
 // Cases `dsv3-ep2` and `decode`: dispatch and combine on all GPUs of the machine (one rank per GPU,
 // one thread each), per backend, next to a plain NCCL all-to-all of the same bytes with no layout
-// work. Times are whole calls ("call": from the inputs to the GEMM-ready expert-major rows, host
-// synchronisation included), median over repetitions after a warm-up, each repetition started
+// work. Times are whole calls ("call": from the inputs to the GEMM-ready rows, expert-major or, for
+// deepep's rank-major records, DeepEP's recv_x with its expert lists; host synchronisation included), median over repetitions after a warm-up, each repetition started
 // together on all ranks by a barrier; rank 0's numbers are reported.
 //   algorithm bandwidth = received (token, rank) rows, own rank included, * H * 2 bytes / time
 //   NVLink bandwidth    = remote rows only * H * 2 bytes / time
-// The hybridep backend adds, per SM count of --sms (default: its process-wide 20): call records in
-// blocking mode (one host sync per call), a budget-mode dispatch (budget = the exact rows, no host
-// sync), and "kernel" records timed with CUDA events around its own kernels, from an aligned start
-// (dispatch kernel, with the preprocess kernel and the step stamps of phase_trace.h in parts_us - a
-// small call's one fused kernel holds the preprocess steps; combine kernel; a second dispatcher, so
-// that the calls run without events and with dependent launch), a "graph" record
-// (a budget-mode dispatch + combine captured once in a CUDA graph, timed per replay), every record
-// with `sms` set (and the part size in its note when --hybridep-part-tokens sets one).
+// The hybridep and deepep parts are bench_hybridep_cuda.cpp and bench_deepep_cuda.cpp.
 #include <cstdio>
 #include <mutex>
 #include <tuple>
 
 #include "bench_cases.h"
+#include "bench_dispatch_common.h"
 #include "bench_processes.h"
-#include "bench_spin.h"
-#include "bench_timing_cuda.h"
 #include "flexep/comm/communicator.h"
 #include "flexep/core/plan.h"
 #include "flexep/core/routing.h"
 #include "flexep/core/synthetic_routing.h"
-#include "flexep/cuda/graph.h"
 #include "flexep/cuda/layer_ops.h"
-#include "flexep/dispatch/hybridep.h"
+#include "flexep/cuda/runtime.h"
 #include "flexep/dispatch/registry.h"
 #include "train_common.h"
 
@@ -54,192 +45,6 @@ std::pair<std::int64_t, std::int64_t> received_rows(const std::vector<TopK>& rou
     }
   }
   return {all, remote};
-}
-
-TimeStats timed_collective(Communicator& comm, const std::function<void()>& fn, int warmup, int reps,
-                           cudaStream_t stream) {
-  for (int i = 0; i < warmup; ++i) fn();
-  EventTimer timer;
-  std::vector<double> us;
-  for (int i = 0; i < reps; ++i) {
-    comm.barrier("bench barrier");
-    us.push_back(timer.time_us(fn, stream));
-  }
-  return stats_of(us);
-}
-
-// The same call started as a training step starts it: on a busy stream, with the ranks together on
-// the GPU. A spin kernel keeps the stream busy while the host enqueues the call (its launch work is
-// not idle GPU time), and a one-element all-reduce right before the start event lines the ranks up
-// (the host barrier above lets them go up to its 50 us polling interval apart, which the call's
-// first exchange would otherwise absorb and charge to the call).
-constexpr double kSpinUs = 300;
-constexpr const char* kAlignedNote = " (aligned start: busy stream, ranks lined up on the GPU)";
-
-class AlignedStart {
- public:
-  AlignedStart(Communicator& comm, cudaStream_t stream)
-      : comm_(comm), stream_(stream), flag_(Tensor::empty({1}, DType::i32, Device::cuda(comm.device()))) {
-    FLEXEP_CUDA_CHECK(cudaMemsetAsync(flag_.raw(), 0, sizeof(std::int32_t), stream));
-  }
-  // Enqueues the spin and the all-reduce: what the stream runs next starts with the ranks together.
-  void line_up() {
-    comm_.barrier("bench barrier");
-    launch_spin(kSpinUs, stream_);
-    FLEXEP_NCCL_CHECK(ncclAllReduce(flag_.raw(), flag_.raw(), 1, ncclInt32, ncclSum, comm_.get(), stream_));
-    comm_.wait_enqueued("bench:aligned start");  // a non-blocking communicator takes no call before that
-  }
-
- private:
-  Communicator& comm_;
-  cudaStream_t stream_;
-  Tensor flag_;
-};
-
-TimeStats timed_collective_aligned(Communicator& comm, const std::function<void()>& fn, int warmup, int reps,
-                                   cudaStream_t stream) {
-  AlignedStart start(comm, stream);
-  EventTimer timer;
-  std::vector<double> us;
-  for (int i = 0; i < warmup + reps; ++i) {
-    start.line_up();
-    const double t = timer.time_us(fn, stream);
-    if (i >= warmup) us.push_back(t);
-  }
-  return stats_of(us);
-}
-
-// One budget-mode dispatch + combine captured in a CUDA graph, then timed per replay: shows that
-// budget mode needs no host synchronisation (a host sync cannot be captured at all).
-TimeStats graph_replay_time(const BenchArgs& a, Communicator& comm, HybridEpDispatcher& d, const DispatchInput& in,
-                            const DispatchOptions& budget, int sms, cudaStream_t stream) {
-  d.set_num_sms(sms, sms, sms);
-  DispatchResult warm = d.dispatch(in, budget);  // loads the kernels outside the capture
-  d.combine(warm.handle, warm.tokens);
-  d.check_errors();
-  const cuda::CapturedGraph graph(stream, cudaStreamCaptureModeThreadLocal, [&] {
-    DispatchResult r = d.dispatch(in, budget);
-    d.combine(r.handle, r.tokens);
-  });
-  const TimeStats t = timed_collective(comm, [&] { graph.launch(stream); }, a.warmup, a.reps, stream);
-  d.check_errors();
-  return t;
-}
-
-// hybridep on this rank; `record` appends a record to `mine` (as for the other backends).
-template <class Record>
-void bench_hybridep(const BenchArgs& a, Communicator& comm, std::shared_ptr<Communicator> comm_ptr,
-                    const DispatchInput& in, std::int64_t T, int H, int k, int E, std::int64_t exact_rows,
-                    cudaStream_t stream, std::vector<BenchRecord>& mine, Record record) {
-  DispatcherSpec ho;
-  ho.group = std::move(comm_ptr);
-  ho.num_experts = E;
-  ho.max_tokens_per_rank = T;
-  ho.hidden = H;
-  ho.max_topk = k;
-  ho.stream = stream;
-  ho.part_tokens = a.hybridep_part_tokens;
-  // Three dispatchers. `d` times the calls as a training step runs them: no events between the
-  // kernels, each launched as a programmatic dependent of the one before. `timed` has kernel_timing
-  // (events around its kernels, which also turns dependent launch off, and the step stamps) for the
-  // kernel records. `graphed`, sized to the exact rows, for the graph record (no events in a capture).
-  DispatcherSpec to = ho;
-  to.kernel_timing = true;
-  DispatcherSpec go = ho;
-  go.max_recv_rows = exact_rows;
-  // The records below read hybridep's own kernel times and SM settings.
-  auto make = [](const DispatcherSpec& s) {
-    std::unique_ptr<TokenDispatcher> made = make_dispatcher("hybridep", s, "--backend");
-    auto* h = dynamic_cast<HybridEpDispatcher*>(made.get());
-    FLEXEP_CHECK(h != nullptr, "the hybridep backend made no HybridEpDispatcher");
-    made.release();
-    return std::unique_ptr<HybridEpDispatcher>(h);
-  };
-  auto graphed = make(go);
-  auto timed = make(to);
-  auto d = make(ho);
-  const std::vector<int> sweep = a.sms.empty() ? std::vector<int>{hybridep_num_sms().dispatch} : a.sms;
-  for (int sms : sweep) {
-    d->set_num_sms(sms, sms, sms);
-    timed->set_num_sms(sms, sms, sms);
-    auto tag = [&](std::size_t first) {
-      for (std::size_t i = first; i < mine.size(); ++i) mine[i].sms = sms;
-    };
-    const std::size_t first = mine.size();
-    DispatchOptions opt;  // blocking: tokens_per_expert on the host, one sync per call
-    DispatchOptions budget;
-    budget.mode = DispatchMode::budget;
-    budget.budget_rows = exact_rows;
-    DispatchResult res;
-    // The three calls, each timed from an idle stream (timed_collective) and from an aligned start
-    // (timed_collective_aligned); the combine combines the latest dispatch's rows.
-    const std::vector<std::tuple<const char*, std::function<void()>, const char*>> calls = {
-        {"dispatch", [&] { res = d->dispatch(in, opt); },
-         "blocking: plan + count exchange + NVLink dispatch kernel + one host sync"},
-        {"combine", [&] { d->combine(res.handle, res.tokens); },
-         "two-level combine of the dispatched rows (identity experts; the owners push the partial rows) + "
-         "host check"},
-        {"dispatch", [&] { res = d->dispatch(in, budget); },
-         "budget mode (budget = this run's exact rows): no host synchronisation"}};
-    for (const auto& [phase, fn, note] : calls)
-      record("hybridep", phase, timed_collective(comm, fn, a.warmup, a.reps, stream), note);
-    for (const auto& [phase, fn, note] : calls)
-      record("hybridep", phase, timed_collective_aligned(comm, fn, a.warmup, a.reps, stream), note, "call", "aligned");
-    d->check_errors();
-    const TimeStats tdc = timed_collective(comm, [&] {
-      DispatchResult r2 = d->dispatch(in, opt);
-      d->combine(r2.handle, r2.tokens);
-    }, a.warmup, a.reps, stream);
-    record("hybridep", "dispatch+combine", tdc, "one blocking dispatch and its combine");
-
-    // Kernels alone: events around the dispatch kernel (preprocess kernel in parts_us) and the
-    // combine kernel, budget mode so that no host sync sits between the repetitions' kernels.
-    std::vector<double> disp, pre, plan, comb;
-    std::vector<std::pair<std::string, std::vector<double>>> phases;  // "<step>.first" / ".last", us
-    const auto phase = [&phases](const std::string& name) -> std::vector<double>& {
-      for (auto& [n, us] : phases)
-        if (n == name) return us;
-      return phases.emplace_back(name, std::vector<double>{}).second;
-    };
-    // Aligned starts: the fused small-call kernel holds the count exchange, whose wait for the
-    // slower rank would otherwise be charged to it.
-    AlignedStart start(comm, stream);
-    bool one_kernel = false;
-    for (int i = 0; i < a.warmup + a.reps; ++i) {
-      start.line_up();
-      DispatchResult r3 = timed->dispatch(in, budget);
-      timed->combine(r3.handle, r3.tokens);
-      const HybridEpKernelTimes kt = timed->kernel_times();
-      if (i < a.warmup) continue;
-      one_kernel = kt.one_kernel;
-      disp.push_back(kt.dispatch);
-      pre.push_back(kt.preprocess);
-      plan.push_back(kt.plan);
-      comb.push_back(kt.combine);
-      for (const HybridEpPhase& p : kt.dispatch_phases) {
-        phase(p.name + ".first").push_back(p.first);
-        phase(p.name + ".last").push_back(p.last);
-      }
-    }
-    timed->check_errors();
-    record("hybridep", "dispatch", stats_of(disp),
-           one_kernel ? "fused small-call kernel alone (preprocess steps inside; events around it; aligned start)"
-                      : "dispatch kernel alone (events around it; aligned start)",
-           "kernel");
-    mine.back().parts_us = {{"plan", stats_of(plan).median},
-                            {"preprocess_kernel", stats_of(pre).median},
-                            {"dispatch_kernel", stats_of(disp).median}};
-    // When each step was reached on this GPU (device clock, from the first preprocess CTA).
-    for (const auto& [name, us] : phases) mine.back().parts_us.emplace_back("step." + name, stats_of(us).median);
-    record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
-    record("hybridep", "dispatch+combine", graph_replay_time(a, comm, *graphed, in, budget, sms, stream),
-           "CUDA graph replay of a budget-mode dispatch + combine (no host sync inside; the host launches the "
-           "graph once per repetition)", "graph");
-    tag(first);
-    if (a.hybridep_part_tokens)
-      for (std::size_t i = first; i < mine.size(); ++i)
-        mine[i].note = "parts of " + std::to_string(a.hybridep_part_tokens) + " tokens: " + mine[i].note;
-  }
 }
 
 void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
@@ -275,6 +80,7 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
   }
   const bool want_alltoall = a.backend == "all" || a.backend == "alltoall" || a.backend == "torch";
   const bool want_hybridep = a.backend == "all" || a.backend == "hybridep";
+  const bool want_deepep = a.backend == "all" || a.backend == "deepep";
   const ncclUniqueId id = process.active ? ncclUniqueId{} : Communicator::new_unique_id();
   std::mutex m;
 
@@ -382,16 +188,22 @@ void run_shape(const BenchArgs& a, BenchRun& run, const Shape& shape) {
       record("alltoall", "dispatch", tk, "pack + NCCL send/recv + placement along a saved handle (no planning)",
              "kernel");
     }
-    if (want_hybridep) {
-      DispatchInput in;
-      in.hidden = x;
-      in.indices = idx;
-      in.weights = w;
-      // A failing hybridep run (a new backend) must not cost the other backends' records.
+    DispatchBench part{a, comm, {}, T, H, k, E, exact_rows, stream, mine,
+                       [&](const std::string& backend, const std::string& phase, const TimeStats& t,
+                           const std::string& note, const std::string& timing,
+                           const std::string& start) { record(backend, phase, t, note, timing, start); }};
+    part.in.hidden = x;
+    part.in.indices = idx;
+    part.in.weights = w;
+    const std::vector<std::pair<std::string, void (*)(const DispatchBench&)>> parts = {
+        {want_hybridep ? "hybridep" : "", bench_hybridep}, {want_deepep ? "deepep" : "", bench_deepep}};
+    for (const auto& [name, fn] : parts) {
+      if (name.empty()) continue;
+      // A failing backend must not cost the other backends' records.
       try {
-        bench_hybridep(a, *comm, comm, in, T, H, k, E, exact_rows, stream, mine, record);
+        fn(part);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "flexep bench: rank %d: hybridep skipped: %s\n", rank, e.what());
+        std::fprintf(stderr, "flexep bench: rank %d: %s skipped: %s\n", rank, name.c_str(), e.what());
       }
     }
     if (rank == 0) {

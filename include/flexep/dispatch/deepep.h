@@ -1,5 +1,6 @@
 // The `deepep` backend of the TokenDispatcher: DeepEP's rank-major layout (docs/semantics.md,
-// "Rank-major dispatch"; docs/deepep.md), rows moved by our CUDA kernels over NVLink into NCCL
+// "Rank-major dispatch"; docs/deepep.md), and the expert-major layout derived from it on the
+// receiver, rows moved by our CUDA kernels over NVLink into NCCL
 // symmetric windows (NCCL_WIN_DEFAULT, never multicast). All ranks in one NVLink domain (at most
 // 32 ranks). Per call on each rank:
 //
@@ -15,6 +16,10 @@
 //              the source sums them in fp32 over ascending rank: bitwise the host backend.
 //   backwards: dispatch_backward is a combine that also returns the slots' weight gradients;
 //              combine_backward writes grad_out rows along the saved layout (no count exchange).
+//   expert-major (DispatchOptions::layout, the default): the same rank-major dispatch, then the
+//              receiver gathers the rows into its experts' lists (tokens [M, H], token_probs [M]);
+//              combine first sums each received row's entries in ascending local expert (level 1
+//              of the combine), then runs the rank-major combine; the backwards mirror it.
 //
 // Every flag carries a growing epoch (one per kind of operation); every wait has a deadline and
 // ends in a TimeoutError naming the phase and the rank waited for.
@@ -24,8 +29,12 @@
 // reached it); the output of combine_backward likewise until the next dispatch_backward. Clone them
 // to keep them longer.
 //
-// Built now: the blocking mode of the rank-major layout, top-k form, bf16 rows, f32 weights.
-// Not yet: budget mode (GPU-side count exchange), the expert-major layout, FP8, low-latency mode.
+// Every dispatch waits for the GPU (blocking mode: the counts cross through the host). combine and
+// the backwards wait too unless check_blocking_calls is off; then a device error they record is
+// raised by the next dispatch.
+//
+// Built now: the blocking mode of both layouts, top-k form, bf16 rows, f32 weights.
+// Not yet: budget mode (GPU-side count exchange), FP8, low-latency mode.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +53,7 @@ struct DeepEpOptions {
   int sms = 0;                           // CTAs of the send kernels (0: 20, DeepEP's default)
   double timeout_seconds = 30;           // deadline of every device wait
   void* stream = nullptr;                // cudaStream_t of every call; nullptr: the current stream
+  bool check_blocking_calls = true;      // combine and the backwards wait for the GPU and raise its errors
 };
 
 std::unique_ptr<TokenDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,

@@ -19,6 +19,8 @@ _GPU_BACKEND_NAMES = {"torch": "alltoall", "alltoall": "alltoall", "hybridep": "
 
 _communicators: dict = {}
 _dispatchers: dict = {}
+# fused_dispatch's deepep dispatchers: (group, E, H, k) -> (tokens per rank its windows hold, dispatcher).
+_deepep_buffers: dict = {}
 _num_sms: Optional[int] = None
 
 
@@ -116,15 +118,22 @@ def get_dispatcher(backend: BackendConfig, num_experts: int, group=None, device:
     if name in ("hybridep", "deepep"):  # buffers sized once
         key += (hidden, max_tokens_per_rank, max_topk, id(owner) if owner is not None else None)
     if key not in _dispatchers:
-        comm = create_communicator(group, device, reuse_nccl=os.environ.get("FLEXEP_REUSE_NCCL") == "1")
-        cfg = backend.to_cpp()
-        if _num_sms is not None:
-            cfg["dispatcher_num_sms"] = _num_sms
-        import json
-
-        _dispatchers[key] = _flexep.make_gpu_dispatcher(name, comm, num_experts, json.dumps(cfg), hidden,
-                                                        max_tokens_per_rank, max_topk)
+        _dispatchers[key] = new_gpu_dispatcher(name, backend, num_experts, group, device, hidden, max_tokens_per_rank,
+                                               max_topk)
     return _dispatchers[key]
+
+
+def new_gpu_dispatcher(name: str, backend: BackendConfig, num_experts: int, group, device: torch.device,
+                       hidden: int = 0, max_tokens_per_rank: int = 0, max_topk: int = 0):
+    """A new GPU dispatcher of backend `name` over the group's communicator (collective; not cached,
+    any group size, one rank included)."""
+    comm = create_communicator(group, device, reuse_nccl=os.environ.get("FLEXEP_REUSE_NCCL") == "1")
+    cfg = backend.to_cpp()
+    if _num_sms is not None:
+        cfg["dispatcher_num_sms"] = _num_sms
+    import json
+
+    return _flexep.make_gpu_dispatcher(name, comm, num_experts, json.dumps(cfg), hidden, max_tokens_per_rank, max_topk)
 
 
 def init_buffer(group=None, num_experts: int = 0, backend: Optional[BackendConfig] = None,
@@ -138,7 +147,27 @@ def init_buffer(group=None, num_experts: int = 0, backend: Optional[BackendConfi
 def reset_buffer() -> None:
     """Automodel's reset_hybrid_ep_buffer: drops every cached dispatcher and communicator."""
     _dispatchers.clear()
+    _deepep_buffers.clear()
     _communicators.clear()
+
+
+def deepep_buffer(group, num_experts: int, x: torch.Tensor, topk: int):
+    """The deepep dispatcher fused_dispatch runs on, as DeepEP's Buffer: sized for the group's largest
+    token count so far, rounded up to a power of two. Every rank must size its windows alike, so the
+    group's largest T of this call is agreed first (one all-reduce; the dispatch syncs the host anyway);
+    a larger one re-creates the dispatcher on every rank."""
+    t = torch.tensor([x.size(0)], dtype=torch.int64, device=x.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    need = max(int(t.item()), 1)
+    key = (_group_key(group), x.device.index, int(num_experts), x.size(-1), int(topk))
+    have = _deepep_buffers.get(key)
+    if have is None or have[0] < need:
+        _deepep_buffers.pop(key, None)  # its windows go before the new ones are made
+        cap = 1 << (need - 1).bit_length()
+        d = new_gpu_dispatcher("deepep", BackendConfig(dispatcher="deepep"), int(num_experts), group, x.device,
+                               hidden=x.size(-1), max_tokens_per_rank=cap, max_topk=int(topk))
+        _deepep_buffers[key] = (cap, d)
+    return _deepep_buffers[key][1]
 
 
 class FlexTokenDispatcher:

@@ -100,8 +100,11 @@ class _RankMajorDispatch(torch.autograd.Function):
         ctx.dispatcher, ctx.handle = dispatcher, handle
         holder.handle = handle
         recv_idx, tpe, expert_rows = _out(recv_idx).long(), _out(tpe), _out(expert_rows)
+        recv_x, recv_w = _out(recv_x), _out(recv_w)
+        if recv_x.is_cuda:  # the deepep backend's are views of its receive window: fresh tensors, as DeepEP's
+            recv_x, recv_w = recv_x.clone(), recv_w.clone()
         ctx.mark_non_differentiable(recv_idx, tpe, expert_rows)
-        return _out(recv_x), recv_idx, _out(recv_w), tpe, expert_rows
+        return recv_x, recv_idx, recv_w, tpe, expert_rows
 
     @staticmethod
     def backward(ctx, grad_x, _idx, grad_w, _tpe, _rows):

@@ -6,8 +6,9 @@ by their own names and signatures, computed by flexep's dispatchers.
   `host` backend for simulated CPU ranks (group=HostRank(world, rank)).
 - init_hybrid_ep_buffer / reset_hybrid_ep_buffer: make the group's dispatcher now / drop it.
 - set_deepep_num_sms: the SM count of dispatchers made afterwards.
-- fused_dispatch / fused_combine: DeepEP's rank-major contract; served by the `host` backend for
-  simulated CPU ranks; on GPUs (flexep's `deepep` backend) they are not wired yet, and say so.
+- fused_dispatch / fused_combine: DeepEP's rank-major contract; served by flexep's `deepep` backend
+  over a torch.distributed group (any size, one rank included) and by the `host` backend for
+  simulated CPU ranks.
 
 The handle they return is flexep's: it carries the dispatcher, so combine needs nothing else.
 """
@@ -131,13 +132,6 @@ def hybrid_ep_combine(x: torch.Tensor, handle: HybridEPHandle, num_permuted_toke
     return F.combine(handle.dispatcher, handle.handle, x)
 
 
-def _rank_major_missing(name: str):
-    raise _flexep.ArgumentError(
-        f"flexep: {name} with a torch.distributed group needs flexep's deepep backend, which flexep.torch does "
-        "not use yet (it runs on simulated ranks: group=HostRank(world, rank)); use hybrid_ep_dispatch / "
-        "hybrid_ep_combine or MoEFlexTokenDispatcher (expert-major, any backend)")
-
-
 class DeepEPHandle:
     """What fused_dispatch returns as its handle: the dispatcher and the library's handle."""
 
@@ -151,12 +145,18 @@ def fused_dispatch(x, token_indices, token_probs, num_experts, group, async_fini
     recv_token_indices [N,k] int64 local ids with -1 elsewhere, recv_token_probs [N,k] float32,
     tokens_per_expert (a CPU int64 tensor, as Automodel's), handle). Differentiable in x and
     token_probs. async_finish / allocate_on_comm_stream: flexep's calls are stream-ordered, so they
-    change nothing. On flexep's simulated ranks (HostRank) now; a torch.distributed group needs the
-    deepep backend, which flexep.torch does not use yet."""
+    change nothing. A torch.distributed group runs flexep's deepep backend (its buffer sized as
+    dispatcher.deepep_buffer says); group=HostRank(world, rank) the host backend's simulated ranks."""
     del async_finish, allocate_on_comm_stream
-    if not isinstance(group, HostRank):
-        _rank_major_missing("fused_dispatch")
-    d = _dispatchers.get_dispatcher(BackendConfig(dispatcher="host"), int(num_experts), group)
+    if isinstance(group, HostRank):
+        d = _dispatchers.get_dispatcher(BackendConfig(dispatcher="host"), int(num_experts), group)
+    else:
+        if not x.is_cuda:
+            raise _flexep.ArgumentError(
+                f"flexep: invalid argument 'x': a tensor on {x.device}; fused_dispatch over a torch.distributed "
+                "group runs flexep's deepep backend, which takes CUDA tensors (simulated CPU ranks: "
+                "group=HostRank(world, rank))")
+        d = _dispatchers.deepep_buffer(group, int(num_experts), x, token_indices.size(1))
     holder = F._HandleHolder()
     recv_x, recv_idx, recv_w, tpe, _ = F._RankMajorDispatch.apply(x, token_probs.float(), token_indices, d, {},
                                                                   holder)

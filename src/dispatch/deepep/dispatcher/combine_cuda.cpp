@@ -1,5 +1,6 @@
 // The deepep combine and dispatch_backward: one row per received token back to its source, summed
-// there over the ranks in ascending order (docs/semantics.md, "Rank-major dispatch").
+// there over the ranks in ascending order (docs/semantics.md, "Rank-major dispatch"). For the
+// expert-major layout, level 1 of the combine first sums each received row's entries here.
 #include "dispatch/deepep/dispatcher/dispatcher.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/runtime.h"
@@ -23,7 +24,7 @@ void DeepEpDispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, 
   c.rank = rank();
   c.ranks = world_size();
   c.k = static_cast<int>(h.slots);
-  c.rows = h.rows;
+  c.rows = h.recv_rows;
   c.hidden = h.hidden;
   c.max_tokens = options_.max_tokens_per_rank;
   for (int src = 0; src <= world_size(); ++src) c.source_begin[src] = h.source_begin[src];
@@ -57,6 +58,27 @@ void DeepEpDispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, 
   launch_reduce(r, ctas, s);
 }
 
+Tensor DeepEpDispatcher::sum_entries(const DeepEpHandle& h, const TensorView& entries, const TensorView& grad_probs,
+                                     Tensor* grad_w) {
+  const Device dev = Device::cuda(comm_->device());
+  Tensor rows = Tensor::empty({h.recv_rows, h.hidden}, DType::bf16, dev);
+  SumRowsCall c;
+  c.entries = entries.data;
+  c.row_order = h.row_order.data<std::int32_t>();
+  c.rows = h.recv_rows;
+  c.hidden = h.hidden;
+  c.k = static_cast<int>(h.slots);
+  c.out = rows.raw();
+  if (grad_w != nullptr) {
+    *grad_w = Tensor::empty({h.recv_rows, h.slots}, DType::f32, dev);
+    c.grad_probs = grad_probs.ptr<float>();
+    c.slot_pos = h.slot_pos.data<std::int32_t>();
+    c.grad_w = grad_w->data<float>();
+  }
+  launch_sum_rows(c, stream());
+  return rows;
+}
+
 Tensor DeepEpDispatcher::combine(const Handle& handle, const TensorView& expert_out) {
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
@@ -64,8 +86,11 @@ Tensor DeepEpDispatcher::combine(const Handle& handle, const TensorView& expert_
   const DeepEpHandle& h = own_handle(handle);
   check_rows(expert_out, h.rows, h, "expert_out");
   Tensor out = Tensor::empty({h.tokens, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
-  move_back(h, expert_out, TensorView(), out, TensorView(), kCombine, Phase::combine_partials);
-  check(s, "combine");
+  const bool expert_major = h.layout == DispatchLayout::expert_major;
+  const Tensor rows = expert_major ? sum_entries(h, expert_out, TensorView(), nullptr) : Tensor();
+  move_back(h, expert_major ? TensorView(rows) : expert_out, TensorView(), out, TensorView(), kCombine,
+            Phase::combine_partials);
+  if (options_.check_blocking_calls) check(s, "combine");
   return out;
 }
 
@@ -77,14 +102,18 @@ DispatchGrads DeepEpDispatcher::dispatch_backward(const Handle& handle, const Te
   const DeepEpHandle& h = own_handle(handle);
   const Device dev = Device::cuda(comm_->device());
   check_rows(grad_tokens, h.rows, h, "grad_tokens");
-  check_handle_tensor(grad_token_probs, h.rows, h.slots, h.prob_dtype, "grad_token_probs");  // of recv_topk_weights
+  const bool expert_major = h.layout == DispatchLayout::expert_major;
+  // rank_major: the gradient of recv_topk_weights [N, k]; expert_major: of token_probs [M]
+  check_handle_tensor(grad_token_probs, h.rows, expert_major ? -1 : h.slots, h.prob_dtype, "grad_token_probs");
   check::device(grad_token_probs, dev, "grad_token_probs");
   DispatchGrads g;
   g.hidden = Tensor::empty({h.tokens, h.hidden}, DType::bf16, dev);
   g.weights = Tensor::empty({h.tokens, h.slots}, DType::f32, dev);
-  move_back(h, grad_tokens, grad_token_probs, g.hidden, g.weights, kDispatchBackward,
-            Phase::dispatch_backward_partials);
-  check(s, "dispatch_backward");
+  Tensor slot_grads;
+  const Tensor rows = expert_major ? sum_entries(h, grad_tokens, grad_token_probs, &slot_grads) : Tensor();
+  move_back(h, expert_major ? TensorView(rows) : grad_tokens, expert_major ? TensorView(slot_grads) : grad_token_probs,
+            g.hidden, g.weights, kDispatchBackward, Phase::dispatch_backward_partials);
+  if (options_.check_blocking_calls) check(s, "dispatch_backward");
   return g;
 }
 

@@ -6,7 +6,8 @@
 //      every rank applies the same agreement rules and derives every receiver's layout;
 //   3. the rank of every token among those bound for each destination (dest_row), then the send
 //      kernel: each (token, destination) row once into the destination's window, with its slots;
-//   4. the receive kernel: every source's flag acquired, each local expert's rows listed.
+//   4. the receive kernel: every source's flag acquired, each local expert's rows listed;
+//   5. the expert-major layout only: the rows gathered into their experts' lists (no communication).
 #include <algorithm>
 
 #include "dispatch/common/call_signature.h"
@@ -25,9 +26,6 @@ struct Routing {
 
 Routing check_input(const DispatchInput& in, const DispatchOptions& opt, int ranks, int experts, int device,
                     std::int64_t hidden, std::int64_t max_tokens, int max_topk) {
-  FLEXEP_CHECK_ARG(opt.layout == DispatchLayout::rank_major, "options.layout",
-                   "is expert_major, which the deepep backend does not write yet; allowed: rank_major (DeepEP's "
-                   "layout; expert_major: the hybridep or alltoall backend)");
   FLEXEP_CHECK_ARG(opt.mode == DispatchMode::blocking, "options.mode",
                    "is budget, which the deepep backend does not offer yet; allowed: blocking");
   FLEXEP_CHECK_ARG(!in.multihot(), "routing_map",
@@ -136,11 +134,13 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
   h->tokens = rt.tokens;
   h->topk = k;
   h->hidden = rt.hidden;
-  h->rows = N;
+  const bool expert_major = options.layout == DispatchLayout::expert_major;
+  h->rows = expert_major ? M : N;
+  h->recv_rows = N;
   h->local_experts = L;
   h->hidden_dtype = DType::bf16;
   h->prob_dtype = DType::f32;
-  h->layout = DispatchLayout::rank_major;
+  h->layout = options.layout;
   h->sequence = ++calls_;
   h->slots = k;
   for (int src = 0; src <= R; ++src)
@@ -155,18 +155,39 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
   launch_rank_rows(rr, s);
 
   DispatchResult result;
-  result.expert_rows = Tensor::empty({M}, DType::i32, dev);
-  move_rows(*h, input.hidden, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens,
-            &result.expert_rows, &lists_dev);
+  Tensor expert_rows = Tensor::empty({M}, DType::i32, dev);
+  ReceiveCall listing;
+  listing.list_begin = reinterpret_cast<const long long*>(lists_dev.raw());
+  listing.list_len = listing.list_begin + L;
+  listing.expert_rows = expert_rows.data<std::int32_t>();
+  if (expert_major) {
+    result.token_probs = Tensor::empty({M}, DType::f32, dev);
+    h->slot_pos = Tensor::empty({N * k}, DType::i32, dev);
+    h->row_order = Tensor::empty({N * k}, DType::i32, dev);
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->slot_pos.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->row_order.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
+    listing.weights = reinterpret_cast<const float*>(window() + win_.w);
+    listing.probs = result.token_probs.data<float>();
+    listing.slot_pos = h->slot_pos.data<std::int32_t>();
+    listing.row_order = h->row_order.data<std::int32_t>();
+  }
+  move_rows(*h, input.hidden, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing);
   h->recv_src = Tensor::empty({N}, DType::i32, dev);  // kept: a later dispatch rewrites the window's copy
   if (N > 0)
     FLEXEP_CUDA_CHECK(cudaMemcpyAsync(h->recv_src.raw(), window() + win_.src, static_cast<std::size_t>(N) * 4,
                                       cudaMemcpyDeviceToDevice, s));
+  if (expert_major) {
+    // 5. Each entry's row out of the window; the window itself is rewritten by a later dispatch.
+    result.tokens = Tensor::empty({M, rt.hidden}, DType::bf16, dev);
+    launch_gather_rows(window() + win_.x, expert_rows.data<std::int32_t>(), M, rt.hidden, result.tokens.raw(), s);
+    h->expert_rows = std::move(expert_rows);
+  } else {
+    result.tokens = Tensor::wrap(TensorView(window() + win_.x, DType::bf16, {N, rt.hidden}, dev));
+    result.topk_indices = Tensor::wrap(TensorView(window() + win_.idx, DType::i32, {N, k}, dev));
+    result.topk_weights = Tensor::wrap(TensorView(window() + win_.w, DType::f32, {N, k}, dev));
+    result.expert_rows = std::move(expert_rows);
+  }
   check(s, "dispatch");
-
-  result.tokens = Tensor::wrap(TensorView(window() + win_.x, DType::bf16, {N, rt.hidden}, dev));
-  result.topk_indices = Tensor::wrap(TensorView(window() + win_.idx, DType::i32, {N, k}, dev));
-  result.topk_weights = Tensor::wrap(TensorView(window() + win_.w, DType::f32, {N, k}, dev));
   result.tokens_per_expert = Tensor::from_vector(tpe, {L});
   result.handle = std::move(h);
   return result;
@@ -174,7 +195,7 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
 
 void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert,
                                  const TensorView& weights, unsigned long long rows_at, Kind kind, Phase phase,
-                                 const Tensor* expert_rows, const Tensor* lists) {
+                                 const ReceiveCall* listing) {
   const cudaStream_t s = stream();
   const int L = local_experts();
   SendRowsCall c;
@@ -195,7 +216,7 @@ void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, 
   c.kind = kind;
   launch_send_rows(c, options_.sms > 0 ? options_.sms : 20, s);
 
-  ReceiveCall r;
+  ReceiveCall r = listing ? *listing : ReceiveCall{};
   r.flags = own_flags();
   r.ranks = world_size();
   r.kind = kind;
@@ -206,12 +227,7 @@ void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, 
   r.idx = reinterpret_cast<const int*>(window() + win_.idx);
   r.k = static_cast<int>(h.slots);
   r.local_experts = L;
-  r.rows = h.rows;
-  if (expert_rows) {
-    r.list_begin = reinterpret_cast<const long long*>(lists->raw());
-    r.list_len = r.list_begin + L;
-    r.expert_rows = expert_rows->data<std::int32_t>();
-  }
+  r.rows = h.recv_rows;
   launch_receive(r, s);
 }
 
@@ -221,10 +237,17 @@ Tensor DeepEpDispatcher::combine_backward(const Handle& handle, const TensorView
   require_usable();
   const DeepEpHandle& h = own_handle(handle);
   check_rows(grad_out, h.tokens, h, "grad_out");
-  move_rows(h, grad_out, nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows, nullptr,
-            nullptr);
-  check(s, "combine_backward");
-  return Tensor::wrap(TensorView(window() + win_.grad, DType::bf16, {h.rows, h.hidden}, Device::cuda(comm_->device())));
+  move_rows(h, grad_out, nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows, nullptr);
+  const Device dev = Device::cuda(comm_->device());
+  Tensor out;
+  if (h.layout == DispatchLayout::expert_major) {
+    out = Tensor::empty({h.rows, h.hidden}, DType::bf16, dev);
+    launch_gather_rows(window() + win_.grad, h.expert_rows.data<std::int32_t>(), h.rows, h.hidden, out.raw(), s);
+  } else {
+    out = Tensor::wrap(TensorView(window() + win_.grad, DType::bf16, {h.rows, h.hidden}, dev));
+  }
+  if (options_.check_blocking_calls) check(s, "combine_backward");
+  return out;
 }
 
 }  // namespace flexep::deepep

@@ -22,14 +22,20 @@ namespace flexep::deepep {
 // The deadline of a device wait, in %globaltimer nanoseconds.
 unsigned long long timeout_ns(double seconds);
 
-// What a dispatch leaves for its combine and the backwards.
+// What a dispatch leaves for its combine and the backwards. HandleState::rows is the rows of the
+// layout the caller holds (recv_x's N, or the expert-major M); the rows moved are always the N
+// rank-major ones.
 struct DeepEpHandle : HandleState {
   std::uint64_t sequence = 0;
   std::int64_t slots = 0;                         // k
+  std::int64_t recv_rows = 0;                     // N
   Tensor slot_expert;                             // [T * k] int32, validated ids (-1: none)
   Tensor dest_row;                                // [R * T] int32: row on rank d, -1 = not sent
   Tensor recv_src;                                // [N] int32: the source token of each received row
   long long source_begin[kMaxSymmetricPeers + 1] = {};  // this rank's receive side: rows from source s
+  // expert_major only: the received row of every entry (-1: padding), each slot's entry (-1: an
+  // expert elsewhere), each row's entries in ascending local expert (-1 after the last).
+  Tensor expert_rows, slot_pos, row_order;        // [M], [N * k], [N * k] int32
 };
 
 class DeepEpDispatcher final : public TokenDispatcher {
@@ -76,9 +82,13 @@ class DeepEpDispatcher final : public TokenDispatcher {
   void check(cudaStream_t s, const std::string& op);
   // Sends `rows` ([T, H], this rank's tokens) along the handle's dest_row into the peers' windows
   // at `rows_at` (with the slots when given), then waits for the rows coming here.
+  // `listing`: the receive kernel also lists each local expert's rows (and, for the expert-major
+  // layout, the entries' probs and places).
   void move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert, const TensorView& weights,
-                 unsigned long long rows_at, Kind kind, Phase phase, const Tensor* expert_rows,
-                 const Tensor* lists);
+                 unsigned long long rows_at, Kind kind, Phase phase, const ReceiveCall* listing);
+  // Level 1 of the combine for the expert-major layout: the handle's [M, H] entries -> [N, H] rows
+  // (and, with grad_probs [M], their slots' gradients [N, k]).
+  Tensor sum_entries(const DeepEpHandle& h, const TensorView& entries, const TensorView& grad_probs, Tensor* grad_w);
   // The way back: `rows` ([N, H], one per received token) to their sources, summed there into out.
   void move_back(const DeepEpHandle& h, const TensorView& rows, const TensorView& grad_w, const TensorView& out,
                  const TensorView& out_w, Kind kind, Phase phase);

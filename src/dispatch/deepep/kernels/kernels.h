@@ -70,7 +70,11 @@ void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream);
 
 // Receiver: waits (deadline) for the flags of every source of `kind` at the epoch its sender
 // kernel closed; then, with expert_rows, CTA e lists local expert e's rows (any slot == e) in
-// ascending order at list_begin[e], padded with -1 to list_len[e].
+// ascending order at list_begin[e], padded with -1 to list_len[e]. For the expert-major layout it
+// also writes, for entry p of those lists (row r, slot j): probs[p] = recv_topk_weights[r][j] (0 for
+// padding), slot_pos[r * k + j] = p, and row_order[r * k + n] = p for the row's n-th expert in
+// ascending local id (so row_order lists a row's entries in expert-major order). slot_pos and
+// row_order are -1 on entry.
 struct ReceiveCall {
   const unsigned* flags = nullptr;  // this rank's flag buffer
   int ranks = 0, kind = kDispatch;
@@ -84,6 +88,10 @@ struct ReceiveCall {
   const long long* list_begin = nullptr;  // [L]
   const long long* list_len = nullptr;    // [L]
   int* expert_rows = nullptr;             // null: only wait
+  const float* weights = nullptr;         // this rank's recv_topk_weights (window); with probs
+  float* probs = nullptr;                 // [sum list_len] or null
+  int* slot_pos = nullptr;                // [rows * k] or null
+  int* row_order = nullptr;               // [rows * k] or null
 };
 void launch_receive(const ReceiveCall& c, cudaStream_t stream);
 
@@ -122,5 +130,25 @@ struct ReduceCall {
   float* grad_w = nullptr;           // [T, k] or null
 };
 void launch_reduce(const ReduceCall& c, int ctas, cudaStream_t stream);
+
+// The expert-major layout on this rank, from the rank-major rows (no communication):
+// out[p] = rows[index[p]] for every entry p, a zero row where index[p] = -1. One warp per entry.
+void launch_gather_rows(const void* rows, const int* index, std::int64_t entries, std::int64_t hidden, void* out,
+                        cudaStream_t stream);
+
+// Level 1 of the combine (docs/semantics.md, "Combine"): out[r] = the sum of entries[row_order[r *
+// k + n]] over n in order (ascending local expert) until -1, in fp32, rounded to bf16 once. With
+// grad_probs, also grad_w[r * k + j] = grad_probs[slot_pos[r * k + j]] (0 where -1). One warp per row.
+struct SumRowsCall {
+  const void* entries = nullptr;  // [M, H] bf16
+  const int* row_order = nullptr;  // [rows * k]
+  std::int64_t rows = 0, hidden = 0;
+  int k = 0;
+  void* out = nullptr;               // [rows, H] bf16
+  const float* grad_probs = nullptr;  // [M] or null
+  const int* slot_pos = nullptr;      // [rows * k]
+  float* grad_w = nullptr;            // [rows * k]
+};
+void launch_sum_rows(const SumRowsCall& c, cudaStream_t stream);
 
 }  // namespace flexep::deepep

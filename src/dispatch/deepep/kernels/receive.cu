@@ -1,5 +1,6 @@
 // The receiver side of the deepep dispatch and combine_backward: every source's flag acquired (with
-// a deadline), then each local expert's rows listed in ascending order (expert_rows).
+// a deadline), then each local expert's rows listed in ascending order (expert_rows), and for the
+// expert-major layout each entry's prob and its place among its row's entries.
 #include <cub/block/block_scan.cuh>
 
 #include "dispatch/deepep/kernels/kernels.h"
@@ -39,16 +40,31 @@ __global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
     long long n = 0;
     for (std::int64_t base = 0; base < c.rows; base += kThreads) {
       const std::int64_t row = base + threadIdx.x;
-      int f = 0;
+      int f = 0, slot = 0, order = 0;  // order: the row's experts below e
       if (row < c.rows)
-        for (int j = 0; j < c.k; ++j) f |= __ldcg(c.idx + row * c.k + j) == e;  // L2: the peers wrote them
+        for (int j = 0; j < c.k; ++j) {
+          const int id = __ldcg(c.idx + row * c.k + j);  // L2: the peers wrote them
+          if (id == e) f = 1, slot = j;
+          order += id >= 0 && id < e;
+        }
       int before = 0, total = 0;
       Scan(scan).ExclusiveSum(f, before, total);
-      if (f) out[n + before] = static_cast<int>(row);
+      if (f) {
+        const long long p = c.list_begin[e] + n + before;
+        out[n + before] = static_cast<int>(row);
+        if (c.probs != nullptr) {
+          c.probs[p] = __ldcg(c.weights + row * c.k + slot);
+          c.slot_pos[row * c.k + slot] = static_cast<int>(p);
+          c.row_order[row * c.k + order] = static_cast<int>(p);
+        }
+      }
       n += total;
       __syncthreads();
     }
-    for (long long i = n + threadIdx.x; i < c.list_len[e]; i += blockDim.x) out[i] = -1;
+    for (long long i = n + threadIdx.x; i < c.list_len[e]; i += blockDim.x) {
+      out[i] = -1;
+      if (c.probs != nullptr) c.probs[c.list_begin[e] + i] = 0.0f;
+    }
   }
 }
 
