@@ -2,6 +2,7 @@
 // experts' lists, and level 1 of the combine (each received row's entries summed in fixed order).
 #include <cuda_bf16.h>
 
+#include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "flexep/cuda/runtime.h"
 
@@ -24,9 +25,10 @@ __global__ void __launch_bounds__(kThreads) gather_rows_kernel(const uint4* rows
   for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; p < entries; p += warps) {
     const int r = index[p];
     uint4* to = out + p * vectors;
-    const uint4* from = rows + static_cast<std::int64_t>(r < 0 ? 0 : r) * vectors;
-    for (std::int64_t v = lane; v < vectors; v += 32)
-      to[v] = r < 0 ? make_uint4(0, 0, 0, 0) : __ldcg(from + v);  // the window: L2
+    if (r < 0)
+      zero_row(to, vectors, lane);
+    else
+      copy_row<RowSource::l2>(rows + static_cast<std::int64_t>(r) * vectors, to, vectors, lane);  // the window
   }
 }
 

@@ -2,6 +2,7 @@
 // (token, rank), and the source's fixed-order fp32 sum over the ranks.
 #include <cuda_bf16.h>
 
+#include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
@@ -16,7 +17,7 @@ using hybridep::WaitContext;
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;  // 16 warps per SM, each with kRowUnroll loads in flight
 
 // One warp per received row.
 __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCall c) {
@@ -33,7 +34,7 @@ __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCal
     char* win = c.peers.window[s];
     const uint4* from = static_cast<const uint4*>(c.y) + i * vectors;
     uint4* to = reinterpret_cast<uint4*>(win + c.win.part) + at * vectors;
-    for (std::int64_t v = lane; v < vectors; v += 32) to[v] = from[v];
+    copy_row<RowSource::l2>(from, to, vectors, lane);  // the rows may be this rank's window (recv_x)
     if (c.grad_w != nullptr)
       for (int j = lane; j < c.k; j += 32)
         reinterpret_cast<float*>(win + c.win.part_w)[at * c.k + j] = c.grad_w[i * c.k + j];
@@ -41,7 +42,8 @@ __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCal
   publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank);
 }
 
-// Every CTA acquires all flags, then a thread per (token, 8 columns).
+// Every CTA acquires all flags, then a thread per kRowUnroll (token, 8 columns) items, their loads
+// issued together.
 __global__ void __launch_bounds__(kThreads) reduce_kernel(ReduceCall c) {
   const unsigned epoch = ld_volatile(&c.op->epoch);
   const WaitContext w{c.status, c.timeout_ns, c.phase};
@@ -53,21 +55,36 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(ReduceCall c) {
   const std::int64_t items = c.tokens * vectors;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   const auto* part = reinterpret_cast<const uint4*>(c.window + c.win.part);
-  for (std::int64_t q = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < items; q += stride) {
-    const std::int64_t t = q / vectors, v = q - t * vectors;
-    float acc[8] = {};
-    for (int d = 0; d < c.ranks; ++d) {
-      if (c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] < 0) continue;
-      const uint4 raw = __ldcg(part + (static_cast<std::int64_t>(d) * c.max_tokens + t) * vectors + v);
-      const auto* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+  for (std::int64_t q0 = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q0 < items;
+       q0 += stride * kRowUnroll) {
+    float acc[kRowUnroll][8] = {};
+    for (int d = 0; d < c.ranks; ++d) {  // ascending rank: the host backend's order of additions
+      uint4 raw[kRowUnroll];
+      bool have[kRowUnroll];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += __bfloat162float(h[i]);
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const std::int64_t q = q0 + u * stride, t = q / vectors, v = q - t * vectors;
+        have[u] = q < items && c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] >= 0;
+        if (have[u]) raw[u] = __ldcg(part + (static_cast<std::int64_t>(d) * c.max_tokens + t) * vectors + v);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        if (!have[u]) continue;
+        const auto* h = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] += __bfloat162float(h[i]);
+      }
     }
-    uint4 packed;
-    auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[i]);
-    static_cast<uint4*>(c.out)[q] = packed;
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const std::int64_t q = q0 + u * stride;
+      if (q >= items) break;
+      uint4 packed;
+      auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[u][i]);
+      static_cast<uint4*>(c.out)[q] = packed;
+    }
   }
   if (c.grad_w == nullptr) return;
   const auto* part_w = reinterpret_cast<const float*>(c.window + c.win.part_w);

@@ -30,9 +30,15 @@ __device__ inline bool wait_sources(const unsigned* flags, int ranks, int kind, 
   return __syncthreads_and(ok) != 0;
 }
 
+// One CTA: it spins until the sources arrive (simulated ranks share one GPU).
 __global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
-  if (!wait_sources(c.flags, c.ranks, c.kind, c.op, c.status, c.timeout_ns, c.phase)) return;
-  if (c.expert_rows == nullptr) return;
+  wait_sources(c.flags, c.ranks, c.kind, c.op, c.status, c.timeout_ns, c.phase);
+}
+
+// After receive_kernel on the same stream, so the rows are here; one CTA per local expert. A timed
+// out wait lists nothing (the call raises).
+__global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
+  if (hybridep::ld_volatile(&c.status->code) != 0) return;
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
   for (int e = static_cast<int>(blockIdx.x); e < c.local_experts; e += gridDim.x) {
@@ -71,10 +77,11 @@ __global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
 }  // namespace
 
 void launch_receive(const ReceiveCall& c, cudaStream_t stream) {
-  // Few CTAs: they spin until the sources arrive, and simulated ranks share one GPU.
-  const int ctas = c.expert_rows != nullptr && c.local_experts > 0 ? (c.local_experts < 16 ? c.local_experts : 16) : 1;
-  receive_kernel<<<ctas, kThreads, 0, stream>>>(c);
+  receive_kernel<<<1, kThreads, 0, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep receive_kernel");
+  if (c.expert_rows == nullptr || c.local_experts == 0) return;
+  list_kernel<<<c.local_experts < 65535 ? c.local_experts : 65535, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep list_kernel");
 }
 
 }  // namespace flexep::deepep
