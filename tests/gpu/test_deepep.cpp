@@ -19,23 +19,12 @@
 #include "gpu/dispatch_harness.h"
 #include "gpu/gpu_test_util.h"
 #include "gpu/multi_gpu.h"
+#include "gpu/rank_variants.h"
 
 namespace flexep::testing {
 namespace {
 
-struct Variant {
-  int simulated = 0;
-};
-
-std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
-  return info.param.simulated ? std::to_string(info.param.simulated) + "ranks" : "gpus";
-}
-
-class DeepEpMultiGpu : public ::testing::TestWithParam<Variant> {
- protected:
-  void SetUp() override { simulated_ranks() = GetParam().simulated; }
-  void TearDown() override { simulated_ranks() = 0; }
-};
+class DeepEpMultiGpu : public RankVariantTest {};
 
 INSTANTIATE_TEST_SUITE_P(OneRankPerGpu, DeepEpMultiGpu, ::testing::Values(Variant{0}), variant_name);
 INSTANTIATE_TEST_SUITE_P(SimulatedRanks, DeepEpMultiGpu, ::testing::Values(Variant{2}), variant_name);

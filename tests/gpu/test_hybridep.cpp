@@ -38,26 +38,13 @@
 #include "gpu/dispatch_harness.h"
 #include "gpu/gpu_test_util.h"
 #include "gpu/multi_gpu.h"
+#include "gpu/rank_variants.h"
 
 namespace flexep::testing {
 namespace {
 
 // A test's parameter: how many simulated ranks share GPU 0 (0: one rank per GPU).
-struct Variant {
-  int simulated = 0;
-};
-
-std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
-  return info.param.simulated ? std::to_string(info.param.simulated) + "ranks" : "gpus";
-}
-
-class HybridEpMultiGpu : public ::testing::TestWithParam<Variant> {
- protected:
-  void SetUp() override {
-    simulated_ranks() = GetParam().simulated;
-  }
-  void TearDown() override { simulated_ranks() = 0; }
-};
+class HybridEpMultiGpu : public RankVariantTest {};
 
 INSTANTIATE_TEST_SUITE_P(OneRankPerGpu, HybridEpMultiGpu, ::testing::Values(Variant{0}), variant_name);
 // Two ranks, as on the 2-GPU machine.

@@ -14,6 +14,7 @@
 #include "dispatch/alltoall/kernels/kernels.h"
 #include "dispatch/alltoall/dispatcher/layout.h"
 #include "dispatch/alltoall/dispatcher/transfer.h"
+#include "dispatch/common/count_routes.h"
 #include "dispatch/common/routing_checks.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/runtime.h"
@@ -137,9 +138,20 @@ AlltoallDispatcher::Staging AlltoallDispatcher::count_slots(const DispatchInput&
       indices_i64 = input.indices.dtype == DType::i64;
       st.weights = input.weights.ptr<float>();
     }
-    launch_count_slots(indices, indices_i64, T, k, E, local_experts(), st.slot_expert.data<std::int32_t>(),
-                       words_of(st.payload) + word::count, words_of(st.payload) + word::count + E,
-                       st.dest_flag.data<std::int32_t>(), errors_.record(), s);
+    CountRoutesCall count;
+    count.indices = indices;
+    count.indices_i64 = indices_i64;
+    count.tokens = T;
+    count.k = k;
+    count.experts = E;
+    count.local_experts = local_experts();
+    count.ranks = world_size();
+    count.slot_expert = st.slot_expert.data<std::int32_t>();
+    count.expert_counts = words_of(st.payload) + word::count;
+    count.dest_counts = words_of(st.payload) + word::count + E;
+    count.dest_flag = st.dest_flag.data<std::int32_t>();
+    count.errors = errors_.record();
+    launch_count_routes(count, s);
   }
   HeaderWords header{};
   const std::vector<std::int64_t> encoded = encode(mine);

@@ -27,19 +27,11 @@ struct HeaderWords {
   long long w[word::count];
 };
 
-// --- route.cu: the sender's routing, counts and header ---------------------------------------
+// --- route.cu: the sender's routing and header (counts: dispatch/common/count_routes.h) ---------------------------------------
 // Multihot -> slots with k = E: slot_expert[t][j] = the j-th routed expert of t in ascending
 // order, -1 after the last; slot_weight likewise (0 after the last).
 void launch_multihot_to_slots(const unsigned char* routing_map, const float* probs, std::int64_t tokens, int experts,
                               int* slot_expert, float* slot_weight, cudaStream_t stream);
-// Validates indices [T, k] (int32 or int64; may alias slot_expert when int32): ids outside [-1, E)
-// and repeats within a token are reported as "indices" and replaced by -1. Writes slot_expert,
-// adds per global expert counts and per destination rank deduplicated token counts (int64 words of
-// the exchange payload, zero on entry), and sets dest_flag[d * T + t] = 1 for every rank d that
-// owns one of t's experts (dest_flag zero on entry).
-void launch_count_slots(const void* indices, bool indices_i64, std::int64_t tokens, int topk, int experts,
-                        int local_experts, int* slot_expert, long long* expert_counts, long long* dest_counts,
-                        int* dest_flag, cuda::DeviceErrorRecord* errors, cudaStream_t stream);
 // Writes the header words, then copies the error record over the device_* words (the record is
 // final: the count kernel ran before on the same stream).
 void launch_write_header(const HeaderWords& words, const cuda::DeviceErrorRecord* errors, long long* out,

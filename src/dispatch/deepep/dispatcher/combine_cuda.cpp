@@ -23,7 +23,7 @@ void DeepEpDispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, 
   c.peers = sym_.peers();
   c.rank = rank();
   c.ranks = world_size();
-  c.k = static_cast<int>(h.slots);
+  c.k = static_cast<int>(h.topk);
   c.rows = h.recv_rows;
   c.hidden = h.hidden;
   c.max_tokens = options_.max_tokens_per_rank;
@@ -40,11 +40,11 @@ void DeepEpDispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, 
   r.flags = own_flags();
   r.ranks = world_size();
   r.kind = kind;
-  r.k = static_cast<int>(h.slots);
+  r.k = static_cast<int>(h.topk);
   r.local_experts = local_experts();
   r.op = ops_ + kind;
   r.status = status_;
-  r.timeout_ns = timeout_ns(options_.timeout_seconds);
+  r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
   r.phase = phase;
   r.window = window();
   r.win = win_;
@@ -67,10 +67,10 @@ Tensor DeepEpDispatcher::sum_entries(const DeepEpHandle& h, const TensorView& en
   c.row_order = h.row_order.data<std::int32_t>();
   c.rows = h.recv_rows;
   c.hidden = h.hidden;
-  c.k = static_cast<int>(h.slots);
+  c.k = static_cast<int>(h.topk);
   c.out = rows.raw();
   if (grad_w != nullptr) {
-    *grad_w = Tensor::empty({h.recv_rows, h.slots}, DType::f32, dev);
+    *grad_w = Tensor::empty({h.recv_rows, h.topk}, DType::f32, dev);
     c.grad_probs = grad_probs.ptr<float>();
     c.slot_pos = h.slot_pos.data<std::int32_t>();
     c.grad_w = grad_w->data<float>();
@@ -104,11 +104,11 @@ DispatchGrads DeepEpDispatcher::dispatch_backward(const Handle& handle, const Te
   check_rows(grad_tokens, h.rows, h, "grad_tokens");
   const bool expert_major = h.layout == DispatchLayout::expert_major;
   // rank_major: the gradient of recv_topk_weights [N, k]; expert_major: of token_probs [M]
-  check_handle_tensor(grad_token_probs, h.rows, expert_major ? -1 : h.slots, h.prob_dtype, "grad_token_probs");
+  check_handle_tensor(grad_token_probs, h.rows, expert_major ? -1 : h.topk, h.prob_dtype, "grad_token_probs");
   check::device(grad_token_probs, dev, "grad_token_probs");
   DispatchGrads g;
   g.hidden = Tensor::empty({h.tokens, h.hidden}, DType::bf16, dev);
-  g.weights = Tensor::empty({h.tokens, h.slots}, DType::f32, dev);
+  g.weights = Tensor::empty({h.tokens, h.topk}, DType::f32, dev);
   Tensor slot_grads;
   const Tensor rows = expert_major ? sum_entries(h, grad_tokens, grad_token_probs, &slot_grads) : Tensor();
   move_back(h, expert_major ? TensorView(rows) : grad_tokens, expert_major ? TensorView(slot_grads) : grad_token_probs,

@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "dispatch/common/call_signature.h"
+#include "dispatch/common/count_routes.h"
 #include "dispatch/deepep/dispatcher/dispatcher.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/runtime.h"
@@ -80,9 +81,20 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
     h->slot_expert = Tensor::empty({rt.tokens * rt.k}, DType::i32, dev);
     dest_flag = Tensor::zeros({R * rt.tokens}, DType::i32, dev);
     counts = Tensor::zeros({E + R}, DType::i64, dev);
-    launch_count(input.indices.data, input.indices.dtype == DType::i64, rt.tokens, rt.k, E, L, R,
-                 h->slot_expert.data<std::int32_t>(), reinterpret_cast<long long*>(counts.raw()),
-                 dest_flag.data<std::int32_t>(), errors_.record(), s);
+    CountRoutesCall count;
+    count.indices = input.indices.data;
+    count.indices_i64 = input.indices.dtype == DType::i64;
+    count.tokens = rt.tokens;
+    count.k = rt.k;
+    count.experts = E;
+    count.local_experts = L;
+    count.ranks = R;
+    count.slot_expert = h->slot_expert.data<std::int32_t>();
+    count.expert_counts = reinterpret_cast<long long*>(counts.raw());
+    count.dest_counts = count.expert_counts + E;
+    count.dest_flag = dest_flag.data<std::int32_t>();
+    count.errors = errors_.record();
+    launch_count_routes(count, s);
     errors_.check(s, "dispatch");  // a bad id: ArgumentError naming "indices"
   });
   call_signature::set_call(mine, E, false, rt.hidden, rt.k, options, local ? 0 : rt.tokens);
@@ -142,7 +154,6 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
   h->prob_dtype = DType::f32;
   h->layout = options.layout;
   h->sequence = ++calls_;
-  h->slots = k;
   for (int src = 0; src <= R; ++src)
     h->source_begin[src] = src < R ? lay.source_begin[static_cast<std::size_t>(src)] : lay.required_rows;
   h->dest_row = Tensor::empty({R * rt.tokens}, DType::i32, dev);
@@ -203,7 +214,7 @@ void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, 
   c.rank = rank();
   c.ranks = world_size();
   c.local_experts = L;
-  c.k = static_cast<int>(h.slots);
+  c.k = static_cast<int>(h.topk);
   c.tokens = h.tokens;
   c.hidden = h.hidden;
   c.x = rows.data;
@@ -222,10 +233,10 @@ void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, 
   r.kind = kind;
   r.op = ops_ + kind;
   r.status = status_;
-  r.timeout_ns = timeout_ns(options_.timeout_seconds);
+  r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
   r.phase = phase;
   r.idx = reinterpret_cast<const int*>(window() + win_.idx);
-  r.k = static_cast<int>(h.slots);
+  r.k = static_cast<int>(h.topk);
   r.local_experts = L;
   r.rows = h.recv_rows;
   launch_receive(r, s);

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "dispatch/common/device_deadline.h"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "flexep/comm/communicator.h"
 #include "flexep/comm/symmetric_buffer.h"
@@ -19,15 +20,11 @@
 
 namespace flexep::deepep {
 
-// The deadline of a device wait, in %globaltimer nanoseconds.
-unsigned long long timeout_ns(double seconds);
-
 // What a dispatch leaves for its combine and the backwards. HandleState::rows is the rows of the
 // layout the caller holds (recv_x's N, or the expert-major M); the rows moved are always the N
 // rank-major ones.
 struct DeepEpHandle : HandleState {
   std::uint64_t sequence = 0;
-  std::int64_t slots = 0;                         // k
   std::int64_t recv_rows = 0;                     // N
   Tensor slot_expert;                             // [T * k] int32, validated ids (-1: none)
   Tensor dest_row;                                // [R * T] int32: row on rank d, -1 = not sent

@@ -48,11 +48,6 @@ std::string phase_name(int phase) {
 
 }  // namespace
 
-unsigned long long timeout_ns(double seconds) {
-  const double ns = seconds * 1e9;
-  return ns >= 1.8e19 ? 18000000000000000000ull : static_cast<unsigned long long>(std::llround(ns));
-}
-
 DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options)
     : comm_(std::move(comm)),
       experts_(num_experts),

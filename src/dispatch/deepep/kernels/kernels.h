@@ -1,4 +1,4 @@
-// Launchers of the deepep kernels (rows.cu, receive.cu, partials.cu) and the views they take by
+// Launchers of the deepep kernels (rows.cu, receive.cu, partials.cu, expert_major.cu) and the views they take by
 // value. Every sender kernel is one OpSession on its kind's OpControl: it releases the epoch into
 // one flag per peer when its last CTA is done; the matching receiver kernel acquires them.
 #pragma once
@@ -31,14 +31,6 @@ struct WindowLayout {
   unsigned long long part_w = 0;  // [R, T_max, K] f32: their weight gradients (dispatch_backward)
   unsigned long long bytes = 0;
 };
-
-// Validates ids and counts (one thread per token): slot_expert[t * k + j] = the id or -1 (a bad id
-// is reported as "indices" and becomes -1), counts[e] += pairs of expert e, counts[E + d] += 1 for
-// every rank d that owns one of the token's experts, and dest_flag[d * T + t] = 1 then. counts and
-// dest_flag zero on entry.
-void launch_count(const void* indices, bool indices_i64, std::int64_t tokens, int k, int experts, int local_experts,
-                  int ranks, int* slot_expert, long long* counts, int* dest_flag, cuda::DeviceErrorRecord* errors,
-                  cudaStream_t stream);
 
 // dest_row[d * T + t] = row_begin[d] + (rank of t among the tokens with dest_flag[d * T + t]), or -1.
 // One CTA per destination, a block scan: deterministic.

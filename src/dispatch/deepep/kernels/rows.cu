@@ -1,5 +1,6 @@
-// The sender side of the deepep dispatch and combine_backward: counting and validation, the rank of
-// every token among those bound for each destination, and the row stores into the peers' windows.
+// The sender side of the deepep dispatch and combine_backward: the rank of every token among those
+// bound for each destination, and the row stores into the peers' windows (the counts before them:
+// dispatch/common/count_routes.h).
 #include <cub/block/block_scan.cuh>
 
 #include "dispatch/deepep/device/copy_row.cuh"
@@ -15,56 +16,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSendThreads = 512;  // 16 warps per SM, each with kRowUnroll loads in flight
-
-__device__ inline long long load_index(const void* p, bool is64, std::int64_t i) {
-  return is64 ? static_cast<const long long*>(p)[i] : static_cast<const int*>(p)[i];
-}
-
-// The counts gather in a shared histogram first when it fits (`in_shared`): one global atomic per
-// CTA and bin instead of one per pair, all on a few addresses.
-__global__ void __launch_bounds__(kThreads)
-    count_kernel(const void* indices, bool is64, std::int64_t tokens, int k, int experts, int local_experts,
-                 int ranks, int* slot_expert, unsigned long long* counts, int* dest_flag,
-                 cuda::DeviceErrorRecord* errors, bool in_shared) {
-  extern __shared__ unsigned hist[];  // [experts + ranks] when in_shared
-  const int bins = experts + ranks;
-  if (in_shared) {
-    for (int i = static_cast<int>(threadIdx.x); i < bins; i += blockDim.x) hist[i] = 0;
-    __syncthreads();
-  }
-  auto count = [&](int bin) {
-    if (in_shared)
-      atomicAdd(&hist[bin], 1u);
-    else
-      atomicAdd(&counts[bin], 1ull);
-  };
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < tokens; t += stride) {
-    for (int j = 0; j < k; ++j) {
-      const long long e = load_index(indices, is64, t * k + j);
-      bool ok = e >= 0 && e < experts;
-      if (e != -1 && !ok) cuda::report_device_error(errors, cuda::DeviceArg::indices, t, j, e, experts);
-      for (int q = 0; ok && q < j; ++q)
-        if (load_index(indices, is64, t * k + q) == e) {
-          ok = false;
-          cuda::report_device_error(errors, cuda::DeviceArg::indices, t, j, e, experts);
-        }
-      slot_expert[t * k + j] = ok ? static_cast<int>(e) : -1;
-      if (!ok) continue;
-      count(static_cast<int>(e));
-      const int d = static_cast<int>(e) / local_experts;
-      int& flag = dest_flag[static_cast<std::int64_t>(d) * tokens + t];
-      if (flag == 0) {  // only this thread touches token t's flags
-        flag = 1;
-        count(experts + d);
-      }
-    }
-  }
-  if (!in_shared) return;
-  __syncthreads();
-  for (int i = static_cast<int>(threadIdx.x); i < bins; i += blockDim.x)
-    if (hist[i] != 0) atomicAdd(&counts[i], static_cast<unsigned long long>(hist[i]));
-}
 
 __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
   using Scan = cub::BlockScan<int, kThreads>;
@@ -117,19 +68,6 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c)
 }
 
 }  // namespace
-
-void launch_count(const void* indices, bool indices_i64, std::int64_t tokens, int k, int experts, int local_experts,
-                  int ranks, int* slot_expert, long long* counts, int* dest_flag, cuda::DeviceErrorRecord* errors,
-                  cudaStream_t stream) {
-  if (tokens == 0 || k == 0) return;
-  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((tokens + kThreads - 1) / kThreads, 4096));
-  const std::size_t hist_bytes = static_cast<std::size_t>(experts + ranks) * sizeof(unsigned);
-  const bool in_shared = hist_bytes <= 32 * 1024;
-  count_kernel<<<blocks, kThreads, in_shared ? hist_bytes : 0, stream>>>(
-      indices, indices_i64, tokens, k, experts, local_experts, ranks, slot_expert,
-      reinterpret_cast<unsigned long long*>(counts), dest_flag, errors, in_shared);
-  FLEXEP_CUDA_CHECK_LAUNCH("deepep count_kernel");
-}
 
 void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream) {
   if (c.tokens == 0) return;

@@ -69,6 +69,4 @@ class CombineStorage {
   char* local_ = nullptr;
 };
 
-unsigned long long timeout_ns(double seconds);
-
 }  // namespace flexep::hybridep

@@ -1,5 +1,6 @@
 #include <cmath>
 
+#include "dispatch/common/device_deadline.h"
 #include "dispatch/hybridep/dispatcher/buffers.h"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
@@ -48,11 +49,6 @@ char* init_symmetric_and_local(SymmetricBuffer& sym, std::size_t window_bytes, s
 }
 }  // namespace
 
-unsigned long long timeout_ns(double seconds) {
-  const double ns = seconds * 1e9;
-  return ns >= 1.8e19 ? 18000000000000000000ull : static_cast<unsigned long long>(std::llround(ns));
-}
-
 DispatchStorage::DispatchStorage(std::shared_ptr<Communicator> comm, const BufferConfig& config)
     : geo_(dispatch_geometry(config)),
       sym_(comm, "hybridep dispatch buffer") {
@@ -94,7 +90,7 @@ DispatchView DispatchStorage::view(Status* status, double timeout_seconds) const
   v.slot_entry = at<int>(geo_.off_slot_entry);
   v.work = at<unsigned>(geo_.off_work);
   v.status = status;
-  v.timeout_ns = timeout_ns(timeout_seconds);
+  v.timeout_ns = device_timeout_ns(timeout_seconds);
   return v;
 }
 
@@ -124,7 +120,7 @@ CombineView CombineStorage::view(Status* status, double timeout_seconds) const {
   v.control = reinterpret_cast<OpControl*>(local_ + geo_.off_control);
   v.work = reinterpret_cast<unsigned*>(local_ + geo_.off_work);
   v.status = status;
-  v.timeout_ns = timeout_ns(timeout_seconds);
+  v.timeout_ns = device_timeout_ns(timeout_seconds);
   return v;
 }
 
