@@ -75,7 +75,7 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
   Routing rt;
   call_signature::CallSignature mine;
   auto h = std::make_shared<DeepEpHandle>();
-  Tensor dest_flag, counts;
+  Tensor dest_flag, counts, counts_host;
   const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
     rt = check_input(input, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank, max_topk_);
     h->slot_expert = Tensor::empty({rt.tokens * rt.k}, DType::i32, dev);
@@ -95,7 +95,8 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
     count.dest_flag = dest_flag.data<std::int32_t>();
     count.errors = errors_.record();
     launch_count_routes(count, s);
-    errors_.check(s, "dispatch");  // a bad id: ArgumentError naming "indices"
+    counts_host = cuda::to_host(counts, s);  // waits for the count kernel: the check below does not wait again
+    errors_.check(s, "dispatch");            // a bad id: ArgumentError naming "indices"
   });
   call_signature::set_call(mine, E, false, rt.hidden, rt.k, options, local ? 0 : rt.tokens);
 
@@ -103,10 +104,9 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
   const std::int64_t P = call_signature::kWords + E + R;
   std::vector<long long> words(static_cast<std::size_t>(P), 0);
   call_signature::encode_words(mine, words.data());
-  if (!local) {
-    const Tensor c = cuda::to_host(counts, s);
-    std::copy(c.data<std::int64_t>(), c.data<std::int64_t>() + E + R, words.begin() + call_signature::kWords);
-  }
+  if (!local)
+    std::copy(counts_host.data<std::int64_t>(), counts_host.data<std::int64_t>() + E + R,
+              words.begin() + call_signature::kWords);
   const std::vector<long long> all = comm_->all_gather_i64(words, "deepep dispatch:count-exchange");
   std::vector<call_signature::CallSignature> headers;
   std::vector<std::int64_t> rows(static_cast<std::size_t>(R * R));

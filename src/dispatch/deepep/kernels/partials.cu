@@ -17,7 +17,8 @@ using hybridep::WaitContext;
 
 namespace {
 
-constexpr int kThreads = 512;  // 16 warps per SM, each with kRowUnroll loads in flight
+constexpr int kThreads = 1024;       // 32 warps per SM, each with kRowUnroll loads in flight
+constexpr int kReduceThreads = 512;  // its kRowUnroll x 8 fp32 sums need more than 64 registers
 
 // One warp per received row.
 __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCall c) {
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCal
 
 // Every CTA acquires all flags, then a thread per kRowUnroll (token, 8 columns) items, their loads
 // issued together.
-__global__ void __launch_bounds__(kThreads) reduce_kernel(ReduceCall c) {
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceCall c) {
   const unsigned epoch = ld_volatile(&c.op->epoch);
   const WaitContext w{c.status, c.timeout_ns, c.phase};
   bool ok = true;
@@ -110,7 +111,7 @@ void launch_send_partials(const SendPartialsCall& c, int ctas, cudaStream_t stre
 }
 
 void launch_reduce(const ReduceCall& c, int ctas, cudaStream_t stream) {
-  reduce_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  reduce_kernel<<<ctas < 1 ? 1 : ctas, kReduceThreads, 0, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep reduce_kernel");
 }
 

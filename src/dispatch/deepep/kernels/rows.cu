@@ -15,7 +15,7 @@ using hybridep::OpSession;
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kSendThreads = 512;  // 16 warps per SM, each with kRowUnroll loads in flight
+constexpr int kSendThreads = 1024;  // 32 warps per SM, each with kRowUnroll loads in flight
 
 __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
   using Scan = cub::BlockScan<int, kThreads>;
