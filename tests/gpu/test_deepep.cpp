@@ -14,6 +14,8 @@
 #include <chrono>
 #include <thread>
 
+#include "flexep/core/rank_major.h"
+#include "flexep/cuda/graph.h"
 #include "flexep/dispatch/deepep.h"
 #include "flexep/dispatch/host.h"
 #include "gpu/dispatch_harness.h"
@@ -31,10 +33,30 @@ INSTANTIATE_TEST_SUITE_P(SimulatedRanks, DeepEpMultiGpu, ::testing::Values(Varia
 
 bool require_ranks() { return require_gpus(gpus_for_ranks(2)); }
 
-DispatchOptions rank_major(const Config& c) {
+// Rank-major rows the busiest receiver gets from make_inputs(c, R, .).
+std::int64_t most_rank_major_rows(const Config& c, int R) {
+  PlanParams p;
+  p.ranks = R;
+  p.experts = c.experts_per_rank * R;
+  std::vector<std::int64_t> to(static_cast<std::size_t>(R), 0);
+  for (int s = 0; s < R; ++s) {
+    const std::vector<std::int64_t> rows = rank_major_row_counts(make_inputs(c, R, s).indices, p);
+    for (int d = 0; d < R; ++d) to[static_cast<std::size_t>(d)] += rows[static_cast<std::size_t>(d)];
+  }
+  return *std::max_element(to.begin(), to.end());
+}
+
+// The rank-major options of c: blocking, or budget mode with budget_fraction of the busiest
+// receiver's rows (rounded up to the pad multiple at or above 1, down below it).
+DispatchOptions rank_major(const Config& c, int R) {
   DispatchOptions o;
   o.layout = DispatchLayout::rank_major;
   o.pad_multiple = c.pad;
+  if (c.mode == DispatchMode::budget) {
+    o.mode = DispatchMode::budget;
+    const auto b = static_cast<std::int64_t>(static_cast<double>(most_rank_major_rows(c, R)) * c.budget_fraction);
+    o.budget_rows = c.budget_fraction >= 1 ? (b + c.pad - 1) / c.pad * c.pad : b / c.pad * c.pad;
+  }
   return o;
 }
 
@@ -44,13 +66,13 @@ struct RankMajorOutputs {
 };
 
 template <class Up, class Down>
-RankMajorOutputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, int r, Up up, Down down) {
+RankMajorOutputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, int R, int r, Up up, Down down) {
   const Tensor hidden = up(in.hidden), indices = up(in.indices), weights = up(in.weights);
   DispatchInput di;
   di.hidden = hidden;
   di.indices = indices;
   di.weights = weights;
-  DispatchResult res = d.dispatch(di, rank_major(c));
+  DispatchResult res = d.dispatch(di, rank_major(c, R));
   RankMajorOutputs out;
   out.recv_x = down(res.tokens);
   out.idx = down(res.topk_indices);
@@ -73,7 +95,7 @@ std::vector<RankMajorOutputs> run_host_rank_major(const Config& c, int R) {
   auto id = [](const Tensor& t) { return t; };
   EXPECT_TRUE(all_ok(run_ranks(R, [&](int r) {
     auto d = make_host_dispatcher(world, r, c.experts_per_rank * R);
-    outs[static_cast<std::size_t>(r)] = run_sequence(*d, make_inputs(c, R, r), c, r, id, id);
+    outs[static_cast<std::size_t>(r)] = run_sequence(*d, make_inputs(c, R, r), c, R, r, id, id);
   })));
   return outs;
 }
@@ -86,6 +108,8 @@ DeepEpOptions options_for(const Config& c, int ranks) {
   o.max_tokens_per_rank = most;
   o.max_topk = std::min(8, c.experts_per_rank * ranks);
   o.timeout_seconds = 20;
+  if (c.mode == DispatchMode::budget)  // the budget may exceed the default window of R * T_max rows
+    o.max_recv_rows = std::max(ranks * most, rank_major(c, ranks).budget_rows);
   return o;
 }
 
@@ -93,7 +117,9 @@ RankMajorOutputs run_deepep(GpuRank& g, const Config& c) {
   auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
   auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
   auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
-  return run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.rank, up, down);
+  RankMajorOutputs out = run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.size, g.rank, up, down);
+  d->check_errors();  // budget mode raises device errors only here
+  return out;
 }
 
 void expect_equal(const std::vector<RankMajorOutputs>& want, const std::vector<RankMajorOutputs>& got,
@@ -189,12 +215,176 @@ TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
         auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
         auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
         for (int i = 0; i < 3; ++i)  // one dispatcher: the epochs grow, the windows are reused
-          runs[i][static_cast<std::size_t>(g.rank)] = run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.rank, up, down);
+          runs[i][static_cast<std::size_t>(g.rank)] =
+              run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.size, g.rank, up, down);
       },
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
   const auto want = run_host_rank_major(c, R);
   for (int i = 0; i < 3; ++i) expect_equal(want, runs[i], "call " + std::to_string(i));
+}
+
+// Budget mode: the counts cross on the device; recv_x has budget rows (the tail zero, slots -1),
+// tokens_per_expert stays on the device, expert_rows has its capacity (the tail -1).
+TEST_P(DeepEpMultiGpu, BudgetModeMatchesHost) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  std::vector<Config> configs = {
+      config("budget exact uniform k2 H64", 2, 2, 64, tokens_for(R, {40, 23})),
+      config("budget roomy zipf k4 H128 pad4", 4, 4, 128, tokens_for(R, {64, 17}), RoutingKind::zipf, 4),
+      config("budget exact uniform k8 H7168 T0", 8, 8, 7168, tokens_for(R, {0, 50})),
+      config("budget roomy hot k1 H8", 2, 1, 8, tokens_for(R, {31, 9}), RoutingKind::hot),
+  };
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    configs[i].mode = DispatchMode::budget;
+    configs[i].budget_fraction = i % 2 ? 1.5 : 1.0;
+  }
+  check_configs(configs);
+}
+
+// A budget call's errors surface at the next check, on every rank, as blocking mode raises them;
+// the dispatcher stays usable.
+TEST_P(DeepEpMultiGpu, BudgetErrorsAreRaisedOnEveryRankAtTheNextCheck) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  std::vector<std::exception_ptr> overflow(static_cast<std::size_t>(R)), bad_id(overflow), stale(overflow);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions o;
+        o.hidden = 8;
+        o.max_tokens_per_rank = 16;
+        o.max_topk = 2;
+        o.timeout_seconds = 20;
+        auto d = make_deepep_dispatcher(g.comm, E, o);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        DispatchOptions b;
+        b.layout = DispatchLayout::rank_major;
+        b.mode = DispatchMode::budget;
+        b.budget_rows = 4;  // every rank receives more than 4 of the 16 R tokens' rows
+        DeviceInputs in = device_inputs(g, E, 16, 8, 2);
+        d->dispatch(in.view(), b);  // returns: nothing waits
+        try {
+          d->check_errors();
+        } catch (...) {
+          overflow[r] = std::current_exception();
+        }
+        b.budget_rows = 16 * R;
+        TopK tk = synthetic_topk(16, 2, E, RoutingSpec{}, 3, g.rank);
+        if (g.rank == g.size - 1) tk.indices.data<std::int64_t>()[5 * 2] = E + 3;  // the last rank's token 5
+        in.indices = cuda::to_device(tk.indices, g.device, g.stream);
+        d->dispatch(in.view(), b);
+        try {
+          d->check_errors();
+        } catch (...) {
+          bad_id[r] = std::current_exception();
+        }
+        try {
+          d->check_errors();  // raised once
+        } catch (...) {
+          stale[r] = std::current_exception();
+        }
+        DispatchOptions rm;
+        rm.layout = DispatchLayout::rank_major;
+        DispatchResult ok = d->dispatch(device_inputs(g, E, 16, 8, 2).view(), rm);  // still usable
+        d->combine(ok.handle, ok.tokens);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (int r = 0; r < R; ++r) {
+    EXPECT_TRUE(contains(what_of(overflow[static_cast<std::size_t>(r)]), "dispatch overflow: rank"))
+        << what_of(overflow[static_cast<std::size_t>(r)]);
+    EXPECT_TRUE(stale[static_cast<std::size_t>(r)] == nullptr) << what_of(stale[static_cast<std::size_t>(r)]);
+  }
+  EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [](const std::string&) { return true; })));
+}
+
+// A budget-mode dispatch and its combine captured once, replayed with new inputs: no host sync
+// inside, the results of every replay those of the host backend.
+TEST_P(DeepEpMultiGpu, BudgetDispatchAndCombineReplayInACudaGraph) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), L = 4, E = L * R, k = 4;
+  const std::int64_t T = 48, H = 64;
+  const int replays = 3;
+  Config c = config("graph", L, k, H, tokens_for(R, {T}));
+  DispatchOptions o;
+  o.layout = DispatchLayout::rank_major;
+  o.mode = DispatchMode::budget;
+  o.pad_multiple = 2;
+  o.budget_rows = R * T;  // no routing exceeds it
+  struct Want {
+    Tensor recv_x, tpe, combined;
+  };
+  std::vector<std::vector<Want>> want(replays, std::vector<Want>(static_cast<std::size_t>(R)));
+  for (int rep = 0; rep < replays; ++rep) {
+    auto world = std::make_shared<HostWorld>(R, 60.0);
+    Config cr = c;
+    cr.routing.kind = rep % 2 ? RoutingKind::zipf : RoutingKind::uniform;
+    ASSERT_TRUE(all_ok(run_ranks(R, [&](int r) {
+      auto d = make_host_dispatcher(world, r, E);
+      const Inputs in = make_inputs(cr, R, r, 700 + static_cast<std::uint64_t>(rep));
+      DispatchInput di;
+      di.hidden = in.hidden;
+      di.indices = in.indices;
+      di.weights = in.weights;
+      DispatchResult res = d->dispatch(di, o);
+      Want& w = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(r)];
+      w.recv_x = res.tokens;
+      w.tpe = res.tokens_per_expert;
+      w.combined = d->combine(res.handle, res.tokens);
+    })));
+  }
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions opt;
+        opt.hidden = H;
+        opt.max_tokens_per_rank = T;
+        opt.max_topk = k;
+        opt.stream = g.stream;
+        opt.timeout_seconds = 20;
+        auto d = make_deepep_dispatcher(g.comm, E, opt);
+        const Device dev = Device::cuda(g.device);
+        const Inputs first = make_inputs(c, R, g.rank, 1);
+        const Tensor x = cuda::to_device(first.hidden, g.device, g.stream);
+        const Tensor idx = cuda::to_device(first.indices, g.device, g.stream);
+        const Tensor w = cuda::to_device(first.weights, g.device, g.stream);
+        const Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+        DispatchInput di;
+        di.hidden = x;
+        di.indices = idx;
+        di.weights = w;
+        DispatchResult warm = d->dispatch(di, o);  // loads the kernels outside the capture
+        d->combine(warm.handle, warm.tokens);
+        d->check_errors();
+        DispatchResult res;
+        const cuda::CapturedGraph graph(g.stream, cudaStreamCaptureModeThreadLocal, [&] {
+          res = d->dispatch(di, o);
+          const Tensor y = d->combine(res.handle, res.tokens);
+          FLEXEP_CUDA_CHECK(cudaMemcpyAsync(out.raw(), y.raw(), y.nbytes(), cudaMemcpyDeviceToDevice, g.stream));
+        });
+        Config cr = c;
+        for (int rep = 0; rep < replays; ++rep) {
+          SCOPED_TRACE("replay " + std::to_string(rep) + ", rank " + std::to_string(g.rank));
+          cr.routing.kind = rep % 2 ? RoutingKind::zipf : RoutingKind::uniform;
+          const Inputs in = make_inputs(cr, R, g.rank, 700 + static_cast<std::uint64_t>(rep));
+          cuda::copy_async(x, in.hidden, g.stream);
+          cuda::copy_async(idx, in.indices, g.stream);
+          cuda::copy_async(w, in.weights, g.stream);
+          if (simulated_ranks() > 0) {
+            FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+            g.comm->barrier("graph replay");
+          }
+          graph.launch(g.stream);
+          const Want& wr = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(g.rank)];
+          EXPECT_TRUE(same_bytes(wr.recv_x, cuda::to_host(res.tokens, g.stream))) << "recv_x";
+          EXPECT_TRUE(same_bytes(wr.tpe, cuda::to_host(res.tokens_per_expert, g.stream))) << "tokens_per_expert";
+          EXPECT_TRUE(same_bytes(wr.combined, cuda::to_host(out, g.stream))) << "combine";
+        }
+        d->check_errors();
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
 }
 
 TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
@@ -222,7 +412,7 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
           bad_id[r] = std::current_exception();
         }
         try {
-          DispatchOptions b = rm;
+          DispatchOptions b;  // budget mode writes the rank-major layout only
           b.mode = DispatchMode::budget;
           b.budget_rows = 12;
           d->dispatch(device_inputs(g, E, 6, 8, 2).view(), b);
@@ -241,7 +431,7 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
   ASSERT_TRUE(all_ok(errors));
   EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [](const std::string&) { return true; })));
   EXPECT_TRUE(all_threw<ArgumentError>(budget, argument_is("options.mode", [](const std::string& w) {
-    return contains(w, "allowed: blocking");
+    return contains(w, "options.layout = rank_major");
   })));
   EXPECT_TRUE(all_threw<ArgumentError>(too_many, argument_is("hidden", [](const std::string&) { return true; })));
   for (int r = 1; r < R; ++r)

@@ -5,12 +5,16 @@
 //   received token (identity experts: recv_x itself), one dispatch and its combine, and the rows
 //   alone along a saved handle (combine_backward: no count exchange, no layout work);
 // - expert-major (the layout the MoE layers read): dispatch, the rows then gathered into their
-//   experts' lists on the receiver; combine, each received row's entries summed there first.
+//   experts' lists on the receiver; combine, each received row's entries summed there first;
+// - rank-major budget (budget = the busiest receiver's rows): the counts exchanged on the device,
+//   no host sync: a dispatch call, and a dispatch + combine captured once in a CUDA graph and timed
+//   per replay.
 // The notes start with the layout; scripts/perf_table.py makes it the record's pass.
 #include <algorithm>
 #include <tuple>
 
 #include "bench_dispatch_common.h"
+#include "flexep/cuda/graph.h"
 #include "flexep/dispatch/deepep.h"
 
 namespace flexep::tools {
@@ -25,7 +29,7 @@ void bench_deepep(const DispatchBench& b) {
     o.max_topk = b.topk;
     o.sms = sms;
     o.stream = b.stream;
-    const std::unique_ptr<TokenDispatcher> d = make_deepep_dispatcher(b.comm, b.experts, o);
+    const std::unique_ptr<DeepEpDispatcher> d = make_deepep_dispatcher(b.comm, b.experts, o);
     const std::size_t first = b.mine.size();
     DispatchOptions rank_major;
     rank_major.layout = DispatchLayout::rank_major;
@@ -57,6 +61,28 @@ void bench_deepep(const DispatchBench& b) {
              "rank-major: the rows along a saved handle (combine_backward: no count exchange, no layout work; "
              "row stores + receive kernel + one host sync)",
              "handle");
+    // Budget mode, the budget the busiest receiver's rows of this routing.
+    DispatchOptions budget = rank_major;
+    budget.mode = DispatchMode::budget;
+    for (long long n : comm.all_gather_i64({rm.tokens.size(0)}, "bench:budget"))
+      budget.budget_rows = std::max<std::int64_t>(budget.budget_rows, n);
+    DispatchResult bm;
+    b.record("deepep", "dispatch", timed_collective(comm, [&] { bm = d->dispatch(b.in, budget); }, a.warmup, a.reps,
+                                                    b.stream),
+             "rank-major budget: count kernel + on-device count exchange + rank rows + NVLink row stores + "
+             "receive/list kernels; no host sync");
+    d->check_errors();
+    d->combine(bm.handle, bm.tokens);
+    {
+      const cuda::CapturedGraph graph(b.stream, cudaStreamCaptureModeThreadLocal, [&] {
+        DispatchResult r = d->dispatch(b.in, budget);
+        d->combine(r.handle, r.tokens);
+      });
+      b.record("deepep", "dispatch+combine",
+               timed_collective(comm, [&] { graph.launch(b.stream); }, a.warmup, a.reps, b.stream),
+               "rank-major budget: a dispatch + combine captured in a CUDA graph, timed per replay", "graph");
+    }
+    d->check_errors();
     for (std::size_t i = first; i < b.mine.size(); ++i) b.mine[i].sms = sms;
   }
 }

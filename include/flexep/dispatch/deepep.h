@@ -29,12 +29,18 @@
 // reached it); the output of combine_backward likewise until the next dispatch_backward. Clone them
 // to keep them longer.
 //
-// Every dispatch waits for the GPU (blocking mode: the counts cross through the host). combine and
-// the backwards wait too unless check_blocking_calls is off; then a device error they record is
-// raised by the next dispatch.
+// Modes. Blocking: the counts cross through one host all-gather, every dispatch waits for the GPU,
+// and every error is raised by the call itself on every rank; combine and the backwards wait too
+// unless check_blocking_calls is off (then a device error they record is raised by the next
+// dispatch). Budget (rank_major layout, overflow = error): the counts cross on the device (the
+// notify kernel writes each rank's words into every peer's window), recv_x has budget_rows rows
+// (the tail zero, its slots -1), tokens_per_expert stays on the device, and no call waits for the
+// GPU, so a dispatch + combine can be captured in a CUDA graph; an argument error, a configuration
+// mismatch or a budget overflow is raised on every rank by the next check_errors() (or blocking call).
 //
-// Built now: the blocking mode of both layouts, top-k form, bf16 rows, f32 weights.
-// Not yet: budget mode (GPU-side count exchange), FP8, low-latency mode.
+// Built now: blocking mode of both layouts, budget mode of the rank-major layout, top-k form, bf16
+// rows, f32 weights. Not yet: the drop policy and the expert-major layout in budget mode, FP8,
+// low-latency mode.
 #pragma once
 
 #include <cstdint>
@@ -56,7 +62,15 @@ struct DeepEpOptions {
   bool check_blocking_calls = true;      // combine and the backwards wait for the GPU and raise its errors
 };
 
-std::unique_ptr<TokenDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,
-                                                        const DeepEpOptions& options);
+class DeepEpDispatcher : public TokenDispatcher {
+ public:
+  // Waits for this dispatcher's GPU work and raises what it recorded: a budget-mode call's argument
+  // error, mismatch or overflow (as blocking mode would have raised it, on every rank; the
+  // dispatcher stays usable), or a timeout naming the phase and the peer (then it is unusable).
+  virtual void check_errors() = 0;
+};
+
+std::unique_ptr<DeepEpDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,
+                                                         const DeepEpOptions& options);
 
 }  // namespace flexep

@@ -2,8 +2,10 @@
 // dispatch's steps, on every rank:
 //   1. local checks, and the count kernel (ids validated, rows per destination, pairs per expert);
 //      a failure is not raised yet: it travels with step 2, so that every rank stops together;
-//   2. one all-gather of [signature | pairs per expert | rows per destination] (host sync);
-//      every rank applies the same agreement rules and derives every receiver's layout;
+//   2. the count exchange of [signature | pairs per expert | rows per destination], and the call's
+//      layout (layout_word) from it, the same rules on every rank: blocking mode through one host
+//      all-gather (then every error is raised here, on every rank); budget mode on the device
+//      (notify kernel: no host sync; an error is raised by the next check on every rank);
 //   3. the rank of every token among those bound for each destination (dest_row), then the send
 //      kernel: each (token, destination) row once into the destination's window, with its slots;
 //   4. the receive kernel: every source's flag acquired, each local expert's rows listed;
@@ -26,9 +28,14 @@ struct Routing {
 };
 
 Routing check_input(const DispatchInput& in, const DispatchOptions& opt, int ranks, int experts, int device,
-                    std::int64_t hidden, std::int64_t max_tokens, int max_topk) {
-  FLEXEP_CHECK_ARG(opt.mode == DispatchMode::blocking, "options.mode",
-                   "is budget, which the deepep backend does not offer yet; allowed: blocking");
+                    std::int64_t hidden, std::int64_t max_tokens, int max_topk, std::int64_t capacity) {
+  if (opt.mode == DispatchMode::budget) {
+    FLEXEP_CHECK_ARG(opt.layout == DispatchLayout::rank_major, "options.mode",
+                     "is budget with the expert_major layout, which the deepep backend does not offer yet; allowed: "
+                     "budget with options.layout = rank_major, or blocking");
+    FLEXEP_CHECK_ARG(opt.overflow == OverflowPolicy::error, "options.overflow",
+                     "is drop, which the deepep backend's budget mode does not offer yet; allowed: error");
+  }
   FLEXEP_CHECK_ARG(!in.multihot(), "routing_map",
                    "the deepep backend takes the top-k form (indices, weights), as DeepEP's dispatch does");
   const Device dev = Device::cuda(device);
@@ -55,6 +62,9 @@ Routing check_input(const DispatchInput& in, const DispatchOptions& opt, int ran
   check::dtype(in.weights, {DType::f32}, "weights");
   check::device(in.weights, dev, "weights");
   validate(call_signature::plan_params(opt, ranks, experts));
+  if (opt.mode == DispatchMode::budget)
+    FLEXEP_CHECK_ARG(opt.budget_rows <= capacity, "options.budget_rows", opt.budget_rows,
+                     " rows exceed the receive window's ", capacity, " (DeepEpOptions::max_recv_rows)");
   return r;
 }
 
@@ -64,12 +74,13 @@ call_signature::DeviceViolation describe_violation(const call_signature::CallSig
 
 }  // namespace
 
-DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
+DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
-  const int R = world_size(), E = experts_, L = local_experts(), me = rank();
+  const int R = world_size(), E = experts_, L = local_experts();
   const Device dev = Device::cuda(comm_->device());
+  const bool budget = options.mode == DispatchMode::budget;
 
   // 1. Local checks and the count kernel.
   Routing rt;
@@ -77,7 +88,8 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
   auto h = std::make_shared<DeepEpHandle>();
   Tensor dest_flag, counts, counts_host;
   const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
-    rt = check_input(input, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank, max_topk_);
+    rt = check_input(input, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank, max_topk_,
+                     capacity_rows_);
     h->slot_expert = Tensor::empty({rt.tokens * rt.k}, DType::i32, dev);
     dest_flag = Tensor::zeros({R * rt.tokens}, DType::i32, dev);
     counts = Tensor::zeros({E + R}, DType::i64, dev);
@@ -95,12 +107,108 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
     count.dest_flag = dest_flag.data<std::int32_t>();
     count.errors = errors_.record();
     launch_count_routes(count, s);
+    if (budget) return;  // a bad id travels with the count exchange, on the device
     counts_host = cuda::to_host(counts, s);  // waits for the count kernel: the check below does not wait again
     errors_.check(s, "dispatch");            // a bad id: ArgumentError naming "indices"
   });
   call_signature::set_call(mine, E, false, rt.hidden, rt.k, options, local ? 0 : rt.tokens);
 
-  // 2. The count exchange, the agreement, every receiver's layout.
+  // 2. The count exchange and the call's layout.
+  CallLayout lay;
+  if (budget) {
+    if (local) {  // this rank still takes part, with nothing to send, so that every rank stops together
+      rt = Routing{0, options_.hidden, 1};
+      h->slot_expert = Tensor::empty({0}, DType::i32, dev);
+      dest_flag = Tensor::empty({0}, DType::i32, dev);
+      counts = Tensor();
+    }
+    lay = exchange_on_device(mine, counts, options, rt.k);
+  } else {
+    lay = exchange_on_host(mine, local, counts_host, options);
+  }
+  const std::int64_t N = lay.recv_rows, k = rt.k;
+
+  // 3. Where each token goes, then the rows out.
+  const bool expert_major = options.layout == DispatchLayout::expert_major;
+  h->backend = "deepep";
+  h->owner = this;
+  h->rank = rank();
+  h->tokens = rt.tokens;
+  h->topk = k;
+  h->hidden = rt.hidden;
+  h->rows = expert_major ? lay.entries : N;
+  h->recv_rows = N;
+  h->local_experts = L;
+  h->hidden_dtype = DType::bf16;
+  h->prob_dtype = DType::f32;
+  h->layout = options.layout;
+  h->budget = budget;
+  h->sequence = ++calls_;
+  h->call_layout = lay.words;
+  h->dest_row = Tensor::empty({R * rt.tokens}, DType::i32, dev);
+  RankRowsCall rr;
+  rr.dest_flag = dest_flag.data<std::int32_t>();
+  rr.layout = reinterpret_cast<const long long*>(lay.words.raw());
+  rr.tokens = rt.tokens;
+  rr.ranks = R;
+  rr.dest_row = h->dest_row.data<std::int32_t>();
+  launch_rank_rows(rr, s);
+
+  DispatchResult result;
+  Tensor expert_rows = Tensor::empty({lay.entries}, DType::i32, dev);
+  ReceiveCall listing;
+  listing.expert_rows = expert_rows.data<std::int32_t>();
+  if (budget) {
+    result.tokens_per_expert = Tensor::empty({L}, DType::i64, dev);
+    listing.tokens_per_expert = reinterpret_cast<long long*>(result.tokens_per_expert.raw());
+    listing.layout = rr.layout;
+    listing.pad = options.pad_multiple;
+    listing.capacity = lay.entries;
+  } else {
+    listing.list_begin = rr.layout + layout_word::list_begin(R);
+    listing.list_len = rr.layout + layout_word::list_len(R, L);
+    result.tokens_per_expert = Tensor::from_vector(lay.tokens_per_expert, {L});
+  }
+  if (expert_major) {
+    result.token_probs = Tensor::empty({lay.entries}, DType::f32, dev);
+    h->slot_pos = Tensor::empty({N * k}, DType::i32, dev);
+    h->row_order = Tensor::empty({N * k}, DType::i32, dev);
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->slot_pos.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
+    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->row_order.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
+    listing.weights = reinterpret_cast<const float*>(window() + win_.w);
+    listing.probs = result.token_probs.data<float>();
+    listing.slot_pos = h->slot_pos.data<std::int32_t>();
+    listing.row_order = h->row_order.data<std::int32_t>();
+  }
+  move_rows(*h, input.hidden, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing);
+  if (budget) zero_tail(*h, win_.x, true);
+  h->recv_src = Tensor::empty({N}, DType::i32, dev);  // kept: a later dispatch rewrites the window's copy
+  if (N > 0)
+    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(h->recv_src.raw(), window() + win_.src, static_cast<std::size_t>(N) * 4,
+                                      cudaMemcpyDeviceToDevice, s));
+  if (expert_major) {
+    // 5. Each entry's row out of the window; the window itself is rewritten by a later dispatch.
+    result.tokens = Tensor::empty({lay.entries, rt.hidden}, DType::bf16, dev);
+    launch_gather_rows(window() + win_.x, expert_rows.data<std::int32_t>(), lay.entries, rt.hidden,
+                       result.tokens.raw(), s);
+    h->expert_rows = std::move(expert_rows);
+  } else {
+    result.tokens = Tensor::wrap(TensorView(window() + win_.x, DType::bf16, {N, rt.hidden}, dev));
+    result.topk_indices = Tensor::wrap(TensorView(window() + win_.idx, DType::i32, {N, k}, dev));
+    result.topk_weights = Tensor::wrap(TensorView(window() + win_.w, DType::f32, {N, k}, dev));
+    result.expert_rows = std::move(expert_rows);
+  }
+  if (local) std::rethrow_exception(local);  // budget mode: after this rank's part of the protocol
+  if (!budget) check(s, "dispatch");
+  result.handle = std::move(h);
+  return result;
+}
+
+Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSignature& mine,
+                                                                const std::exception_ptr& local,
+                                                                const Tensor& counts_host,
+                                                                const DispatchOptions& options) {
+  const int R = world_size(), E = experts_, L = local_experts(), me = rank();
   const std::int64_t P = call_signature::kWords + E + R;
   std::vector<long long> words(static_cast<std::size_t>(P), 0);
   call_signature::encode_words(mine, words.data());
@@ -121,90 +229,82 @@ DispatchResult DeepEpDispatcher::dispatch(const DispatchInput& input, const Disp
   if (auto err = call_signature::peer_failure(headers, me, describe_violation)) std::rethrow_exception(err);
   if (auto err = call_signature::compare_headers(headers)) std::rethrow_exception(err);
   const std::vector<RankMajorLayout> layouts = rank_major_layouts(rows, call_signature::plan_params(options, R, E));
-  for (int d = 0; d < R; ++d)  // every rank checks every receiver: all raise alike
-    FLEXEP_CHECK(layouts[static_cast<std::size_t>(d)].out_rows <= capacity_rows_, "deepep dispatch: rank ", d,
-                 " receives ", layouts[static_cast<std::size_t>(d)].out_rows, " rows, more than the ", capacity_rows_,
-                 " its receive buffer holds (DeepEpOptions::max_recv_rows)");
-  const RankMajorLayout& lay = layouts[static_cast<std::size_t>(me)];
-  const std::int64_t N = lay.out_rows, k = rt.k;
+  check_capacity(layouts);
 
-  std::vector<std::int64_t> tpe(static_cast<std::size_t>(L)), lists(static_cast<std::size_t>(2 * L));
-  std::int64_t M = 0;
+  // The layout words: what the kernels read, uploaded once.
+  const RankMajorLayout& lay = layouts[static_cast<std::size_t>(me)];
+  std::vector<std::int64_t> w(static_cast<std::size_t>(layout_word::words(R, L)), 0);
+  w[layout_word::received] = lay.required_rows;
+  for (int d = 0; d < R; ++d)
+    w[static_cast<std::size_t>(layout_word::row_begin + d)] =
+        layouts[static_cast<std::size_t>(d)].source_begin[static_cast<std::size_t>(me)];
+  for (int src = 0; src <= R; ++src)
+    w[static_cast<std::size_t>(layout_word::source_begin(R) + src)] =
+        src < R ? lay.source_begin[static_cast<std::size_t>(src)] : lay.required_rows;
+  CallLayout out;
+  out.recv_rows = lay.out_rows;
+  out.tokens_per_expert.resize(static_cast<std::size_t>(L));
   for (int le = 0; le < L; ++le) {
     const std::int64_t pad = options.pad_multiple;
-    tpe[static_cast<std::size_t>(le)] = (pairs_here[static_cast<std::size_t>(le)] + pad - 1) / pad * pad;
-    lists[static_cast<std::size_t>(le)] = M;
-    lists[static_cast<std::size_t>(L + le)] = tpe[static_cast<std::size_t>(le)];
-    M += tpe[static_cast<std::size_t>(le)];
+    const std::int64_t n = (pairs_here[static_cast<std::size_t>(le)] + pad - 1) / pad * pad;
+    out.tokens_per_expert[static_cast<std::size_t>(le)] = n;
+    w[static_cast<std::size_t>(layout_word::list_begin(R) + le)] = out.entries;
+    w[static_cast<std::size_t>(layout_word::list_len(R, L) + le)] = n;
+    out.entries += n;
   }
-  const Tensor lists_dev = cuda::to_device(Tensor::from_vector(lists, {2 * L}), comm_->device(), s);
-
-  // 3. Where each token goes, then the rows out.
-  h->backend = "deepep";
-  h->owner = this;
-  h->rank = me;
-  h->tokens = rt.tokens;
-  h->topk = k;
-  h->hidden = rt.hidden;
-  const bool expert_major = options.layout == DispatchLayout::expert_major;
-  h->rows = expert_major ? M : N;
-  h->recv_rows = N;
-  h->local_experts = L;
-  h->hidden_dtype = DType::bf16;
-  h->prob_dtype = DType::f32;
-  h->layout = options.layout;
-  h->sequence = ++calls_;
-  for (int src = 0; src <= R; ++src)
-    h->source_begin[src] = src < R ? lay.source_begin[static_cast<std::size_t>(src)] : lay.required_rows;
-  h->dest_row = Tensor::empty({R * rt.tokens}, DType::i32, dev);
-  RankRowsCall rr;
-  rr.dest_flag = dest_flag.data<std::int32_t>();
-  for (int d = 0; d < R; ++d) rr.row_begin[d] = layouts[static_cast<std::size_t>(d)].source_begin[static_cast<std::size_t>(me)];
-  rr.tokens = rt.tokens;
-  rr.ranks = R;
-  rr.dest_row = h->dest_row.data<std::int32_t>();
-  launch_rank_rows(rr, s);
-
-  DispatchResult result;
-  Tensor expert_rows = Tensor::empty({M}, DType::i32, dev);
-  ReceiveCall listing;
-  listing.list_begin = reinterpret_cast<const long long*>(lists_dev.raw());
-  listing.list_len = listing.list_begin + L;
-  listing.expert_rows = expert_rows.data<std::int32_t>();
-  if (expert_major) {
-    result.token_probs = Tensor::empty({M}, DType::f32, dev);
-    h->slot_pos = Tensor::empty({N * k}, DType::i32, dev);
-    h->row_order = Tensor::empty({N * k}, DType::i32, dev);
-    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->slot_pos.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
-    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->row_order.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
-    listing.weights = reinterpret_cast<const float*>(window() + win_.w);
-    listing.probs = result.token_probs.data<float>();
-    listing.slot_pos = h->slot_pos.data<std::int32_t>();
-    listing.row_order = h->row_order.data<std::int32_t>();
-  }
-  move_rows(*h, input.hidden, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing);
-  h->recv_src = Tensor::empty({N}, DType::i32, dev);  // kept: a later dispatch rewrites the window's copy
-  if (N > 0)
-    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(h->recv_src.raw(), window() + win_.src, static_cast<std::size_t>(N) * 4,
-                                      cudaMemcpyDeviceToDevice, s));
-  if (expert_major) {
-    // 5. Each entry's row out of the window; the window itself is rewritten by a later dispatch.
-    result.tokens = Tensor::empty({M, rt.hidden}, DType::bf16, dev);
-    launch_gather_rows(window() + win_.x, expert_rows.data<std::int32_t>(), M, rt.hidden, result.tokens.raw(), s);
-    h->expert_rows = std::move(expert_rows);
-  } else {
-    result.tokens = Tensor::wrap(TensorView(window() + win_.x, DType::bf16, {N, rt.hidden}, dev));
-    result.topk_indices = Tensor::wrap(TensorView(window() + win_.idx, DType::i32, {N, k}, dev));
-    result.topk_weights = Tensor::wrap(TensorView(window() + win_.w, DType::f32, {N, k}, dev));
-    result.expert_rows = std::move(expert_rows);
-  }
-  check(s, "dispatch");
-  result.tokens_per_expert = Tensor::from_vector(tpe, {L});
-  result.handle = std::move(h);
-  return result;
+  out.words = cuda::to_device(Tensor::from_vector(w, {static_cast<std::int64_t>(w.size())}), comm_->device(), stream());
+  return out;
 }
 
-void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert,
+void Dispatcher::check_capacity(const std::vector<RankMajorLayout>& layouts) const {
+  for (std::size_t d = 0; d < layouts.size(); ++d)  // every rank checks every receiver: all raise alike
+    FLEXEP_CHECK(layouts[d].out_rows <= capacity_rows_, "deepep dispatch: rank ", d, " receives ", layouts[d].out_rows,
+                 " rows, more than the ", capacity_rows_, " its receive buffer holds (DeepEpOptions::max_recv_rows)");
+}
+
+Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::CallSignature& mine,
+                                                                  const Tensor& counts, const DispatchOptions& options,
+                                                                  int k) {
+  const int R = world_size(), L = local_experts();
+  CallLayout out;
+  out.recv_rows = options.budget_rows;
+  out.entries = expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple);
+  out.words = Tensor::empty({layout_word::words(R, L)}, DType::i64, Device::cuda(comm_->device()));
+  NotifyCall c;
+  c.peers = sym_.peers();
+  c.rank = rank();
+  c.ranks = R;
+  c.experts = experts_;
+  call_signature::encode_words(mine, c.header);
+  c.errors = errors_.record();
+  c.counts = counts.defined() ? reinterpret_cast<const long long*>(counts.raw()) : nullptr;
+  c.words = call_signature::kWords + experts_ + R;
+  c.win = win_;
+  c.op = ops_ + kCounts;
+  c.status = status_;
+  c.timeout_ns = device_timeout_ns(options_.timeout_seconds);
+  c.budget = options.budget_rows;
+  c.capacity = capacity_rows_;
+  c.layout = reinterpret_cast<long long*>(out.words.raw());
+  c.snapshot = snapshot_;
+  launch_notify(c, stream());
+  return out;
+}
+
+void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots) {
+  TailCall t;
+  t.window = window();
+  t.rows_at = rows_at;
+  t.win = win_;
+  t.slots = slots;
+  t.layout = reinterpret_cast<const long long*>(h.call_layout.raw());
+  t.rows = h.recv_rows;
+  t.hidden = h.hidden;
+  t.k = static_cast<int>(h.topk);
+  launch_tail(t, options_.sms > 0 ? options_.sms : 20, stream());
+}
+
+void Dispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert,
                                  const TensorView& weights, unsigned long long rows_at, Kind kind, Phase phase,
                                  const ReceiveCall* listing) {
   const cudaStream_t s = stream();
@@ -219,7 +319,7 @@ void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, 
   c.hidden = h.hidden;
   c.x = rows.data;
   c.slot_expert = slot_expert ? slot_expert->data<std::int32_t>() : nullptr;
-  c.weights = slot_expert ? weights.ptr<float>() : nullptr;
+  c.weights = slot_expert && h.tokens > 0 ? weights.ptr<float>() : nullptr;  // none when a failed rank sends nothing
   c.dest_row = h.dest_row.data<std::int32_t>();
   c.rows_at = rows_at;
   c.win = win_;
@@ -242,13 +342,14 @@ void DeepEpDispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, 
   launch_receive(r, s);
 }
 
-Tensor DeepEpDispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {
+Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
   const DeepEpHandle& h = own_handle(handle);
   check_rows(grad_out, h.tokens, h, "grad_out");
   move_rows(h, grad_out, nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows, nullptr);
+  if (h.budget) zero_tail(h, win_.grad, false);
   const Device dev = Device::cuda(comm_->device());
   Tensor out;
   if (h.layout == DispatchLayout::expert_major) {
@@ -257,7 +358,7 @@ Tensor DeepEpDispatcher::combine_backward(const Handle& handle, const TensorView
   } else {
     out = Tensor::wrap(TensorView(window() + win_.grad, DType::bf16, {h.rows, h.hidden}, dev));
   }
-  if (options_.check_blocking_calls) check(s, "combine_backward");
+  if (options_.check_blocking_calls && !h.budget) check(s, "combine_backward");
   return out;
 }
 

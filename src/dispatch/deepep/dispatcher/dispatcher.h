@@ -6,9 +6,12 @@
 
 #include <cuda_runtime.h>
 
+#include <exception>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "dispatch/common/call_signature.h"
 #include "dispatch/common/device_deadline.h"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "flexep/comm/communicator.h"
@@ -26,19 +29,20 @@ namespace flexep::deepep {
 struct DeepEpHandle : HandleState {
   std::uint64_t sequence = 0;
   std::int64_t recv_rows = 0;                     // N
+  bool budget = false;                            // budget mode: no call of this handle waits for the GPU
+  Tensor call_layout;                             // layout_word, int64 on the device
   Tensor slot_expert;                             // [T * k] int32, validated ids (-1: none)
   Tensor dest_row;                                // [R * T] int32: row on rank d, -1 = not sent
-  Tensor recv_src;                                // [N] int32: the source token of each received row
-  long long source_begin[kMaxSymmetricPeers + 1] = {};  // this rank's receive side: rows from source s
+  Tensor recv_src;                                // [N] int32: the source token of each received row (-1: tail)
   // expert_major only: the received row of every entry (-1: padding), each slot's entry (-1: an
   // expert elsewhere), each row's entries in ascending local expert (-1 after the last).
   Tensor expert_rows, slot_pos, row_order;        // [M], [N * k], [N * k] int32
 };
 
-class DeepEpDispatcher final : public TokenDispatcher {
+class Dispatcher final : public DeepEpDispatcher {
  public:
-  DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options);
-  ~DeepEpDispatcher() override;
+  Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options);
+  ~Dispatcher() override;
 
   std::string_view backend() const override { return "deepep"; }
   int rank() const override { return comm_->rank(); }
@@ -50,6 +54,7 @@ class DeepEpDispatcher final : public TokenDispatcher {
   DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
                                   const TensorView& grad_token_probs) override;
   Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
+  void check_errors() override;
 
  private:
   // What every call opens: CUDA initialised, this rank's device and the call's stream current
@@ -68,6 +73,24 @@ class DeepEpDispatcher final : public TokenDispatcher {
   };
   CallScope open_call() const { return CallScope(comm_->device(), stream()); }
 
+  // The count exchange's outcome on this rank: the layout words on the device, and the sizes.
+  struct CallLayout {
+    Tensor words;                                // layout_word
+    std::int64_t recv_rows = 0;                  // N: recv_x's rows (the budget in budget mode)
+    std::int64_t entries = 0;                    // expert_rows' length (budget: its capacity)
+    std::vector<std::int64_t> tokens_per_expert;  // blocking mode
+  };
+  // Blocking mode: one host all-gather; every error of the call is raised here, on every rank.
+  CallLayout exchange_on_host(const call_signature::CallSignature& mine, const std::exception_ptr& local,
+                              const Tensor& counts_host, const DispatchOptions& options);
+  // Budget mode: the notify kernel; errors reach the host at the next check (check()).
+  CallLayout exchange_on_device(const call_signature::CallSignature& mine, const Tensor& counts,
+                                const DispatchOptions& options, int k);
+  void check_capacity(const std::vector<RankMajorLayout>& layouts) const;
+  // Budget mode: the window region's rows past the received ones zeroed (and their slots cleared).
+  void zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots);
+  // The error every rank raises for an aborted budget-mode call, from the count exchange's words.
+  [[noreturn]] void raise_abort();
   cudaStream_t stream() const;
   void check_options(int num_experts);  // sets max_topk_ and capacity_rows_
   // A [rows, H] bf16 argument of combine or a backward: the handle's shape, this GPU, 16-byte aligned.
@@ -102,6 +125,7 @@ class DeepEpDispatcher final : public TokenDispatcher {
   char* local_ = nullptr;  // device: OpControl[kKinds], then Status
   OpControl* ops_ = nullptr;
   Status* status_ = nullptr;
+  long long* snapshot_ = nullptr;  // [R * P]: the count exchange's words of an aborted call
   cuda::DeviceErrors errors_;
   std::uint64_t calls_ = 0;
   bool broken_ = false;

@@ -14,7 +14,8 @@ namespace {
 
 unsigned long long align16(unsigned long long x) { return (x + 15) / 16 * 16; }
 
-WindowLayout window_layout(int ranks, std::int64_t cap, std::int64_t hidden, int k, std::int64_t max_tokens) {
+WindowLayout window_layout(int ranks, int experts, std::int64_t cap, std::int64_t hidden, int k,
+                           std::int64_t max_tokens) {
   WindowLayout w;
   unsigned long long at = 0;
   auto take = [&](unsigned long long bytes) {
@@ -32,12 +33,14 @@ WindowLayout window_layout(int ranks, std::int64_t cap, std::int64_t hidden, int
   w.grad = take(C * H * 2);
   w.part = take(R * T * H * 2);
   w.part_w = take(R * T * K * 4);
+  w.counts = take(R * static_cast<unsigned long long>(call_signature::kWords + experts + ranks) * 8);
   w.bytes = at > 0 ? at : 16;
   return w;
 }
 
 std::string phase_name(int phase) {
   switch (static_cast<Phase>(phase)) {
+    case Phase::dispatch_counts: return "deepep dispatch:count-exchange";
     case Phase::dispatch_tokens: return "deepep dispatch:rows";
     case Phase::combine_partials: return "deepep combine:rows";
     case Phase::dispatch_backward_partials: return "deepep dispatch_backward:rows";
@@ -48,7 +51,7 @@ std::string phase_name(int phase) {
 
 }  // namespace
 
-DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options)
+Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options)
     : comm_(std::move(comm)),
       experts_(num_experts),
       options_(options),
@@ -68,11 +71,12 @@ DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_e
     FLEXEP_CHECK_ARG(failed[static_cast<std::size_t>(r)] == 0, "options", "rank ", r,
                      " rejected its deepep options, so the set-up stops on every rank: see the error raised there");
   const int R = comm_->size();
-  win_ = window_layout(R, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank);
+  win_ = window_layout(R, num_experts, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank);
   cuda::DeviceGuard guard(comm_->device());
   // The operation state starts at epoch 0 like the flags; zeroed (and the device synchronised)
   // before the window's barrier, so that no peer's kernel can wait on this rank's zeroing.
-  const std::size_t local_bytes = sizeof(OpControl) * kKinds + sizeof(Status);
+  const std::size_t snapshot_words = static_cast<std::size_t>(R) * (call_signature::kWords + num_experts + R);
+  const std::size_t local_bytes = sizeof(OpControl) * kKinds + sizeof(Status) + 8 * snapshot_words;
   void* state = nullptr;
   FLEXEP_CUDA_CHECK(cudaMalloc(&state, local_bytes));
   FLEXEP_CUDA_CHECK(cudaMemset(state, 0, local_bytes));
@@ -80,6 +84,7 @@ DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_e
   local_ = static_cast<char*>(state);
   ops_ = reinterpret_cast<OpControl*>(local_);
   status_ = reinterpret_cast<Status*>(local_ + sizeof(OpControl) * kKinds);
+  snapshot_ = reinterpret_cast<long long*>(local_ + sizeof(OpControl) * kKinds + sizeof(Status));
   SymmetricBufferSpec spec;
   spec.window_bytes = win_.bytes;
   spec.flag_bytes = align16(static_cast<unsigned long long>(kKinds) * R * sizeof(unsigned));
@@ -92,7 +97,7 @@ DeepEpDispatcher::DeepEpDispatcher(std::shared_ptr<Communicator> comm, int num_e
   }
 }
 
-void DeepEpDispatcher::check_options(int num_experts) {
+void Dispatcher::check_options(int num_experts) {
   const int R = comm_->size();
   PlanParams p;
   p.ranks = R;
@@ -114,7 +119,7 @@ void DeepEpDispatcher::check_options(int num_experts) {
                    options_.timeout_seconds);
 }
 
-DeepEpDispatcher::~DeepEpDispatcher() {
+Dispatcher::~Dispatcher() {
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(comm_->device());
@@ -123,31 +128,47 @@ DeepEpDispatcher::~DeepEpDispatcher() {
   cudaSetDevice(previous);
 }
 
-cudaStream_t DeepEpDispatcher::stream() const {
+cudaStream_t Dispatcher::stream() const {
   return options_.stream ? static_cast<cudaStream_t>(options_.stream) : cuda::current_stream();
 }
 
-const unsigned* DeepEpDispatcher::own_flags() const {
+const unsigned* Dispatcher::own_flags() const {
   return reinterpret_cast<const unsigned*>(sym_.peers().flags[comm_->rank()]);
 }
 
-void DeepEpDispatcher::require_usable() const {
+void Dispatcher::require_usable() const {
   FLEXEP_CHECK(!broken_, "rank ", comm_->rank(), ": this deepep dispatcher is unusable after an earlier error (",
                broken_why_, "); create a new one");
 }
 
-const DeepEpHandle& DeepEpDispatcher::own_handle(const Handle& handle) const {
+const DeepEpHandle& Dispatcher::own_handle(const Handle& handle) const {
   check_handle(handle);
   const auto* h = dynamic_cast<const DeepEpHandle*>(handle.get());
   FLEXEP_CHECK_ARG(h != nullptr, "handle", "claims this dispatcher as owner but is not a deepep handle");
   return *h;
 }
 
-void DeepEpDispatcher::check(cudaStream_t s, const std::string& op) {
+void Dispatcher::check_errors() {
+  const CallScope call = open_call();
+  require_usable();
+  check(call.stream, "check_errors");
+}
+
+void Dispatcher::check(cudaStream_t s, const std::string& op) {
   // Every device wait has a deadline, so the stream finishes even when a peer never arrives.
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(s));
   Status st;
   FLEXEP_CUDA_CHECK(cudaMemcpy(&st, status_, sizeof st, cudaMemcpyDeviceToHost));
+  if (st.code == static_cast<int>(hybridep::StatusCode::abort)) {
+    try {
+      errors_.check(s, op);  // this rank's own bad id (budget mode) is the error it raises
+    } catch (...) {
+      FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
+      throw;
+    }
+    raise_abort();
+  }
+  errors_.check(s, op);  // a budget-mode dispatch's bad id (blocking mode raised it already)
   if (st.code == 0) return;
   broken_ = true;
   broken_why_ = op + " failed";
@@ -159,12 +180,47 @@ void DeepEpDispatcher::check(cudaStream_t s, const std::string& op) {
                              ", phase ", phase_name(st.phase), ", rank ", st.peer, ")"));
 }
 
+void Dispatcher::raise_abort() {
+  // The words every rank exchanged: the same rules as blocking mode's, so every rank raises the
+  // error blocking mode would have raised. The status is cleared: an argument error leaves the
+  // dispatcher usable, as in blocking mode.
+  const int R = world_size(), E = experts_, me = rank();
+  const std::int64_t P = call_signature::kWords + E + R;
+  std::vector<long long> all(static_cast<std::size_t>(R * P));
+  FLEXEP_CUDA_CHECK(cudaMemcpy(all.data(), snapshot_, all.size() * 8, cudaMemcpyDeviceToHost));
+  FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
+  std::vector<call_signature::CallSignature> headers;
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(R * R));
+  for (int src = 0; src < R; ++src) {
+    const long long* p = all.data() + src * P;
+    headers.push_back(call_signature::decode_words(p));
+    for (int d = 0; d < R; ++d) rows[static_cast<std::size_t>(src * R + d)] = p[call_signature::kWords + E + d];
+  }
+  const call_signature::DescribeViolation describe = [](const call_signature::CallSignature& h) {
+    return call_signature::DeviceViolation{"indices", call_signature::index_violation(h)};
+  };
+  // This rank's own failure was raised by its own dispatch or check; here: the others'.
+  if (auto err = call_signature::peer_failure(headers, me, describe)) std::rethrow_exception(err);
+  if (headers[static_cast<std::size_t>(me)].failed || headers[static_cast<std::size_t>(me)].device_arg != 0)
+    throw_error("rank ", me, ": an earlier budget-mode deepep dispatch failed its checks on this rank (raised then)");
+  if (auto err = call_signature::compare_headers(headers)) std::rethrow_exception(err);
+  DispatchOptions o;
+  o.mode = headers[0].mode;
+  o.budget_rows = headers[0].budget_rows;
+  o.pad_multiple = headers[0].pad_multiple;
+  o.overflow = headers[0].overflow;
+  o.layout = DispatchLayout::rank_major;
+  check_capacity(rank_major_layouts(rows, call_signature::plan_params(o, R, E)));  // the budget overflow throws
+  throw_error("rank ", me, ": a budget-mode deepep dispatch aborted on the device for a reason its count exchange "
+              "does not show (internal error)");
+}
+
 }  // namespace deepep
 
-std::unique_ptr<TokenDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,
+std::unique_ptr<DeepEpDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,
                                                         const DeepEpOptions& options) {
   FLEXEP_CHECK_ARG(comm != nullptr, "comm", "is null; pass the rank's Communicator");
-  return std::make_unique<deepep::DeepEpDispatcher>(std::move(comm), num_experts, options);
+  return std::make_unique<deepep::Dispatcher>(std::move(comm), num_experts, options);
 }
 
 }  // namespace flexep

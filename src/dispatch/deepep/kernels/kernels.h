@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "dispatch/common/signature_words.h"
 #include "dispatch/hybridep/kernels/device_state.h"
 #include "flexep/comm/symmetric_buffer.h"
 #include "flexep/cuda/device_errors.h"
@@ -17,8 +18,21 @@ using hybridep::OpControl;
 using hybridep::Phase;
 using hybridep::Status;
 
-// The four kinds of operation, each with its own epoch and one flag per source rank.
-enum Kind : int { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3, kKinds = 4 };
+// The kinds of operation, each with its own epoch and one flag per source rank: the four calls,
+// and the budget-mode dispatch's count exchange.
+enum Kind : int { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3, kCounts = 4, kKinds = 5 };
+
+// A call's layout on the device, int64 words (a tensor of the handle): written by the host in
+// blocking mode, by the count-exchange kernel in budget mode; the kernels read it from there.
+namespace layout_word {
+constexpr int abort = 0;     // 1: the call failed on some rank; every rank moves nothing (all decide alike)
+constexpr int received = 1;  // rows this rank receives (source_begin[R])
+constexpr int row_begin = 2;  // [R]: this rank's first row on rank d
+inline constexpr int source_begin(int ranks) { return row_begin + ranks; }  // [R + 1]: rows from source s
+inline constexpr int list_begin(int ranks) { return source_begin(ranks) + ranks + 1; }  // [L] (blocking)
+inline constexpr int list_len(int ranks, int local) { return list_begin(ranks) + local; }  // [L] (blocking)
+inline constexpr int words(int ranks, int local) { return list_len(ranks, local) + local; }
+}  // namespace layout_word
 
 // Byte offsets into every rank's window (the same on all ranks).
 struct WindowLayout {
@@ -29,14 +43,39 @@ struct WindowLayout {
   unsigned long long grad = 0;    // [cap, H] bf16: combine_backward's rows
   unsigned long long part = 0;    // [R, T_max, H] bf16: the rows coming back (combine, dispatch_backward)
   unsigned long long part_w = 0;  // [R, T_max, K] f32: their weight gradients (dispatch_backward)
+  unsigned long long counts = 0;  // [R, P] int64: the budget-mode count exchange, row s from source s
   unsigned long long bytes = 0;
 };
 
-// dest_row[d * T + t] = row_begin[d] + (rank of t among the tokens with dest_flag[d * T + t]), or -1.
-// One CTA per destination, a block scan: deterministic.
+// Budget mode's count exchange, one CTA: this rank's words [signature | pairs per expert | rows per
+// destination] (the device_* words from `errors`) into row `rank` of every peer's count area, one
+// flag per peer, then every source's words awaited (deadline) and the call's layout derived, as the
+// host does in blocking mode: row_begin, source_begin, received. A rank that failed its checks,
+// configurations that differ, or a receiver over the budget set layout[abort] on every rank; the
+// words are then kept in `snapshot` and the status says abort, so that the host decodes the exact
+// error at its next check.
+struct NotifyCall {
+  SymmetricPeers peers{};
+  int rank = 0, ranks = 0, experts = 0;
+  long long header[call_signature::kWords] = {};
+  const cuda::DeviceErrorRecord* errors = nullptr;
+  const long long* counts = nullptr;  // [E + R], or null (this rank's checks failed: zeros travel)
+  int words = 0;                      // P = kWords + E + R
+  WindowLayout win{};
+  OpControl* op = nullptr;
+  Status* status = nullptr;
+  unsigned long long timeout_ns = 0;
+  long long budget = 0, capacity = 0;  // the budget; the window's rows
+  long long* layout = nullptr;         // layout_word
+  long long* snapshot = nullptr;       // [R * P]
+};
+void launch_notify(const NotifyCall& c, cudaStream_t stream);
+
+// dest_row[d * T + t] = row_begin[d] + (rank of t among the tokens with dest_flag[d * T + t]), or -1
+// (and -1 everywhere when the call aborted). One CTA per destination, a block scan: deterministic.
 struct RankRowsCall {
   const int* dest_flag = nullptr;
-  long long row_begin[kMaxSymmetricPeers] = {};
+  const long long* layout = nullptr;  // layout_word: abort, row_begin
   std::int64_t tokens = 0;
   int ranks = 0;
   int* dest_row = nullptr;
@@ -66,7 +105,9 @@ void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream);
 // also writes, for entry p of those lists (row r, slot j): probs[p] = recv_topk_weights[r][j] (0 for
 // padding), slot_pos[r * k + j] = p, and row_order[r * k + n] = p for the row's n-th expert in
 // ascending local id (so row_order lists a row's entries in expert-major order). slot_pos and
-// row_order are -1 on entry.
+// row_order are -1 on entry. Budget mode (tokens_per_expert set): the rows are the `received` of
+// the layout, each list's length is counted here first (padded, into tokens_per_expert), the
+// lists lie end to end from 0, and the entries past them up to `capacity` are -1.
 struct ReceiveCall {
   const unsigned* flags = nullptr;  // this rank's flag buffer
   int ranks = 0, kind = kDispatch;
@@ -77,8 +118,11 @@ struct ReceiveCall {
   const int* idx = nullptr;  // this rank's recv_topk_idx (window)
   int k = 0, local_experts = 0;
   std::int64_t rows = 0;
-  const long long* list_begin = nullptr;  // [L]
-  const long long* list_len = nullptr;    // [L]
+  const long long* list_begin = nullptr;  // [L] (blocking)
+  const long long* list_len = nullptr;    // [L] (blocking)
+  long long* tokens_per_expert = nullptr; // [L] (budget)
+  const long long* layout = nullptr;      // layout_word (budget: received, abort)
+  long long pad = 1, capacity = 0;        // budget
   int* expert_rows = nullptr;             // null: only wait
   const float* weights = nullptr;         // this rank's recv_topk_weights (window); with probs
   float* probs = nullptr;                 // [sum list_len] or null
@@ -92,8 +136,8 @@ void launch_receive(const ReceiveCall& c, cudaStream_t stream);
 struct SendPartialsCall {
   SymmetricPeers peers{};
   int rank = 0, ranks = 0, k = 0;
-  std::int64_t rows = 0, hidden = 0, max_tokens = 0;
-  long long source_begin[kMaxSymmetricPeers + 1] = {};  // [R + 1]
+  std::int64_t rows = 0, hidden = 0, max_tokens = 0;  // rows: recv_x's (a budget's tail has src -1)
+  const long long* layout = nullptr;                  // layout_word: source_begin
   const void* y = nullptr;        // [rows, H] bf16
   const float* grad_w = nullptr;  // [rows, k] or null
   const int* src = nullptr;       // this rank's window: the source token of each row
@@ -127,6 +171,19 @@ void launch_reduce(const ReduceCall& c, int ctas, cudaStream_t stream);
 // out[p] = rows[index[p]] for every entry p, a zero row where index[p] = -1. One warp per entry.
 void launch_gather_rows(const void* rows, const int* index, std::int64_t entries, std::int64_t hidden, void* out,
                         cudaStream_t stream);
+
+// Budget mode's tail of a window region: rows [layout[received], rows) zero, and with slots their
+// ids -1, weights 0 and source tokens -1. One warp per row.
+struct TailCall {
+  char* window = nullptr;
+  unsigned long long rows_at = 0;  // WindowLayout::x or ::grad
+  WindowLayout win{};
+  bool slots = false;
+  const long long* layout = nullptr;
+  std::int64_t rows = 0, hidden = 0;
+  int k = 0;
+};
+void launch_tail(const TailCall& c, int ctas, cudaStream_t stream);
 
 // Level 1 of the combine (docs/semantics.md, "Combine"): out[r] = the sum of entries[row_order[r *
 // k + n]] over n in order (ascending local expert) until -1, in fp32, rounded to bf16 once. With

@@ -28,9 +28,12 @@ __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCal
   const std::int64_t vectors = c.hidden / 8;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; i < c.rows;
        i += warps) {
+    const int src = __ldcg(c.src + i);
+    if (src < 0) continue;  // a budget's tail
+    const long long* source_begin = c.layout + layout_word::source_begin(c.ranks);
     int s = 0;
-    while (s + 1 < c.ranks && c.source_begin[s + 1] <= i) ++s;
-    const std::int64_t t = __ldcg(c.src + i);
+    while (s + 1 < c.ranks && source_begin[s + 1] <= i) ++s;
+    const std::int64_t t = src;
     const std::int64_t at = static_cast<std::int64_t>(c.rank) * c.max_tokens + t;
     char* win = c.peers.window[s];
     const uint4* from = static_cast<const uint4*>(c.y) + i * vectors;

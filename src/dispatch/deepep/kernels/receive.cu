@@ -1,8 +1,10 @@
 // The receiver side of the deepep dispatch and combine_backward: every source's flag acquired (with
 // a deadline), then each local expert's rows listed in ascending order (expert_rows), and for the
 // expert-major layout each entry's prob and its place among its row's entries.
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
 #include "flexep/cuda/runtime.h"
@@ -38,16 +40,26 @@ __global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
 // After receive_kernel on the same stream, so the rows are here; one CTA per local expert. A timed
 // out wait lists nothing (the call raises).
 __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
-  if (hybridep::ld_volatile(&c.status->code) != 0) return;
+  if (hybridep::ld_volatile(&c.status->code) == static_cast<int>(hybridep::StatusCode::timeout)) return;
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
+  const bool budget = c.tokens_per_expert != nullptr;
+  const std::int64_t rows = budget ? (c.layout[layout_word::abort] ? 0 : c.layout[layout_word::received]) : c.rows;
   for (int e = static_cast<int>(blockIdx.x); e < c.local_experts; e += gridDim.x) {
-    int* out = c.expert_rows + c.list_begin[e];
+    long long begin = 0, len = 0;
+    if (budget) {  // the lists end to end: expert e starts after the padded lists before it
+      for (int q = 0; q < e; ++q) begin += __ldcg(c.tokens_per_expert + q);
+      len = __ldcg(c.tokens_per_expert + e);
+    } else {
+      begin = c.list_begin[e];
+      len = c.list_len[e];
+    }
+    int* out = c.expert_rows + begin;
     long long n = 0;
-    for (std::int64_t base = 0; base < c.rows; base += kThreads) {
+    for (std::int64_t base = 0; base < rows; base += kThreads) {
       const std::int64_t row = base + threadIdx.x;
       int f = 0, slot = 0, order = 0;  // order: the row's experts below e
-      if (row < c.rows)
+      if (row < rows)
         for (int j = 0; j < c.k; ++j) {
           const int id = __ldcg(c.idx + row * c.k + j);  // L2: the peers wrote them
           if (id == e) f = 1, slot = j;
@@ -56,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
       int before = 0, total = 0;
       Scan(scan).ExclusiveSum(f, before, total);
       if (f) {
-        const long long p = c.list_begin[e] + n + before;
+        const long long p = begin + n + before;
         out[n + before] = static_cast<int>(row);
         if (c.probs != nullptr) {
           c.probs[p] = __ldcg(c.weights + row * c.k + slot);
@@ -67,10 +79,49 @@ __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
       n += total;
       __syncthreads();
     }
-    for (long long i = n + threadIdx.x; i < c.list_len[e]; i += blockDim.x) {
+    for (long long i = n + threadIdx.x; i < len; i += blockDim.x) {
       out[i] = -1;
-      if (c.probs != nullptr) c.probs[c.list_begin[e] + i] = 0.0f;
+      if (c.probs != nullptr) c.probs[begin + i] = 0.0f;
     }
+  }
+  if (!budget || blockIdx.x != 0) return;
+  long long total = 0;  // every list is written above; the tail up to the capacity is padding
+  for (int q = 0; q < c.local_experts; ++q) total += __ldcg(c.tokens_per_expert + q);
+  for (long long i = total + threadIdx.x; i < c.capacity; i += blockDim.x) c.expert_rows[i] = -1;
+}
+
+// Budget mode, before list_kernel: each local expert's padded list length. One CTA per expert.
+__global__ void __launch_bounds__(kThreads) count_lists_kernel(ReceiveCall c) {
+  using Reduce = cub::BlockReduce<int, kThreads>;
+  __shared__ typename Reduce::TempStorage reduce;
+  const bool ok = hybridep::ld_volatile(&c.status->code) != static_cast<int>(hybridep::StatusCode::timeout) &&
+                  c.layout[layout_word::abort] == 0;
+  const std::int64_t rows = ok ? c.layout[layout_word::received] : 0;
+  for (int e = static_cast<int>(blockIdx.x); e < c.local_experts; e += gridDim.x) {
+    int mine = 0;
+    for (std::int64_t row = threadIdx.x; row < rows; row += kThreads)
+      for (int j = 0; j < c.k; ++j) mine += __ldcg(c.idx + row * c.k + j) == e;
+    const int n = Reduce(reduce).Sum(mine);
+    if (threadIdx.x == 0) c.tokens_per_expert[e] = (n + c.pad - 1) / c.pad * c.pad;
+    __syncthreads();
+  }
+}
+
+// One warp per tail row.
+__global__ void __launch_bounds__(kThreads) tail_kernel(TailCall c) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  const std::int64_t from = c.layout[layout_word::abort] ? 0 : c.layout[layout_word::received];
+  const std::int64_t vectors = c.hidden / 8;
+  for (std::int64_t r = from + static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; r < c.rows;
+       r += warps) {
+    zero_row(reinterpret_cast<uint4*>(c.window + c.rows_at) + r * vectors, vectors, lane);
+    if (!c.slots) continue;
+    for (int j = lane; j < c.k; j += 32) {
+      reinterpret_cast<int*>(c.window + c.win.idx)[r * c.k + j] = -1;
+      reinterpret_cast<float*>(c.window + c.win.w)[r * c.k + j] = 0.0f;
+    }
+    if (lane == 0) reinterpret_cast<int*>(c.window + c.win.src)[r] = -1;
   }
 }
 
@@ -80,8 +131,19 @@ void launch_receive(const ReceiveCall& c, cudaStream_t stream) {
   receive_kernel<<<1, kThreads, 0, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep receive_kernel");
   if (c.expert_rows == nullptr || c.local_experts == 0) return;
-  list_kernel<<<c.local_experts < 65535 ? c.local_experts : 65535, kThreads, 0, stream>>>(c);
+  const int ctas = c.local_experts < 65535 ? c.local_experts : 65535;
+  if (c.tokens_per_expert != nullptr) {
+    count_lists_kernel<<<ctas, kThreads, 0, stream>>>(c);
+    FLEXEP_CUDA_CHECK_LAUNCH("deepep count_lists_kernel");
+  }
+  list_kernel<<<ctas, kThreads, 0, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep list_kernel");
+}
+
+void launch_tail(const TailCall& c, int ctas, cudaStream_t stream) {
+  if (c.rows == 0) return;
+  tail_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep tail_kernel");
 }
 
 }  // namespace flexep::deepep

@@ -23,10 +23,11 @@ __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
   const int d = static_cast<int>(blockIdx.x);
   const int* flag = c.dest_flag + static_cast<std::int64_t>(d) * c.tokens;
   int* row = c.dest_row + static_cast<std::int64_t>(d) * c.tokens;
-  long long next = c.row_begin[d];
+  const bool abort = c.layout[layout_word::abort] != 0;
+  long long next = c.layout[layout_word::row_begin + d];
   for (std::int64_t base = 0; base < c.tokens; base += kThreads) {
     const std::int64_t t = base + threadIdx.x;
-    const int f = t < c.tokens ? flag[t] : 0;
+    const int f = t < c.tokens && !abort ? flag[t] : 0;
     int before = 0, total = 0;
     Scan(scan).ExclusiveSum(f, before, total);
     if (t < c.tokens) row[t] = f ? static_cast<int>(next + before) : -1;

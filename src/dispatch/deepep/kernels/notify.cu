@@ -1,0 +1,111 @@
+// Budget mode's count exchange (DeepEP's notify): every rank's words to every rank through the
+// windows, then the call's layout derived on the device, so that no host sync sits in a dispatch.
+#include "dispatch/deepep/device/publish.cuh"
+#include "dispatch/deepep/kernels/kernels.h"
+#include "dispatch/hybridep/device/flag.cuh"
+#include "dispatch/hybridep/device/status.cuh"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::deepep {
+
+using hybridep::OpSession;
+using hybridep::report_status;
+using hybridep::StatusCode;
+using hybridep::wait_flag_at_least;
+using hybridep::WaitContext;
+namespace word = call_signature::word;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// The configuration words every rank must agree on (call_signature.cpp compares the same ones).
+__device__ inline bool same_config(const long long* a, const long long* b) {
+  constexpr int fields[] = {word::experts, word::multihot, word::hidden,      word::topk,
+                            word::mode,    word::pad_multiple, word::budget_rows, word::overflow};
+  for (int f : fields)
+    if (a[f] != b[f]) return false;
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
+  const OpSession session(c.op);
+  const int R = c.ranks, P = c.words, E = c.experts;
+  // 1. This rank's words into row `rank` of every peer's count area.
+  for (int i = static_cast<int>(threadIdx.x); i < R * P; i += blockDim.x) {
+    const int d = i / P, w = i - d * P;
+    long long v = 0;
+    if (w < call_signature::kWords) {
+      v = c.header[w];
+      if (c.errors->arg != 0) {  // a bad id this rank's count kernel found travels as its device_* words
+        if (w == word::device_arg) v = c.errors->arg;
+        if (w == word::device_row) v = c.errors->row;
+        if (w == word::device_column) v = c.errors->column;
+        if (w == word::device_value) v = c.errors->value;
+        if (w == word::device_limit) v = c.errors->limit;
+      }
+    } else if (c.counts != nullptr) {
+      v = c.counts[w - call_signature::kWords];
+    }
+    reinterpret_cast<long long*>(c.peers.window[d] + c.win.counts)[static_cast<long long>(c.rank) * P + w] = v;
+  }
+  publish_to_peers(session, c.peers, kCounts, R, c.rank);
+  __syncthreads();
+  // 2. Every source's words.
+  const unsigned* flags = reinterpret_cast<const unsigned*>(c.peers.flags[c.rank]);
+  const WaitContext wait{c.status, c.timeout_ns, hybridep::Phase::dispatch_counts};
+  bool ok = true;
+  for (int s = static_cast<int>(threadIdx.x); s < R; s += blockDim.x)
+    ok = ok && wait_flag_at_least(flags + kCounts * R + s, session.epoch(), wait, s);
+  if (!__syncthreads_and(ok)) {
+    if (threadIdx.x == 0) c.layout[layout_word::abort] = 1;
+    return;
+  }
+  const long long* all = reinterpret_cast<const long long*>(c.peers.window[c.rank] + c.win.counts);
+  auto rows = [&](int s, int d) { return __ldcg(all + static_cast<long long>(s) * P + call_signature::kWords + E + d); };
+  // 3. Agreement, budget, layout (thread 0 decides; the others derive row_begin).
+  __shared__ int bad;
+  if (threadIdx.x == 0) {
+    bad = -1;
+    for (int s = 0; s < R && bad < 0; ++s) {
+      const long long* h = all + static_cast<long long>(s) * P;
+      if (__ldcg(h + word::status) != 0 || __ldcg(h + word::device_arg) != 0 || !same_config(h, all)) bad = s;
+    }
+    for (int d = 0; d < R && bad < 0; ++d) {
+      long long n = 0;
+      for (int s = 0; s < R; ++s) n += rows(s, d);
+      if (n > c.budget || n > c.capacity) bad = d;
+    }
+    long long at = 0;
+    for (int s = 0; s < R; ++s) {
+      c.layout[layout_word::source_begin(R) + s] = bad < 0 ? at : 0;
+      at += rows(s, c.rank);
+    }
+    c.layout[layout_word::source_begin(R) + R] = bad < 0 ? at : 0;
+    c.layout[layout_word::received] = bad < 0 ? at : 0;
+    c.layout[layout_word::abort] = bad < 0 ? 0 : 1;
+  }
+  __syncthreads();
+  for (int d = static_cast<int>(threadIdx.x); d < R; d += blockDim.x) {
+    long long at = 0;
+    for (int s = 0; s < c.rank; ++s) at += rows(s, d);
+    c.layout[layout_word::row_begin + d] = bad < 0 ? at : 0;
+  }
+  if (bad < 0) return;
+  // 4. An abort: the words stay for the host, which decodes the error every rank raises alike.
+  for (int i = static_cast<int>(threadIdx.x); i < R * P; i += blockDim.x) c.snapshot[i] = __ldcg(all + i);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    report_status(c.status, StatusCode::abort, hybridep::Phase::dispatch_counts, bad, 0, 0);
+  }
+}
+
+}  // namespace
+
+void launch_notify(const NotifyCall& c, cudaStream_t stream) {
+  notify_kernel<<<1, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep notify_kernel");
+}
+
+}  // namespace flexep::deepep
