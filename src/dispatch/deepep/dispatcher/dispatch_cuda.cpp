@@ -90,9 +90,9 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
     rt = check_input(input, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank, max_topk_,
                      capacity_rows_);
-    h->slot_expert = Tensor::empty({rt.tokens * rt.k}, DType::i32, dev);
-    dest_flag = Tensor::zeros({R * rt.tokens}, DType::i32, dev);
-    counts = Tensor::zeros({E + R}, DType::i64, dev);
+    h->slot_expert = scratch(budget, Scratch::slot_expert, rt.tokens * rt.k, false);
+    dest_flag = scratch(budget, Scratch::dest_flag, R * rt.tokens, true);
+    counts = scratch(budget, Scratch::counts, E + R, true);
     CountRoutesCall count;
     count.indices = input.indices.data;
     count.indices_i64 = input.indices.dtype == DType::i64;
@@ -118,11 +118,11 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   if (budget) {
     if (local) {  // this rank still takes part, with nothing to send, so that every rank stops together
       rt = Routing{0, options_.hidden, 1};
-      h->slot_expert = Tensor::empty({0}, DType::i32, dev);
-      dest_flag = Tensor::empty({0}, DType::i32, dev);
+      h->slot_expert = scratch(true, Scratch::slot_expert, 0, false);
+      dest_flag = scratch(true, Scratch::dest_flag, 0, false);
       counts = Tensor();
     }
-    lay = exchange_on_device(mine, counts, options, rt.k);
+    lay = exchange_on_device(mine, counts, options, rt.k, local != nullptr);
   } else {
     lay = exchange_on_host(mine, local, counts_host, options);
   }
@@ -145,7 +145,8 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   h->budget = budget;
   h->sequence = ++calls_;
   h->call_layout = lay.words;
-  h->dest_row = Tensor::empty({R * rt.tokens}, DType::i32, dev);
+  h->dest_row = scratch(budget, Scratch::dest_row, R * rt.tokens, false);
+  if (budget) budget_sequence_ = h->sequence;
   RankRowsCall rr;
   rr.dest_flag = dest_flag.data<std::int32_t>();
   rr.layout = reinterpret_cast<const long long*>(lay.words.raw());
@@ -155,11 +156,11 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   launch_rank_rows(rr, s);
 
   DispatchResult result;
-  Tensor expert_rows = Tensor::empty({lay.entries}, DType::i32, dev);
+  Tensor expert_rows = scratch(budget, Scratch::expert_rows, lay.entries, false);
   ReceiveCall listing;
   listing.expert_rows = expert_rows.data<std::int32_t>();
   if (budget) {
-    result.tokens_per_expert = Tensor::empty({L}, DType::i64, dev);
+    result.tokens_per_expert = scratch(true, Scratch::tokens_per_expert, L, false);
     listing.tokens_per_expert = reinterpret_cast<long long*>(result.tokens_per_expert.raw());
     listing.layout = rr.layout;
     listing.pad = options.pad_multiple;
@@ -182,7 +183,7 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   }
   move_rows(*h, input.hidden, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing);
   if (budget) zero_tail(*h, win_.x, true);
-  h->recv_src = Tensor::empty({N}, DType::i32, dev);  // kept: a later dispatch rewrites the window's copy
+  h->recv_src = scratch(budget, Scratch::recv_src, N, false);  // kept: a later dispatch rewrites the window's copy
   if (N > 0)
     FLEXEP_CUDA_CHECK(cudaMemcpyAsync(h->recv_src.raw(), window() + win_.src, static_cast<std::size_t>(N) * 4,
                                       cudaMemcpyDeviceToDevice, s));
@@ -264,12 +265,12 @@ void Dispatcher::check_capacity(const std::vector<RankMajorLayout>& layouts) con
 
 Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::CallSignature& mine,
                                                                   const Tensor& counts, const DispatchOptions& options,
-                                                                  int k) {
+                                                                  int k, bool failed) {
   const int R = world_size(), L = local_experts();
-  CallLayout out;
-  out.recv_rows = options.budget_rows;
-  out.entries = expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple);
-  out.words = Tensor::empty({layout_word::words(R, L)}, DType::i64, Device::cuda(comm_->device()));
+  CallLayout out;  // a rank whose checks failed (its options may be the reason) receives nothing
+  out.recv_rows = failed ? 0 : options.budget_rows;
+  out.entries = failed ? 0 : expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple);
+  out.words = scratch(true, Scratch::layout, layout_word::words(R, L), false);
   NotifyCall c;
   c.peers = sym_.peers();
   c.rank = rank();
@@ -283,12 +284,43 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   c.op = ops_ + kCounts;
   c.status = status_;
   c.timeout_ns = device_timeout_ns(options_.timeout_seconds);
-  c.budget = options.budget_rows;
+  c.budget = out.recv_rows;
   c.capacity = capacity_rows_;
   c.layout = reinterpret_cast<long long*>(out.words.raw());
   c.snapshot = snapshot_;
   launch_notify(c, stream());
   return out;
+}
+
+Tensor Dispatcher::scratch(bool budget, Scratch which, std::int64_t n, bool zero) {
+  const bool wide = which == Scratch::counts || which == Scratch::layout || which == Scratch::tokens_per_expert;
+  const DType dt = wide ? DType::i64 : DType::i32;
+  const Device dev = Device::cuda(comm_->device());
+  if (!budget) return zero ? Tensor::zeros({n}, dt, dev) : Tensor::empty({n}, dt, dev);
+  Tensor& buf = budget_buffers_[static_cast<std::size_t>(which)];
+  if (buf.numel() < n) buf = Tensor::empty({n}, dt, dev);  // only expert_rows grows (a pad above 128)
+  Tensor t = Tensor::wrap(TensorView(buf.raw(), dt, {n}, dev));
+  if (zero && n > 0) FLEXEP_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, static_cast<std::size_t>(t.nbytes()), stream()));
+  return t;
+}
+
+void Dispatcher::allocate_budget_buffers() {
+  const int R = world_size(), L = local_experts();
+  const std::int64_t T = options_.max_tokens_per_rank;
+  const std::int64_t sizes[] = {T * max_topk_,
+                                R * T,
+                                experts_ + R,
+                                layout_word::words(R, L),
+                                R * T,
+                                capacity_rows_,
+                                L,
+                                expert_rows_capacity(capacity_rows_, max_topk_, L, 128)};
+  for (int i = 0; i < static_cast<int>(Scratch::kinds); ++i) {
+    const auto which = static_cast<Scratch>(i);
+    const bool wide = which == Scratch::counts || which == Scratch::layout || which == Scratch::tokens_per_expert;
+    budget_buffers_[static_cast<std::size_t>(i)] =
+        Tensor::empty({sizes[i]}, wide ? DType::i64 : DType::i32, Device::cuda(comm_->device()));
+  }
 }
 
 void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots) {

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <exception>
 #include <memory>
 #include <string>
@@ -85,12 +86,20 @@ class Dispatcher final : public DeepEpDispatcher {
                               const Tensor& counts_host, const DispatchOptions& options);
   // Budget mode: the notify kernel; errors reach the host at the next check (check()).
   CallLayout exchange_on_device(const call_signature::CallSignature& mine, const Tensor& counts,
-                                const DispatchOptions& options, int k);
+                                const DispatchOptions& options, int k, bool failed);
   void check_capacity(const std::vector<RankMajorLayout>& layouts) const;
   // Budget mode: the window region's rows past the received ones zeroed (and their slots cleared).
   void zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots);
-  // The error every rank raises for an aborted budget-mode call, from the count exchange's words.
-  [[noreturn]] void raise_abort();
+  // The error every rank raises for an aborted budget-mode call, from the count exchange's words;
+  // returns without raising when this rank's own failure was raised already.
+  void raise_abort();
+  // A dispatch's per-call device tensors. Blocking mode allocates them; budget mode takes views of
+  // buffers the dispatcher owns (allocated at creation), so that a captured CUDA graph allocates
+  // nothing it keeps: a budget dispatch's handle is valid until the next budget dispatch.
+  enum class Scratch : int { slot_expert, dest_flag, counts, layout, dest_row, recv_src, tokens_per_expert,
+                             expert_rows, kinds };
+  Tensor scratch(bool budget, Scratch which, std::int64_t n, bool zero);
+  void allocate_budget_buffers();
   cudaStream_t stream() const;
   void check_options(int num_experts);  // sets max_topk_ and capacity_rows_
   // A [rows, H] bf16 argument of combine or a backward: the handle's shape, this GPU, 16-byte aligned.
@@ -126,6 +135,8 @@ class Dispatcher final : public DeepEpDispatcher {
   OpControl* ops_ = nullptr;
   Status* status_ = nullptr;
   long long* snapshot_ = nullptr;  // [R * P]: the count exchange's words of an aborted call
+  std::array<Tensor, static_cast<std::size_t>(Scratch::kinds)> budget_buffers_;
+  std::uint64_t budget_sequence_ = 0;  // the latest budget dispatch's handle
   cuda::DeviceErrors errors_;
   std::uint64_t calls_ = 0;
   bool broken_ = false;

@@ -95,6 +95,7 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
     cudaFree(local_);
     throw;
   }
+  allocate_budget_buffers();
 }
 
 void Dispatcher::check_options(int num_experts) {
@@ -145,6 +146,10 @@ const DeepEpHandle& Dispatcher::own_handle(const Handle& handle) const {
   check_handle(handle);
   const auto* h = dynamic_cast<const DeepEpHandle*>(handle.get());
   FLEXEP_CHECK_ARG(h != nullptr, "handle", "claims this dispatcher as owner but is not a deepep handle");
+  FLEXEP_CHECK_ARG(!h->budget || h->sequence == budget_sequence_, "handle",
+                   "is from an earlier budget-mode dispatch, whose buffers a later budget-mode dispatch of this "
+                   "dispatcher reused; combine and the backwards take the latest budget-mode handle (one dispatcher "
+                   "per layer keeps each layer's)");
   return *h;
 }
 
@@ -167,6 +172,7 @@ void Dispatcher::check(cudaStream_t s, const std::string& op) {
       throw;
     }
     raise_abort();
+    return;
   }
   errors_.check(s, op);  // a budget-mode dispatch's bad id (blocking mode raised it already)
   if (st.code == 0) return;
@@ -199,10 +205,9 @@ void Dispatcher::raise_abort() {
   const call_signature::DescribeViolation describe = [](const call_signature::CallSignature& h) {
     return call_signature::DeviceViolation{"indices", call_signature::index_violation(h)};
   };
-  // This rank's own failure was raised by its own dispatch or check; here: the others'.
+  // This rank's own failure was raised by its own dispatch (or by check's error record) already.
+  if (headers[static_cast<std::size_t>(me)].failed || headers[static_cast<std::size_t>(me)].device_arg != 0) return;
   if (auto err = call_signature::peer_failure(headers, me, describe)) std::rethrow_exception(err);
-  if (headers[static_cast<std::size_t>(me)].failed || headers[static_cast<std::size_t>(me)].device_arg != 0)
-    throw_error("rank ", me, ": an earlier budget-mode deepep dispatch failed its checks on this rank (raised then)");
   if (auto err = call_signature::compare_headers(headers)) std::rethrow_exception(err);
   DispatchOptions o;
   o.mode = headers[0].mode;
