@@ -174,7 +174,8 @@ void Dispatcher::check(cudaStream_t s, const std::string& op) {
     raise_abort();
     return;
   }
-  errors_.check(s, op);  // a budget-mode dispatch's bad id (blocking mode raised it already)
+  // A bad id of a budget-mode dispatch aborts it (the count exchange carries it); blocking mode
+  // raised its own already: no second wait for the error record here.
   if (st.code == 0) return;
   broken_ = true;
   broken_why_ = op + " failed";
