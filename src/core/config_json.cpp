@@ -230,6 +230,10 @@ json parse_text(const std::string& text, const std::string& where) {
     std::string reason = e.what();
     if (const std::size_t p = reason.find(": "); p != std::string::npos) reason.erase(0, p + 2);
     throw_argument_error(where, "JSON syntax error at line ", line, ", column ", col, " (byte ", e.byte, "): ", reason);
+  } catch (const json::exception& e) {  // e.g. 406: a number such as 1e400 that no double holds
+    std::string reason = e.what();
+    if (const std::size_t p = reason.find("] "); p != std::string::npos) reason.erase(0, p + 2);
+    throw_argument_error(where, "JSON value out of range: ", reason);
   }
 }
 }  // namespace

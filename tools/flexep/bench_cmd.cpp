@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include "bench_cases.h"
+#include "cli_checks.h"
 #include "bench_processes.h"
 #include "commands.h"
 #include "flexep/core/error.h"
@@ -131,8 +132,8 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16, 32}));
   cmd->add_option("--sweep", cli->sweep, "Sweep a dimension: key=v1,v2,... (tokens, hidden, topk, experts, routing, "
                   "zipf_s, backend); repeat for a cartesian product");
-  cmd->add_option("--warmup", cli->args.warmup, "Warm-up repetitions")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--reps", cli->args.reps, "Timed repetitions")->check(CLI::PositiveNumber);
+  cmd->add_option("--warmup", cli->args.warmup, "Warm-up repetitions")->check(whole_number(0, 1000000));
+  cmd->add_option("--reps", cli->args.reps, "Timed repetitions")->check(whole_number(1, 1000000));
   cmd->add_option("--out", cli->out, "Folder for the JSON result");
   cmd->add_option("--plot", cli->plot, "Result JSON files to plot (PNG)");
   cmd->add_option("--plot-out", cli->plot_out, "Folder for the PNG charts");

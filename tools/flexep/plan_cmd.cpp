@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "flexep/core/plan.h"
 #include "flexep/core/synthetic_routing.h"
@@ -87,15 +88,16 @@ void run(const PlanArgs& a) {
 void add_plan_command(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   CLI::App* cmd = app.add_subcommand("plan", "Show the dispatch plan of a synthetic routing");
-  cmd->add_option("--ranks", a->ranks, "Expert-parallel ranks")->check(CLI::Range(1, 1024));
-  cmd->add_option("--experts", a->experts, "Routed experts (divisible by ranks)")->check(CLI::PositiveNumber);
-  cmd->add_option("--topk", a->topk, "Experts per token")->check(CLI::PositiveNumber);
-  cmd->add_option("--tokens", a->tokens, "Tokens per rank")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--hidden", a->hidden, "Hidden size (for bytes)")->check(CLI::PositiveNumber);
+  cmd->add_option("--ranks", a->ranks, "Expert-parallel ranks")->check(whole_number(1, 1024));
+  cmd->add_option("--experts", a->experts, "Routed experts (divisible by ranks)")->check(whole_number(1, 1 << 16));
+  cmd->add_option("--topk", a->topk, "Experts per token")->check(whole_number(1, 1 << 16));
+  cmd->add_option("--tokens", a->tokens, "Tokens per rank")->check(whole_number(0, 1 << 30));
+  cmd->add_option("--hidden", a->hidden, "Hidden size (for bytes)")->check(whole_number(1, 1 << 20));
   cmd->add_option("--routing", a->routing, "uniform, zipf or hot");
   cmd->add_option("--zipf-s", a->zipf_s, "Zipf exponent");
-  cmd->add_option("--pad-multiple", a->pad_multiple, "Pad each expert group to a multiple")->check(CLI::PositiveNumber);
-  cmd->add_option("--budget", a->budget, "Budget mode: output rows per rank");
+  cmd->add_option("--pad-multiple", a->pad_multiple, "Pad each expert group to a multiple")
+      ->check(whole_number(1, 1 << 20));
+  cmd->add_option("--budget", a->budget, "Budget mode: output rows per rank")->check(whole_number(0, 1LL << 40));
   cmd->add_flag("--drop", a->drop, "Drop rows over the budget instead of failing");
   cmd->add_option("--seed", a->seed, "Routing seed");
   cmd->add_flag("--json", a->json, "Print JSON");

@@ -1,6 +1,7 @@
 #include "train.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <exception>
 #include <map>
@@ -41,20 +42,56 @@ TrainOptions default_train_options() {
   return o;
 }
 
+namespace {
+
+// The train section's values, each checked for its JSON type and range before it is used.
+std::string given(const nlohmann::json& v) { return v.is_null() ? "null" : std::string(v.type_name()) + " " + v.dump(); }
+
+long long train_integer(const nlohmann::json& v, const std::string& arg, long long lo, long long hi) {
+  bool ok = v.is_number_integer();  // lo >= 0 here: an unsigned value compares as unsigned
+  if (ok && v.is_number_unsigned()) {
+    const auto u = v.get<unsigned long long>();
+    ok = u >= static_cast<unsigned long long>(lo) && u <= static_cast<unsigned long long>(hi);
+  } else if (ok) {
+    ok = v.get<long long>() >= lo && v.get<long long>() <= hi;
+  }
+  if (!ok) throw_argument_error(arg, "expected a whole number from ", lo, " to ", hi, ", got ", given(v));
+  return v.get<long long>();
+}
+
+double train_positive(const nlohmann::json& v, const std::string& arg) {
+  const double x = v.is_number() ? v.get<double>() : NAN;
+  if (!(std::isfinite(x) && x > 0)) throw_argument_error(arg, "expected a finite number above 0, got ", given(v));
+  return x;
+}
+
+double train_fraction(const nlohmann::json& v, const std::string& arg) {
+  const double x = v.is_number() ? v.get<double>() : NAN;
+  if (!(x >= 0 && x < 1)) throw_argument_error(arg, "expected a number in [0, 1), got ", given(v));
+  return x;
+}
+
+}  // namespace
+
 void apply_train_json(TrainOptions& o, const std::string& json_text) {
-  const nlohmann::json j = nlohmann::json::parse(json_text);
+  const nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) throw_argument_error("train", "expected a JSON object, got ", json_text);
   for (const auto& [key, value] : j.items()) {
-    if (key == "ranks") o.ranks = value.get<int>();
-    else if (key == "steps") o.steps = value.get<int>();
-    else if (key == "tokens") o.tokens = value.get<int>();
-    else if (key == "seed") o.seed = value.get<std::uint64_t>();
-    else if (key == "lr") o.lr = value.get<double>();
-    else if (key == "teacher_std") o.teacher_std = value.get<double>();
-    else if (key == "padding_fraction") o.padding_fraction = value.get<double>();
-    else if (key == "device") o.device = value.get<std::string>();
-    else
-      throw_argument_error("train." + key, "is not a train option; known: ranks, steps, tokens, seed, lr, "
-                           "teacher_std, padding_fraction, device");
+    const std::string arg = "train." + key;
+    if (key == "ranks") o.ranks = static_cast<int>(train_integer(value, arg, 1, 64));
+    else if (key == "steps") o.steps = static_cast<int>(train_integer(value, arg, 1, 1000000000));
+    else if (key == "tokens") o.tokens = static_cast<int>(train_integer(value, arg, 1, 1 << 30));
+    else if (key == "seed") o.seed = static_cast<std::uint64_t>(train_integer(value, arg, 0, LLONG_MAX));
+    else if (key == "lr") o.lr = train_positive(value, arg);
+    else if (key == "teacher_std") o.teacher_std = train_positive(value, arg);
+    else if (key == "padding_fraction") o.padding_fraction = train_fraction(value, arg);
+    else if (key == "device") {
+      if (!value.is_string()) throw_argument_error(arg, "expected a string (cpu or cuda), got ", given(value));
+      o.device = value.get<std::string>();
+    } else {
+      throw_argument_error(arg, "is not a train option; known: ranks, steps, tokens, seed, lr, teacher_std, "
+                           "padding_fraction, device");
+    }
   }
 }
 
@@ -65,9 +102,7 @@ std::string train_json(const TrainOptions& o) {
   return j.dump(2);
 }
 
-namespace {
-
-void validate(const TrainOptions& o) {
+void validate_train_options(const TrainOptions& o) {
   FLEXEP_CHECK_ARG(o.ranks >= 1 && o.ranks <= 64, "train.ranks", "must be in [1, 64], got ", o.ranks);
   FLEXEP_CHECK_ARG(o.steps >= 1, "train.steps", "must be >= 1, got ", o.steps);
   FLEXEP_CHECK_ARG(o.tokens >= o.ranks, "train.tokens", "must be >= train.ranks (", o.ranks, "), got ", o.tokens);
@@ -85,10 +120,14 @@ void validate(const TrainOptions& o) {
     throw_argument_error("backend.dispatcher", "'", b.name, "' ", b.missing, "; built here: ", built_dispatcher_names());
   FLEXEP_CHECK_ARG(o.device == "cuda" || o.backend.dispatcher == DispatcherKind::host, "backend.dispatcher", "'",
                    to_string(o.backend.dispatcher), "' needs GPUs; on the CPU the allowed value is host");
+  FLEXEP_CHECK_ARG(o.teacher_std > 0 && std::isfinite(o.teacher_std), "train.teacher_std",
+                   "must be finite and > 0, got ", o.teacher_std);
   validate(o.moe);
   validate(o.backend);
   validate_ep(o.moe, o.ranks);
 }
+
+namespace {
 
 // One rank of the job: student, teacher and optimiser.
 struct Rank {
@@ -152,7 +191,7 @@ std::map<std::string, std::vector<double>> step_gradients(const TrainOptions& o,
 }  // namespace
 
 TrainReport run_training(const TrainOptions& o) {
-  validate(o);
+  validate_train_options(o);
 #ifdef FLEXEP_WITH_CUDA
   if (o.device == "cuda") return run_training_cuda(o);
 #endif

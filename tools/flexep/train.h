@@ -41,6 +41,8 @@ TrainOptions default_train_options();
 // Parses the "train" section of a config file (JSON text) onto `o`.
 void apply_train_json(TrainOptions& o, const std::string& json_text);
 std::string train_json(const TrainOptions& o);  // the "train" section
+// Every field and combination checked before any work: an ArgumentError naming the first bad one.
+void validate_train_options(const TrainOptions& o);
 
 TrainReport run_training(const TrainOptions& options);
 // The same job with the student on GPUs (one per rank; train_cuda.cpp, CUDA builds only).

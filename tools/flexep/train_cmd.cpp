@@ -1,9 +1,12 @@
 // `flexep train`: the main job. With no arguments it trains the embedded default (a 64-wide MoE
 // layer, 16 experts, top-4, one shared expert, 4 simulated ranks on the CPU) and prints both checks.
-#include <spdlog/spdlog.h>
+#include <climits>
 
 #include <fmt/core.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "flexep/core/config_json.h"
 #include "train.h"
@@ -34,7 +37,16 @@ void run(const TrainArgs& a) {
     o.backend = f.backend;
     apply_train_json(o, f.extra_json);
   }
-  for (const std::string& s : a.overrides) apply_override(o.moe, o.backend, s);
+  for (const std::string& s : a.overrides) {
+    if (s.rfind("train.", 0) == 0 && s.find('=') != std::string::npos) {  // the train section is this program's
+      const std::size_t eq = s.find('=');
+      nlohmann::json value = nlohmann::json::parse(s.substr(eq + 1), nullptr, /*allow_exceptions=*/false);
+      if (value.is_discarded()) value = s.substr(eq + 1);  // a bare word (cuda) is meant as a string
+      apply_train_json(o, nlohmann::json{{s.substr(6, eq - 6), value}}.dump());
+    } else {
+      apply_override(o.moe, o.backend, s);
+    }
+  }
   if (a.ranks) o.ranks = a.ranks;
   if (a.steps) o.steps = a.steps;
   if (a.tokens) o.tokens = a.tokens;
@@ -47,6 +59,7 @@ void run(const TrainArgs& a) {
   if (!a.device.empty()) o.device = a.device;
   o.quiet = a.quiet;
   if (a.print_config) {
+    validate_train_options(o);  // an invalid configuration is an error, not a printout
     fmt::print("{{\n\"moe\": {},\n\"backend\": {},\n\"train\": {}\n}}\n", to_json(o.moe), to_json(o.backend),
                train_json(o));
     return;
@@ -73,15 +86,15 @@ void add_train_command(CLI::App& app) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* cmd = app.add_subcommand("train", "Train one MoE layer on a synthetic teacher task and check it");
   cmd->add_option("--config", args->config_file, "JSON file with moe/backend/train sections")->check(CLI::ExistingFile);
-  cmd->add_option("--set", args->overrides, "Override a field, e.g. --set moe.score_func=softmax");
-  cmd->add_option("--ranks", args->ranks, "Expert-parallel ranks")->check(CLI::Range(1, 64));
-  cmd->add_option("--steps", args->steps, "Training steps")->check(CLI::PositiveNumber);
-  cmd->add_option("--tokens", args->tokens, "Global tokens per step")->check(CLI::PositiveNumber);
-  cmd->add_option("--dim", args->dim, "Hidden size")->check(CLI::PositiveNumber);
-  cmd->add_option("--experts", args->experts, "Routed experts")->check(CLI::PositiveNumber);
-  cmd->add_option("--topk", args->topk, "Experts per token")->check(CLI::PositiveNumber);
-  cmd->add_option("--seed", args->seed, "Seed of data and initialisation")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--lr", args->lr, "Adam learning rate")->check(CLI::PositiveNumber);
+  cmd->add_option("--set", args->overrides, "Override a field, e.g. --set moe.score_func=softmax or train.steps=100");
+  cmd->add_option("--ranks", args->ranks, "Expert-parallel ranks")->check(whole_number(1, 64));
+  cmd->add_option("--steps", args->steps, "Training steps")->check(whole_number(1, 1000000000));
+  cmd->add_option("--tokens", args->tokens, "Global tokens per step")->check(whole_number(1, 1 << 30));
+  cmd->add_option("--dim", args->dim, "Hidden size")->check(whole_number(1, 1 << 20));
+  cmd->add_option("--experts", args->experts, "Routed experts")->check(whole_number(1, 1 << 16));
+  cmd->add_option("--topk", args->topk, "Experts per token")->check(whole_number(1, 1 << 16));
+  cmd->add_option("--seed", args->seed, "Seed of data and initialisation")->check(whole_number(0, LLONG_MAX));
+  cmd->add_option("--lr", args->lr, "Adam learning rate")->check(finite_number_above(0));
   cmd->add_option("--backend", args->backend, "Dispatcher: host, alltoall (torch), hybridep, deepep");
   cmd->add_option("--device", args->device, "cpu or cuda");
   cmd->add_flag("--quiet", args->quiet, "No progress bar");
