@@ -42,10 +42,13 @@ TopK synthetic_topk(std::int64_t tokens, int topk, int experts, const RoutingSpe
   std::vector<std::pair<double, int>> keys(static_cast<std::size_t>(experts));
   for (std::int64_t t = 0; t < tokens; ++t) {
     const std::uint64_t base = static_cast<std::uint64_t>(t) * static_cast<std::uint64_t>(experts + topk);
-    // Gumbel top-k: k distinct experts sampled proportionally to their popularity.
+    // Gumbel top-k: k distinct experts sampled proportionally to their popularity. With equal
+    // popularities (uniform, hot) the key -log(-log(u)) is strictly increasing in u, so u itself
+    // orders the experts the same way, without the two logarithms per expert.
+    const bool equal_popularity = spec.kind != RoutingKind::zipf;
     for (int e = 0; e < experts; ++e) {
       const double u = uniform01(seed, stream, base + static_cast<std::uint64_t>(e)) + 1e-300;
-      double key = log_pop[static_cast<std::size_t>(e)] - std::log(-std::log(u));
+      double key = equal_popularity ? u : log_pop[static_cast<std::size_t>(e)] - std::log(-std::log(u));
       if (spec.kind == RoutingKind::hot && e == spec.hot_expert) key = HUGE_VAL;
       keys[static_cast<std::size_t>(e)] = {-key, e};
     }

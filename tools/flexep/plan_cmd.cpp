@@ -1,5 +1,12 @@
 // `flexep plan`: shows the dispatch plan of a synthetic routing: rows per rank, tokens per local
 // expert, padding, drops and the bytes a dispatch moves (own rank and remote), as text or JSON.
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -31,22 +38,53 @@ void run(const PlanArgs& a) {
   if (a.budget >= 0) p.budget_rows = a.budget;
   p.overflow = a.drop ? OverflowPolicy::drop : OverflowPolicy::error;
   validate(p);
-  std::vector<std::int64_t> counts;
-  std::vector<std::int64_t> unique_remote(static_cast<std::size_t>(a.ranks), 0), unique_all(unique_remote);
-  for (int s = 0; s < a.ranks; ++s) {
+  // Every source rank's routing, on all cores (each rank's is independent).
+  const auto R = static_cast<std::size_t>(a.ranks);
+  std::vector<std::vector<std::int64_t>> per_rank_counts(R);
+  std::vector<std::vector<std::int64_t>> to_all(R), to_remote(R);  // [source][destination]
+  auto one_source = [&](int s) {
     const TopK r = synthetic_topk(a.tokens, a.topk, a.experts, spec, static_cast<std::uint64_t>(a.seed), s);
-    const auto c = expert_counts(r.indices, a.experts);
-    counts.insert(counts.end(), c.begin(), c.end());
-    // (token, destination rank) pairs: what a deduplicating dispatch sends.
-    for (std::int64_t t = 0; t < a.tokens; ++t) {
-      std::vector<bool> hit(static_cast<std::size_t>(a.ranks), false);
-      for (int j = 0; j < a.topk; ++j) hit[static_cast<std::size_t>(p.owner(static_cast<int>(r.indices.data<std::int64_t>()[t * a.topk + j])))] = true;
-      for (int d = 0; d < a.ranks; ++d)
-        if (hit[static_cast<std::size_t>(d)]) {
-          ++unique_all[static_cast<std::size_t>(d)];
-          if (d != s) ++unique_remote[static_cast<std::size_t>(d)];
+    per_rank_counts[static_cast<std::size_t>(s)] = expert_counts(r.indices, a.experts);
+    std::vector<std::int64_t>& all = to_all[static_cast<std::size_t>(s)];
+    std::vector<std::int64_t>& remote = to_remote[static_cast<std::size_t>(s)];
+    all.assign(R, 0);
+    remote.assign(R, 0);
+    // (token, destination rank) pairs: what a deduplicating dispatch sends. A token's owners are
+    // found among its k slots (O(k^2) per token, not O(ranks)).
+    const std::int64_t* ids = r.indices.data<std::int64_t>();
+    for (std::int64_t t = 0; t < a.tokens; ++t)
+      for (int j = 0; j < a.topk; ++j) {
+        const int d = p.owner(static_cast<int>(ids[t * a.topk + j]));
+        bool seen = false;
+        for (int q = 0; q < j && !seen; ++q) seen = p.owner(static_cast<int>(ids[t * a.topk + q])) == d;
+        if (seen) continue;
+        ++all[static_cast<std::size_t>(d)];
+        if (d != s) ++remote[static_cast<std::size_t>(d)];
+      }
+  };
+  {
+    const unsigned workers = std::max(1u, std::min(std::thread::hardware_concurrency(), static_cast<unsigned>(R)));
+    std::atomic<int> next{0};
+    std::vector<std::thread> pool;
+    std::exception_ptr failure;
+    std::mutex failure_lock;
+    for (unsigned w = 0; w < workers; ++w)
+      pool.emplace_back([&] {
+        try {
+          for (int s = next++; s < a.ranks; s = next++) one_source(s);
+        } catch (...) {
+          const std::lock_guard<std::mutex> lock(failure_lock);
+          failure = std::current_exception();
         }
-    }
+      });
+    for (std::thread& t : pool) t.join();
+    if (failure) std::rethrow_exception(failure);
+  }
+  std::vector<std::int64_t> counts;
+  std::vector<std::int64_t> unique_remote(R, 0), unique_all(R, 0);
+  for (std::size_t s = 0; s < R; ++s) {
+    counts.insert(counts.end(), per_rank_counts[s].begin(), per_rank_counts[s].end());
+    for (std::size_t d = 0; d < R; ++d) unique_all[d] += to_all[s][d], unique_remote[d] += to_remote[s][d];
   }
   const DispatchPlan plan = DispatchPlan::build(counts, p);
   nlohmann::json j;
