@@ -25,7 +25,7 @@ std::vector<BenchCase>& bench_cases() {
 namespace {
 struct BenchCli {
   std::vector<std::string> cases, plot, sweep;
-  std::string out = "bench/results", plot_out = "docs/img";
+  std::string out = "bench/results", plot_out = "bench-plots";
   bool list = false;
   BenchArgs args;
 };
@@ -81,10 +81,14 @@ void run(const BenchCli& cli) {
     return;
   }
   if (!cli.plot.empty()) {
-    std::string cmd = "python3 scripts/plot_bench.py --out '" + cli.plot_out + "'";
+    const std::string script = "scripts/plot_bench.py";
+    FLEXEP_CHECK_ARG(std::filesystem::exists(script), "--plot", "needs ", script, ", which is not under ",
+                     std::filesystem::current_path().string(), ": run it from the repository's root");
+    std::string cmd = "python3 " + script + " --out '" + cli.plot_out + "'";
     for (const std::string& f : cli.plot) cmd += " '" + f + "'";
     const int rc = std::system(cmd.c_str());
-    FLEXEP_CHECK(rc == 0, "plotting failed (", cmd, "); it needs python3 with matplotlib");
+    FLEXEP_CHECK(rc == 0, "plotting failed (", cmd, ", exit status ", rc, "); its message is above (it needs python3 "
+                 "with matplotlib)");
     return;
   }
   const auto points = expand_sweep(cli.args, cli.sweep);  // validated before anything runs
@@ -119,14 +123,30 @@ void add_bench_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("bench", "Run benchmark cases (JSON to bench/results/), or plot results");
   cmd->add_option("cases", cli->cases, "Case names (see --list)");
   cmd->add_flag("--list", cli->list, "List the cases");
-  cmd->add_option("--backend", cli->args.backend, "Backend to run, or all");
+  cmd->add_option("--backend", cli->args.backend, "Backend to run, or all")
+      ->check(CLI::IsMember({"all", "alltoall", "torch", "hybridep", "deepep"}));
   cmd->add_option("--routing", cli->args.routing, "uniform, zipf or hot");
   cmd->add_option("--zipf-s", cli->args.zipf_s, "Zipf exponent");
   cmd->add_option("--tokens", cli->args.tokens, "Tokens per rank (0 = case default)");
   cmd->add_option("--hidden", cli->args.hidden, "Hidden size (0 = case default)");
   cmd->add_option("--topk", cli->args.topk, "Experts per token (0 = case default)");
   cmd->add_option("--experts", cli->args.experts, "Experts (0 = case default)");
-  cmd->add_option("--sms", cli->args.sms, "SM counts to sweep (backends with an SM setting)")->delimiter(',');
+  // One argument, split here: a list option would take the case names that follow it as counts.
+  cmd->add_option_function<std::string>(
+         "--sms",
+         [cli](const std::string& list) {
+           cli->args.sms.clear();
+           std::size_t start = 0;
+           while (start <= list.size()) {
+             const std::size_t comma = list.find(',', start);
+             std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+             if (const std::string why = whole_number(1, 1024)(item); !why.empty()) throw CLI::ValidationError("--sms", why);
+             cli->args.sms.push_back(std::stoi(item));
+             if (comma == std::string::npos) break;
+             start = comma + 1;
+           }
+         },
+         "SM counts to sweep (backends with an SM setting), one comma-separated list, e.g. 16,32");
   cmd->add_option("--hybridep-part-tokens", cli->args.hybridep_part_tokens,
                   "tokens per work item of the hybridep kernels: 0 (chosen per call), 1, 2, 4, 8, 16 or 32")
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16, 32}));
@@ -135,8 +155,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--warmup", cli->args.warmup, "Warm-up repetitions")->check(whole_number(0, 1000000));
   cmd->add_option("--reps", cli->args.reps, "Timed repetitions")->check(whole_number(1, 1000000));
   cmd->add_option("--out", cli->out, "Folder for the JSON result");
-  cmd->add_option("--plot", cli->plot, "Result JSON files to plot (PNG)");
-  cmd->add_option("--plot-out", cli->plot_out, "Folder for the PNG charts");
+  cmd->add_option("--plot", cli->plot, "Result JSON files to plot (PNG)")->check(CLI::ExistingFile);
+  cmd->add_option("--plot-out", cli->plot_out, "Folder for the PNG charts (docs/img: the charts of docs/)");
   cmd->add_flag("--quiet", cli->args.quiet, "No progress output");
   cmd->callback([cli] { run(*cli); });
 }
