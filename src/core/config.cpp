@@ -1,5 +1,6 @@
 #include "flexep/core/config.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <string>
@@ -123,7 +124,11 @@ void validate(const MoEConfig& c) {
   FLEXEP_CHECK_ARG(E >= 1, "moe.n_routed_experts", "is ", E, "; allowed: >= 1");
   FLEXEP_CHECK_ARG(k >= 1 && k <= E, "moe.n_activated_experts", "is ", k, "; allowed: 1 <= value <= n_routed_experts (",
                    E, ")");
-  FLEXEP_CHECK_ARG(c.n_shared_experts >= 0, "moe.n_shared_experts", "is ", c.n_shared_experts, "; allowed: >= 0");
+  // Upper bounds far above any model, low enough that every size product of the layer fits 64-bit
+  // arithmetic and every per-row size (2 * moe_inter_dim, E, k) a 32-bit index.
+  FLEXEP_CHECK_ARG(E <= (1 << 16), "moe.n_routed_experts", "is ", E, "; allowed: <= 65536");
+  FLEXEP_CHECK_ARG(c.n_shared_experts >= 0 && c.n_shared_experts <= 1024, "moe.n_shared_experts", "is ",
+                   c.n_shared_experts, "; allowed: 0 to 1024");
   FLEXEP_CHECK_ARG(G >= 0, "moe.n_expert_groups", "is ", G, "; allowed: >= 0 (0 or 1 = no grouping)");
   if (c.group_limited()) {
     FLEXEP_CHECK_ARG(E % G == 0, "moe.n_expert_groups", "is ", G, ", which does not divide n_routed_experts (", E,
@@ -149,9 +154,16 @@ void validate(const MoEConfig& c) {
                    c.aux_loss_coeff, "; allowed: finite and >= 0");
   FLEXEP_CHECK_ARG(std::isfinite(c.route_scale) && c.route_scale > 0, "moe.route_scale", "is ", c.route_scale,
                    "; allowed: finite and > 0");
-  FLEXEP_CHECK_ARG(c.dim >= 1, "moe.dim", "is ", c.dim, "; allowed: >= 1");
-  FLEXEP_CHECK_ARG(c.inter_dim >= 0, "moe.inter_dim", "is ", c.inter_dim, "; allowed: >= 0");
-  FLEXEP_CHECK_ARG(c.moe_inter_dim >= 1, "moe.moe_inter_dim", "is ", c.moe_inter_dim, "; allowed: >= 1");
+  FLEXEP_CHECK_ARG(c.dim >= 1 && c.dim <= (1 << 20), "moe.dim", "is ", c.dim, "; allowed: 1 to 1048576");
+  FLEXEP_CHECK_ARG(c.inter_dim >= 0 && c.inter_dim <= (1 << 24), "moe.inter_dim", "is ", c.inter_dim,
+                   "; allowed: 0 to 16777216");
+  FLEXEP_CHECK_ARG(c.moe_inter_dim >= 1 && c.moe_inter_dim <= (1 << 24), "moe.moe_inter_dim", "is ", c.moe_inter_dim,
+                   "; allowed: 1 to 16777216");
+  const long long shared_width = static_cast<long long>(c.n_shared_experts) *
+                                 (c.shared_expert_inter_dim > 0 ? c.shared_expert_inter_dim : c.moe_inter_dim);
+  FLEXEP_CHECK_ARG(shared_width <= (1 << 24), "moe.n_shared_experts", c.n_shared_experts,
+                   " shared experts of width ", shared_width / std::max(c.n_shared_experts, 1), " make a shared MLP ",
+                   shared_width, " wide; allowed: <= 16777216");
   // An infinite limit is a legitimate "no clamp"; NaN is not. swigluoai clamps only when limit > 0
   // (Automodel's swiglu_oai), so there any number is valid.
   if (c.expert_activation == Activation::swigluoai)

@@ -41,6 +41,10 @@ CASES = [
     ("train --config {cfg}", "{\"moe\": {\"route_scale\": 1e400}}", ["out of range", "1e400"]),
     ("train --config {cfg}", "{\"moe\": {\"dim\": ", ["JSON syntax error", "line 1"]),
     ("train --config {cfg} --print-config", {"train": {"tokens": 2, "ranks": 4}}, ["train.tokens", ">= train.ranks"]),
+    ("train --set moe.moe_inter_dim=2000000000", None, ["moe.moe_inter_dim", "1 to 16777216"]),
+    ("train --set moe.n_shared_experts=100000", None, ["moe.n_shared_experts", "0 to 1024"]),
+    ("train --set moe.dim=100000 --set moe.moe_inter_dim=100000", None,
+     ["'moe'", "GiB of host memory", "allowed: sizes that fit"]),
 ]
 
 

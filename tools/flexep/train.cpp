@@ -9,6 +9,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -102,6 +104,32 @@ std::string train_json(const TrainOptions& o) {
   return j.dump(2);
 }
 
+namespace {
+
+// The job's host memory, roughly, before any of it is allocated: the student's parameters with
+// their gradients and two Adam moments (f32; replicated parameters on every rank), the teacher
+// (experts a quarter as wide), the 1-rank replica of check 2, and the experts' activations of a
+// step. A job that cannot fit is refused with the size it would need rather than run into the
+// allocator (or for minutes) first.
+void check_host_memory(const TrainOptions& o) {
+  const MoEConfig& m = o.moe;
+  const double D = m.dim, I = m.moe_inter_dim, E = m.n_routed_experts, k = m.n_activated_experts;
+  const double experts = E * 3 * D * I;
+  const double replicated = D * E + 3 * D * m.shared_inter() + D;
+  const double student = experts + o.ranks * replicated;
+  const double floats = 4 * student + experts / 4 + replicated + (experts + replicated) * 2 +
+                        static_cast<double>(o.tokens) * k * (3 * I + 2 * D) * 2;
+  const double need = 4 * floats;
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  FLEXEP_CHECK_ARG(have <= 0 || need <= 0.8 * have, "moe", "this job needs about ", need / (1 << 30),
+                   " GiB of host memory (", E, " experts of ", D, " x ", I, ", a shared MLP ", m.shared_inter(),
+                   " wide, ", o.ranks, " ranks, ", o.tokens, " tokens: parameters, gradients, Adam state, the teacher "
+                   "and the 1-rank check), more than 80% of this machine's ", have / (1 << 30),
+                   " GiB; allowed: sizes that fit");
+}
+
+}  // namespace
+
 void validate_train_options(const TrainOptions& o) {
   FLEXEP_CHECK_ARG(o.ranks >= 1 && o.ranks <= 64, "train.ranks", "must be in [1, 64], got ", o.ranks);
   FLEXEP_CHECK_ARG(o.steps >= 1, "train.steps", "must be >= 1, got ", o.steps);
@@ -125,6 +153,7 @@ void validate_train_options(const TrainOptions& o) {
   validate(o.moe);
   validate(o.backend);
   validate_ep(o.moe, o.ranks);
+  check_host_memory(o);
 }
 
 namespace {
