@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "flexep/comm/host_world.h"
+#include "flexep/core/backoff.h"
 #include "flexep/core/tensor.h"
 #include "flexep/cuda/runtime.h"
 
@@ -314,9 +315,7 @@ void Communicator::wait_enqueued(const std::string& phase) {
 void Communicator::wait(cudaStream_t stream, const std::string& phase) {
   wait_enqueued(phase);
   const auto deadline = deadline_after(options_.timeout_seconds);
-  // Spin (yielding) for the first 5 ms, then sleep: sleep_for(50 us) really sleeps ~100 us on Linux
-  // (timer slack), which a short exchange (a dispatch's counts: tens of us) paid on every call.
-  const auto spin_until = Clock::now() + std::chrono::milliseconds(5);
+  const PollBackoff backoff(std::chrono::microseconds(50));
   while (true) {
     const cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) return;
@@ -329,10 +328,7 @@ void Communicator::wait(cudaStream_t stream, const std::string& phase) {
            detail::concat("rank ", rank_, " waited ", options_.timeout_seconds,
                           " s for the other ranks (one stopped participating, or called a different operation)"),
            true);
-    if (Clock::now() < spin_until)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    backoff.pause();
   }
 }
 

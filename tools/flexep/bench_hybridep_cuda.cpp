@@ -44,10 +44,6 @@ void bench_hybridep(const DispatchBench& b) {
   const int H = b.hidden, k = b.topk, E = b.experts;
   const cudaStream_t stream = b.stream;
   std::vector<BenchRecord>& mine = b.mine;
-  auto record = [&b](const std::string& backend, const std::string& phase, const TimeStats& t, const std::string& note,
-                     const std::string& timing = "call", const std::string& start = "") {
-    b.record(backend, phase, t, note, timing, start);
-  };
   DispatcherSpec ho;
   ho.group = b.comm;
   ho.num_experts = E;
@@ -98,15 +94,16 @@ void bench_hybridep(const DispatchBench& b) {
         {"dispatch", [&] { res = d->dispatch(in, budget); },
          "budget mode (budget = this run's exact rows): no host synchronisation"}};
     for (const auto& [phase, fn, note] : calls)
-      record("hybridep", phase, timed_collective(comm, fn, a.warmup, a.reps, stream), note);
+      b.record("hybridep", phase, timed_collective(comm, fn, a.warmup, a.reps, stream), note);
     for (const auto& [phase, fn, note] : calls)
-      record("hybridep", phase, timed_collective_aligned(comm, fn, a.warmup, a.reps, stream), note, "call", "aligned");
+      b.record("hybridep", phase, timed_collective_aligned(comm, fn, a.warmup, a.reps, stream), note, "call",
+               "aligned");
     d->check_errors();
     const TimeStats tdc = timed_collective(comm, [&] {
       DispatchResult r2 = d->dispatch(in, opt);
       d->combine(r2.handle, r2.tokens);
     }, a.warmup, a.reps, stream);
-    record("hybridep", "dispatch+combine", tdc, "one blocking dispatch and its combine");
+    b.record("hybridep", "dispatch+combine", tdc, "one blocking dispatch and its combine");
 
     // Kernels alone: events around the dispatch kernel (preprocess kernel in parts_us) and the
     // combine kernel, budget mode so that no host sync sits between the repetitions' kernels.
@@ -138,7 +135,7 @@ void bench_hybridep(const DispatchBench& b) {
       }
     }
     timed->check_errors();
-    record("hybridep", "dispatch", stats_of(disp),
+    b.record("hybridep", "dispatch", stats_of(disp),
            one_kernel ? "fused small-call kernel alone (preprocess steps inside; events around it; aligned start)"
                       : "dispatch kernel alone (events around it; aligned start)",
            "kernel");
@@ -147,8 +144,8 @@ void bench_hybridep(const DispatchBench& b) {
                             {"dispatch_kernel", stats_of(disp).median}};
     // When each step was reached on this GPU (device clock, from the first preprocess CTA).
     for (const auto& [name, us] : phases) mine.back().parts_us.emplace_back("step." + name, stats_of(us).median);
-    record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
-    record("hybridep", "dispatch+combine", graph_replay_time(a, comm, *graphed, in, budget, sms, stream),
+    b.record("hybridep", "combine", stats_of(comb), "combine kernel alone (events around it)", "kernel");
+    b.record("hybridep", "dispatch+combine", graph_replay_time(a, comm, *graphed, in, budget, sms, stream),
            "CUDA graph replay of a budget-mode dispatch + combine (no host sync inside; the host launches the "
            "graph once per repetition)", "graph");
     tag(first);

@@ -217,20 +217,9 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
     std::copy(counts_host.data<std::int64_t>(), counts_host.data<std::int64_t>() + E + R,
               words.begin() + call_signature::kWords);
   const std::vector<long long> all = comm_->all_gather_i64(words, "deepep dispatch:count-exchange");
-  std::vector<call_signature::CallSignature> headers;
-  std::vector<std::int64_t> rows(static_cast<std::size_t>(R * R));
-  std::vector<std::int64_t> pairs_here(static_cast<std::size_t>(L), 0);  // pairs for this rank's experts
-  for (int src = 0; src < R; ++src) {
-    const long long* p = all.data() + src * P;
-    headers.push_back(call_signature::decode_words(p));
-    for (int le = 0; le < L; ++le) pairs_here[static_cast<std::size_t>(le)] += p[call_signature::kWords + me * L + le];
-    for (int d = 0; d < R; ++d) rows[static_cast<std::size_t>(src * R + d)] = p[call_signature::kWords + E + d];
-  }
+  const Gathered g = read_gathered(all.data());
   if (local) std::rethrow_exception(local);
-  if (auto err = call_signature::peer_failure(headers, me, describe_violation)) std::rethrow_exception(err);
-  if (auto err = call_signature::compare_headers(headers)) std::rethrow_exception(err);
-  const std::vector<RankMajorLayout> layouts = rank_major_layouts(rows, call_signature::plan_params(options, R, E));
-  check_capacity(layouts);
+  const std::vector<RankMajorLayout> layouts = agree(g, options);
 
   // The layout words: what the kernels read, uploaded once.
   const RankMajorLayout& lay = layouts[static_cast<std::size_t>(me)];
@@ -247,7 +236,7 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
   out.tokens_per_expert.resize(static_cast<std::size_t>(L));
   for (int le = 0; le < L; ++le) {
     const std::int64_t pad = options.pad_multiple;
-    const std::int64_t n = (pairs_here[static_cast<std::size_t>(le)] + pad - 1) / pad * pad;
+    const std::int64_t n = (g.pairs_here[static_cast<std::size_t>(le)] + pad - 1) / pad * pad;
     out.tokens_per_expert[static_cast<std::size_t>(le)] = n;
     w[static_cast<std::size_t>(layout_word::list_begin(R) + le)] = out.entries;
     w[static_cast<std::size_t>(layout_word::list_len(R, L) + le)] = n;
@@ -257,10 +246,32 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
   return out;
 }
 
-void Dispatcher::check_capacity(const std::vector<RankMajorLayout>& layouts) const {
-  for (std::size_t d = 0; d < layouts.size(); ++d)  // every rank checks every receiver: all raise alike
+Dispatcher::Gathered Dispatcher::read_gathered(const long long* all) const {
+  const int R = world_size(), E = experts_, L = local_experts(), me = rank();
+  const std::int64_t P = call_signature::kWords + E + R;
+  Gathered g;
+  g.rows.resize(static_cast<std::size_t>(R * R));
+  g.pairs_here.assign(static_cast<std::size_t>(L), 0);
+  for (int src = 0; src < R; ++src) {
+    const long long* p = all + src * P;
+    g.headers.push_back(call_signature::decode_words(p));
+    for (int le = 0; le < L; ++le)
+      g.pairs_here[static_cast<std::size_t>(le)] += p[call_signature::kWords + me * L + le];
+    for (int d = 0; d < R; ++d) g.rows[static_cast<std::size_t>(src * R + d)] = p[call_signature::kWords + E + d];
+  }
+  return g;
+}
+
+std::vector<RankMajorLayout> Dispatcher::agree(const Gathered& g, const DispatchOptions& options) const {
+  if (auto err = call_signature::peer_failure(g.headers, rank(), describe_violation)) std::rethrow_exception(err);
+  if (auto err = call_signature::compare_headers(g.headers)) std::rethrow_exception(err);
+  // Throws the budget overflow; then every rank checks every receiver's window: all raise alike.
+  std::vector<RankMajorLayout> layouts =
+      rank_major_layouts(g.rows, call_signature::plan_params(options, world_size(), experts_));
+  for (std::size_t d = 0; d < layouts.size(); ++d)
     FLEXEP_CHECK(layouts[d].out_rows <= capacity_rows_, "deepep dispatch: rank ", d, " receives ", layouts[d].out_rows,
                  " rows, more than the ", capacity_rows_, " its receive buffer holds (DeepEpOptions::max_recv_rows)");
+  return layouts;
 }
 
 Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::CallSignature& mine,
@@ -292,9 +303,13 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   return out;
 }
 
+DType Dispatcher::scratch_dtype(Scratch which) {  // counts and layout words int64, row indices int32
+  return which == Scratch::counts || which == Scratch::layout || which == Scratch::tokens_per_expert ? DType::i64
+                                                                                                     : DType::i32;
+}
+
 Tensor Dispatcher::scratch(bool budget, Scratch which, std::int64_t n, bool zero) {
-  const bool wide = which == Scratch::counts || which == Scratch::layout || which == Scratch::tokens_per_expert;
-  const DType dt = wide ? DType::i64 : DType::i32;
+  const DType dt = scratch_dtype(which);
   const Device dev = Device::cuda(comm_->device());
   if (!budget) return zero ? Tensor::zeros({n}, dt, dev) : Tensor::empty({n}, dt, dev);
   Tensor& buf = budget_buffers_[static_cast<std::size_t>(which)];
@@ -315,12 +330,9 @@ void Dispatcher::allocate_budget_buffers() {
                                 capacity_rows_,
                                 L,
                                 expert_rows_capacity(capacity_rows_, max_topk_, L, 128)};
-  for (int i = 0; i < static_cast<int>(Scratch::kinds); ++i) {
-    const auto which = static_cast<Scratch>(i);
-    const bool wide = which == Scratch::counts || which == Scratch::layout || which == Scratch::tokens_per_expert;
+  for (int i = 0; i < static_cast<int>(Scratch::kinds); ++i)
     budget_buffers_[static_cast<std::size_t>(i)] =
-        Tensor::empty({sizes[i]}, wide ? DType::i64 : DType::i32, Device::cuda(comm_->device()));
-  }
+        Tensor::empty({sizes[i]}, scratch_dtype(static_cast<Scratch>(i)), Device::cuda(comm_->device()));
 }
 
 void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots) {

@@ -87,7 +87,17 @@ class Dispatcher final : public DeepEpDispatcher {
   // Budget mode: the notify kernel; errors reach the host at the next check (check()).
   CallLayout exchange_on_device(const call_signature::CallSignature& mine, const Tensor& counts,
                                 const DispatchOptions& options, int k, bool failed);
-  void check_capacity(const std::vector<RankMajorLayout>& layouts) const;
+  // The count exchange's words of every rank, read: the signatures, rows[s * R + d] from source s
+  // to receiver d, and the pairs for this rank's experts.
+  struct Gathered {
+    std::vector<call_signature::CallSignature> headers;
+    std::vector<std::int64_t> rows, pairs_here;
+  };
+  Gathered read_gathered(const long long* all) const;
+  // The rules every rank applies to the gathered words, blocking mode's and budget mode's decoding
+  // alike: a peer's failure, a mismatch, a receiver over the budget or over its window raise the
+  // same error on every rank; else every receiver's layout.
+  std::vector<RankMajorLayout> agree(const Gathered& g, const DispatchOptions& options) const;
   // Budget mode: the window region's rows past the received ones zeroed (and their slots cleared).
   void zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots);
   // The error every rank raises for an aborted budget-mode call, from the count exchange's words;
@@ -99,6 +109,7 @@ class Dispatcher final : public DeepEpDispatcher {
   enum class Scratch : int { slot_expert, dest_flag, counts, layout, dest_row, recv_src, tokens_per_expert,
                              expert_rows, kinds };
   Tensor scratch(bool budget, Scratch which, std::int64_t n, bool zero);
+  static DType scratch_dtype(Scratch which);
   void allocate_budget_buffers();
   cudaStream_t stream() const;
   void check_options(int num_experts);  // sets max_topk_ and capacity_rows_

@@ -191,32 +191,21 @@ void Dispatcher::raise_abort() {
   // The words every rank exchanged: the same rules as blocking mode's, so every rank raises the
   // error blocking mode would have raised. The status is cleared: an argument error leaves the
   // dispatcher usable, as in blocking mode.
-  const int R = world_size(), E = experts_, me = rank();
-  const std::int64_t P = call_signature::kWords + E + R;
-  std::vector<long long> all(static_cast<std::size_t>(R * P));
+  const int R = world_size(), me = rank();
+  std::vector<long long> all(static_cast<std::size_t>(R * (call_signature::kWords + experts_ + R)));
   FLEXEP_CUDA_CHECK(cudaMemcpy(all.data(), snapshot_, all.size() * 8, cudaMemcpyDeviceToHost));
   FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
-  std::vector<call_signature::CallSignature> headers;
-  std::vector<std::int64_t> rows(static_cast<std::size_t>(R * R));
-  for (int src = 0; src < R; ++src) {
-    const long long* p = all.data() + src * P;
-    headers.push_back(call_signature::decode_words(p));
-    for (int d = 0; d < R; ++d) rows[static_cast<std::size_t>(src * R + d)] = p[call_signature::kWords + E + d];
-  }
-  const call_signature::DescribeViolation describe = [](const call_signature::CallSignature& h) {
-    return call_signature::DeviceViolation{"indices", call_signature::index_violation(h)};
-  };
+  const Gathered g = read_gathered(all.data());
   // This rank's own failure was raised by its own dispatch (or by check's error record) already.
-  if (headers[static_cast<std::size_t>(me)].failed || headers[static_cast<std::size_t>(me)].device_arg != 0) return;
-  if (auto err = call_signature::peer_failure(headers, me, describe)) std::rethrow_exception(err);
-  if (auto err = call_signature::compare_headers(headers)) std::rethrow_exception(err);
-  DispatchOptions o;
-  o.mode = headers[0].mode;
-  o.budget_rows = headers[0].budget_rows;
-  o.pad_multiple = headers[0].pad_multiple;
-  o.overflow = headers[0].overflow;
+  const call_signature::CallSignature& own = g.headers[static_cast<std::size_t>(me)];
+  if (own.failed || own.device_arg != 0) return;
+  DispatchOptions o;  // the call's layout options, as every rank gave them (compared in agree)
+  o.mode = g.headers[0].mode;
+  o.budget_rows = g.headers[0].budget_rows;
+  o.pad_multiple = g.headers[0].pad_multiple;
+  o.overflow = g.headers[0].overflow;
   o.layout = DispatchLayout::rank_major;
-  check_capacity(rank_major_layouts(rows, call_signature::plan_params(o, R, E)));  // the budget overflow throws
+  agree(g, o);
   throw_error("rank ", me, ": a budget-mode deepep dispatch aborted on the device for a reason its count exchange "
               "does not show (internal error)");
 }

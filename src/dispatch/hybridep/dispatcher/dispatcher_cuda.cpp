@@ -9,6 +9,7 @@
 
 #include "dispatch/hybridep/dispatcher/dispatcher.h"
 #include "dispatch/hybridep/kernels/parts.h"
+#include "flexep/core/backoff.h"
 #include "flexep/core/checks.h"
 #include "flexep/core/plan.h"
 #include "flexep/cuda/runtime.h"
@@ -282,12 +283,7 @@ bool Dispatcher::wait_until(cudaStream_t s, const std::string& op, const char* f
   const double seconds = 3 * options_.timeout_seconds + 30;
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration<double>(seconds);
-  // Spin (yielding) for the first 5 ms, then sleep: sleep_for(20 us) really sleeps ~70 us on Linux
-  // (50 us default timer slack), which a blocking call pays once whenever its GPU work outlasts the
-  // spin. With a 200 us spin a DSV3-size blocking dispatch (~0.6 ms of kernels) paid it every call:
-  // blocking 775 us against 690 us for the same dispatch in budget mode (2x H200). 5 ms covers the
-  // kernels of one layer; after that the sleeps keep a long wait (a slow peer) from burning a core.
-  const auto spin_until = start + std::chrono::milliseconds(5);
+  const PollBackoff backoff(std::chrono::microseconds(20));
   while (!done()) {
     const cudaError_t q = cudaStreamQuery(s);
     if (q == cudaSuccess) return done();
@@ -299,10 +295,7 @@ bool Dispatcher::wait_until(cudaStream_t s, const std::string& op, const char* f
                          detail::concat("rank ", rank(), ": ", failure, " within ", seconds,
                                         " s although every device wait has a deadline"));
     }
-    if (std::chrono::steady_clock::now() < spin_until)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    backoff.pause();
   }
   return true;
 }
