@@ -11,13 +11,9 @@ after building it (DeepSeek-V4/V4.1 vision or hash gates, Gemma4Gate, InklingGat
 interleaved SwiGLU, Step-3.5's, HunyuanImage-3's and MiniMax-M3's shared experts kept outside the
 MoE), what is compared is the layer that Automodel's ``MoE`` builds from that MoEConfig.
 
-Families whose MoEConfig needs what flexep's layer does not offer yet are not compared; instead
-``test_family_not_offered_yet_is_refused`` checks that flexep refuses them with an ArgumentError
-naming the field:
-
-* kimi_k3: ``moe_latent_size`` (routed experts in a latent space, fc1/fc2 latent projections).
-* nemotron_v3_latent: ``moe_latent_size`` (NemotronH checkpoints whose config sets it; the Nano
-  checkpoint leaves it None and is compared as ``nemotron_v3``).
+The latent-projection families (kimi_k3, and nemotron_v3 with a NemotronH config that sets
+``moe_latent_size``) are compared like the others: their routed experts run in the latent width
+between Automodel's fc1_latent_proj and fc2_latent_proj.
 
 No family sets ``enable_routing_replay`` (it is a recipe switch, default False), needs TE-only
 experts or the MoK dispatcher by default, so none is in that group for those reasons.
@@ -318,8 +314,8 @@ FAMILIES = {
         softmax_before_topk=False, force_e_score_correction_bias=True),
 }
 
-# The families whose MoEConfig uses what flexep's layer does not offer yet, with the field.
-NOT_OFFERED = {
+# The families whose MoEConfig sets moe_latent_size (Automodel's fc1/fc2 latent projections).
+LATENT_FAMILIES = {
     # kimi_k3/model.py:1494 (_build_moe_config). KimiK3TextConfig defaults (kimi_k3/config.py:60-73):
     # moe_router_activation_func "sigmoid" -> "sigmoid_with_bias", moe_renormalize True,
     # num_shared_experts 2, routed_scaling_factor 1.0, num_expert_group 1; routed_expert_hidden_size
@@ -341,7 +337,7 @@ NOT_OFFERED = {
         expert_activation="relu2", dtype=F32, shared_expert_gate=False, shared_expert_inter_dim=16,
         shared_expert_activation="relu2", force_e_score_correction_bias=True, moe_latent_size=12),
 }
-NOT_OFFERED_FIELD = {"kimi_k3": "moe_latent_size", "nemotron_v3_latent": "moe_latent_size"}
+FAMILIES.update(LATENT_FAMILIES)
 
 # BackendConfig fields reaching the MoE layer that the family's code sets (see the comments above).
 _FP32_GATE = dict(gate_precision=torch.float32)
@@ -367,10 +363,9 @@ def _positive_correction_bias(module):
             b.abs_().mul_(0.2)
 
 
-def test_family_lists_are_disjoint():
-    assert not set(FAMILIES) & set(NOT_OFFERED)
-    assert set(NOT_OFFERED_FIELD) == set(NOT_OFFERED)
-    assert set(FAMILY_BACKENDS) <= set(FAMILIES) | set(NOT_OFFERED)
+def test_family_lists_cover_the_backends():
+    assert set(FAMILY_BACKENDS) <= set(FAMILIES)
+    assert all(FAMILIES[f]["moe_latent_size"] for f in LATENT_FAMILIES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -380,16 +375,3 @@ def test_family_layer_matches_automodel(family):
     ours.load_state_dict(ref.state_dict())
     x, mask = _inputs()
     assert_close_pair(ref, ours, x, mask)
-
-
-@pytest.mark.parametrize("family", sorted(NOT_OFFERED))
-def test_family_not_offered_yet_is_refused(family):
-    """Automodel builds and runs the family's layer; flexep refuses it (at construction or at the
-    call) with an ArgumentError that names the field it does not offer yet."""
-    cfg, backend = am_config(**NOT_OFFERED[family]), am_backend(**FAMILY_BACKENDS.get(family, {}))
-    x, mask = _inputs()
-    ref = AmMoE(cfg, backend)
-    assert ref(x, padding_mask=mask).shape == x.shape
-    with pytest.raises(flexep.ArgumentError, match=NOT_OFFERED_FIELD[family]):
-        ours = ft.MoE(cfg, backend, device="cpu")
-        ours(x, padding_mask=mask)

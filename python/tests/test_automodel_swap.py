@@ -88,9 +88,36 @@ def test_experts_keep_automodels_own_call():
 def test_unsupported_layers_are_named():
     model = tiny_deepseek_v3()
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    moe.fc1_latent_proj = torch.nn.Linear(32, 8)
-    with pytest.raises(flexep.ArgumentError, match="latent"):
+    moe.experts = torch.nn.Linear(32, 32)
+    with pytest.raises(flexep.ArgumentError, match="experts is Linear"):
         fa.use_flexep(model)
+
+
+def test_latent_projection_layer_runs_flexep_with_automodels_tensors():
+    """An Automodel MoE with moe_latent_size (its fc1/fc2_latent_proj nn.Linear, biases on), swapped
+    in place: same state_dict, outputs and every gradient as Automodel's own forward."""
+    from automodel_pair import am_backend, am_config, randomize
+
+    cfg = am_config(moe_latent_size=12, expert_bias=True, n_shared_experts=1, shared_expert_gate=True)
+    ref = torch.nn.ModuleDict({"moe": MoE(cfg, am_backend())})
+    randomize(ref, 3)
+    ours = copy.deepcopy(ref)
+    assert fa.use_flexep(ours) == 1
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    assert ours["moe"].fc1_latent_proj.weight.shape == (12, 16)
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for m in (ref, ours):
+        xi = x.clone().requires_grad_()
+        y = m["moe"](xi)
+        (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum().backward()
+        outs.append((y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (y_ref, gx_ref, g_ref), (y, gx, g) = outs
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    assert g.keys() == g_ref.keys() and "moe.fc2_latent_proj.bias" in g
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_expert_parallel_state_dict_round_trips_in_automodels_layout():

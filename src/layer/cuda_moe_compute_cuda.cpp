@@ -13,6 +13,7 @@
 #include "flexep/dispatch/local_cuda.h"
 #include "flexep/layer/gate.h"
 #include "core/gate_rules.h"
+#include "layer/cuda_linear.h"
 
 namespace flexep {
 
@@ -41,6 +42,7 @@ struct CudaMoESaved {
   CudaExpertsOutput experts;
   Tensor shared_gate;  // [T] f32: sigmoid gate or ones
   CudaExpertsOutput shared;
+  Tensor latent_y;     // [T, latent] bf16: the combined routed output, fc2_latent_proj's input
 };
 
 // Events of the phase timing (enabled by set_timing) and of the side-stream joins.
@@ -120,8 +122,6 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   config_.dtype = DType::bf16;
   validate(config_);
   validate(backend_);
-  FLEXEP_CHECK_ARG(config_.moe_latent_size == 0, "moe.moe_latent_size", "is ", config_.moe_latent_size,
-                   "; latent expert projections are not offered by flexep's layer yet; allowed: null (0)");
   FLEXEP_CHECK_ARG(config_.gate_storage_dtype() == DType::bf16 || config_.gate_storage_dtype() == DType::f32,
                    "moe.gate_dtype", "is ", dtype_name(config_.gate_storage_dtype()),
                    "; the GPU router reads its weight in bf16 or f32; allowed: bfloat16, float32 or null");
@@ -142,7 +142,7 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   if (!backend_.fake_balanced_gate) static_cast<void>(GateCompute(config_, backend_.gate_precision));
 
   cuda::DeviceGuard guard(device_);
-  experts_.emplace(config_, num_local_experts(), device_, "experts.");
+  experts_.emplace(config_.routed_expert_config(), num_local_experts(), device_, "experts.");
   if (config_.n_shared_experts > 0) {
     shared_.emplace(shared_expert_config(config_), 1, device_, "shared_experts.");
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
@@ -219,11 +219,11 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
 
   s->tokens = T;
   const bool router = !override && !backend_.fake_balanced_gate;
-  // Only the router's and the shared experts' backwards read x: without them the forward reads the
-  // caller's x and keeps no copy, unless x is not 16-byte aligned (the dispatchers move rows as
-  // 16-byte words; the copy is).
+  // Only the router's, the shared experts' and fc1_latent_proj's backwards read x: without them the
+  // forward reads the caller's x and keeps no copy, unless x is not 16-byte aligned (the dispatchers
+  // move rows as 16-byte words; the copy is).
   const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0;
-  const bool keep_x = shared_.has_value() || router || !aligned;
+  const bool keep_x = shared_.has_value() || router || config_.latent() || !aligned;
   if (keep_x) {
     s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
     cuda::copy_async(s->x, x, stream);
@@ -307,9 +307,11 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   }
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
 
-  // Dispatch, experts, combine.
+  // Dispatch, experts, combine; in the latent width with moe.moe_latent_size.
+  const Tensor latent_x =
+      config_.latent() ? cuda::linear_forward(x_in, w.fc1_latent_proj.weight, w.fc1_latent_proj.bias, stream) : Tensor();
   DispatchInput in;
-  in.hidden = x_in;
+  in.hidden = config_.latent() ? latent_x.view() : x_in;
   in.indices = s->indices;
   in.weights = s->weights;
   s->dispatched = dispatcher_->dispatch(in, dispatch_);
@@ -318,6 +320,10 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
                                  host_counts(s->dispatched.tokens_per_expert, stream), stream);
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
   Tensor y = dispatcher_->combine(s->dispatched.handle, s->experts.out);
+  if (config_.latent()) {
+    s->latent_y = y;
+    y = cuda::linear_forward(s->latent_y, w.fc2_latent_proj.weight, w.fc2_latent_proj.bias, stream);
+  }
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[4], stream));
   if (shared_) {
     FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
@@ -376,13 +382,21 @@ Tensor CudaMoECompute::backward_into(const MoEWeights& w, const CudaMoESaved& s,
     FLEXEP_CUDA_CHECK(cudaEventRecord(ev.shared_done, side_stream_));
   }
 
-  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, grad_out);
+  Tensor grad_routed;  // [T, latent]: through fc2_latent_proj's backward (moe.moe_latent_size)
+  if (config_.latent())
+    grad_routed = cuda::linear_backward(s.latent_y, w.fc2_latent_proj.weight, grad_out, targets.fc2_latent_proj.weight,
+                                        targets.fc2_latent_proj.bias, stream);
+  Tensor grad_rows =
+      dispatcher_->combine_backward(s.dispatched.handle, config_.latent() ? grad_routed.view() : grad_out);
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
   CudaExpertsGrads eg = experts_->backward(w.experts, s.experts, grad_rows, targets.experts, stream);
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
   DispatchGrads dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
   Tensor grad_x = dg.hidden;
+  if (config_.latent())
+    grad_x = cuda::linear_backward(s.x, w.fc1_latent_proj.weight, dg.hidden, targets.fc1_latent_proj.weight,
+                                   targets.fc1_latent_proj.bias, stream);
   if (router) {
     cuda::RouterGrads rg = cuda::router_backward(s.router, dg.weights, s.x, w.gate.weight, targets.gate_weight,
                                                  targets.gate_bias, aux_loss_scale, stream);
@@ -433,6 +447,10 @@ MoEBackward CudaMoECompute::backward(const MoEWeights& w, const CudaMoESaved& s,
   MoEGradients& g = out.gradients;
   CudaMoEGradTargets targets;
   Tensor bgu32, bd32, sbgu32, sbd32, gate_w32, gate_b32, shared_gate32;
+  Tensor fc1_w32 = zeros_f32_like(w.fc1_latent_proj.weight), fc1_b32 = zeros_f32_like(w.fc1_latent_proj.bias);
+  Tensor fc2_w32 = zeros_f32_like(w.fc2_latent_proj.weight), fc2_b32 = zeros_f32_like(w.fc2_latent_proj.bias);
+  targets.fc1_latent_proj = {fc1_w32, fc1_b32};
+  targets.fc2_latent_proj = {fc2_w32, fc2_b32};
   targets.experts = expert_targets(w.experts, g.experts, bgu32, bd32);
   if (shared_) targets.shared_experts = expert_targets(w.shared_experts, g.shared_experts, sbgu32, sbd32);
   if (router && config_.train_gate) {
@@ -453,6 +471,10 @@ MoEBackward CudaMoECompute::backward(const MoEWeights& w, const CudaMoESaved& s,
   g.gate.weight = in_dtype_of(gate_w32, w.gate.weight, stream);
   g.gate.bias = in_dtype_of(gate_b32, w.gate.bias, stream);
   g.shared_expert_gate = in_dtype_of(shared_gate32, w.shared_expert_gate, stream);
+  g.fc1_latent_proj = {in_dtype_of(fc1_w32, w.fc1_latent_proj.weight, stream),
+                       in_dtype_of(fc1_b32, w.fc1_latent_proj.bias, stream)};
+  g.fc2_latent_proj = {in_dtype_of(fc2_w32, w.fc2_latent_proj.weight, stream),
+                       in_dtype_of(fc2_b32, w.fc2_latent_proj.bias, stream)};
   return out;
 }
 

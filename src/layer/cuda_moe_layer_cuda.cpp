@@ -8,6 +8,7 @@
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/gate.h"
+#include "flexep/layer/latent_projections.h"
 #include "flexep/layer/moe_layer.h"
 #include "core/gate_rules.h"
 
@@ -79,7 +80,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
     }
     cumulative_load_ = Tensor::zeros({E}, DType::i64, Device::cuda(options_.device));
   }
-  experts_ = std::make_unique<CudaGroupedExperts>(config_, local, rank * local, options_.device,
+  experts_ = std::make_unique<CudaGroupedExperts>(config_.routed_expert_config(), local, rank * local, options_.device,
                                                   options_.grad_mode);
   auto fast_fill = [&](CudaGroupedExperts& g, std::uint64_t salt) {
     for (Parameter* p : g.parameters())
@@ -107,6 +108,19 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const BackendConfig& backend
       upload_shared(cpu_shared.parameters(), init_stream);
     }
   }
+  if (config_.latent()) {
+    LatentProjections cpu_latent(config_, DType::f32);
+    cpu_latent.init(options_.seed, options_.init_std);
+    auto upload = [&](Parameter& dst, const Parameter& src) {
+      if (src.value.defined())
+        dst = {src.name, upload_as(src.value, DType::bf16, options_.device, init_stream),
+               persistent_grad(src.value.shape()), true};
+    };
+    upload(fc1_weight_, cpu_latent.fc1_weight());
+    upload(fc1_bias_, cpu_latent.fc1_bias());
+    upload(fc2_weight_, cpu_latent.fc2_weight());
+    upload(fc2_bias_, cpu_latent.fc2_bias());
+  }
 }
 
 CudaMoELayer::~CudaMoELayer() = default;
@@ -117,6 +131,8 @@ MoEWeights CudaMoELayer::weights() const {
   w.experts = experts_->weights();
   if (shared_) w.shared_experts = shared_->weights();
   w.shared_expert_gate = shared_gate_.value;
+  w.fc1_latent_proj = {fc1_weight_.value, fc1_bias_.value};
+  w.fc2_latent_proj = {fc2_weight_.value, fc2_bias_.value};
   return w;
 }
 
@@ -157,6 +173,8 @@ Tensor CudaMoELayer::backward(const CudaMoEOutput& forward_output, const TensorV
   if (shared_gate_.value.defined()) targets.shared_expert_gate = shared_gate_.grad;
   targets.experts = experts_->grad_targets(stream);
   if (shared_) targets.shared_experts = shared_->grad_targets(stream);
+  targets.fc1_latent_proj = {fc1_weight_.grad, fc1_bias_.grad};
+  targets.fc2_latent_proj = {fc2_weight_.grad, fc2_bias_.grad};
   return compute_->backward_into(weights(), *forward_output.saved, grad_out, 1.0, targets, stream);
 }
 
@@ -174,6 +192,8 @@ std::vector<Parameter*> CudaMoELayer::parameters() {
       all.push_back(p);
     }
   if (shared_gate_.value.defined()) all.push_back(&shared_gate_);
+  for (Parameter* p : {&fc1_weight_, &fc1_bias_, &fc2_weight_, &fc2_bias_})
+    if (p->value.defined()) all.push_back(p);
   return all;
 }
 
@@ -186,8 +206,12 @@ std::vector<Parameter*> CudaMoELayer::replicated_parameters() {
 
 // fresh_bf16_weights: new f32 zeros for the gate and shared-gate gradients, which the router and
 // shared-gate kernels add to (on the current stream). The old tensors are released first.
+std::vector<Parameter*> CudaMoELayer::own_f32_grad_parameters() {
+  return {&gate_weight_, &gate_bias_, &shared_gate_, &fc1_weight_, &fc1_bias_, &fc2_weight_, &fc2_bias_};
+}
+
 void CudaMoELayer::renew_own_grads() {
-  for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_}) {
+  for (Parameter* p : own_f32_grad_parameters()) {
     p->grad = Tensor();
     if (p->value.defined() && p->requires_grad)
       p->grad = Tensor::zeros(p->value.shape(), DType::f32, p->value.device());
@@ -197,9 +221,9 @@ void CudaMoELayer::renew_own_grads() {
 void CudaMoELayer::zero_grad(cudaStream_t stream) {
   cuda::DeviceGuard guard(options_.device);
   if (options_.grad_mode == GradMode::fresh_bf16_weights) {
-    for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_}) p->grad = Tensor();  // the caller's
+    for (Parameter* p : own_f32_grad_parameters()) p->grad = Tensor();  // the caller's
   } else {
-    for (Parameter* p : {&gate_weight_, &gate_bias_, &shared_gate_})
+    for (Parameter* p : own_f32_grad_parameters())
       if (p->grad.defined()) cuda::zero_async(p->grad, stream);
   }
   experts_->zero_grad(stream);  // accumulate_f32: lazily (the next backward overwrites the weight grads)
@@ -222,6 +246,17 @@ void CudaMoELayer::load_from(MoELayer& cpu, cudaStream_t stream) {
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
   experts_->load_from(cpu.experts(), stream);
   if (shared_) upload_shared(cpu.shared_experts()->parameters(), stream);
+  if (LatentProjections* lp = cpu.latent_projections()) {
+    const std::pair<Parameter*, Parameter*> pairs[] = {{&fc1_weight_, &lp->fc1_weight()}, {&fc1_bias_, &lp->fc1_bias()},
+                                                       {&fc2_weight_, &lp->fc2_weight()}, {&fc2_bias_, &lp->fc2_bias()}};
+    std::vector<Tensor> staged;  // host copies in bf16, alive until the stream has read them
+    for (const auto& [dst, src] : pairs)
+      if (dst->value.defined()) {
+        staged.push_back(src->value.to(DType::bf16));
+        cuda::copy_async(dst->value, staged.back(), stream);
+      }
+    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
 }
 
 // The CPU shared MLP's nn.Linear-shaped weights into the one-expert grouped layout:
@@ -324,6 +359,8 @@ std::vector<std::pair<std::string, Tensor>> CudaMoELayer::host_gradients(cudaStr
     }
     if (config_.shared_expert_gate) out.emplace_back("shared_expert_gate.weight", grad_or_zero(shared_gate_));
   }
+  for (Parameter* p : {&fc1_weight_, &fc1_bias_, &fc2_weight_, &fc2_bias_})
+    if (p->value.defined()) out.emplace_back(p->name, grad_or_zero(*p));
   return out;
 }
 

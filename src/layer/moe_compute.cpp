@@ -5,6 +5,7 @@
 #include "flexep/core/checks.h"
 #include "flexep/dispatch/host.h"
 #include "layer/add_into.h"
+#include "layer/linear.h"
 #include "layer/rank_major_rows.h"
 #include "layer/shared_layout.h"
 
@@ -21,6 +22,8 @@ struct MoESaved {
   std::optional<ref::ExpertMajorRows> rank_major;  // a rank-major dispatch's rows, as the experts read them
   ExpertsOutput experts;
   SharedOutput shared;
+  Tensor latent_x;  // [T, dim]: fc1_latent_proj's input (moe.moe_latent_size), a copy
+  Tensor latent_y;  // [T, latent]: the combined routed output, fc2_latent_proj's input
 };
 
 namespace {
@@ -49,6 +52,7 @@ struct ComputeWeights {
   GateWeights gate;
   ExpertWeights experts;
   SharedMlpGradients shared;  // tensors (layout copies)
+  LinearWeights fc1, fc2;     // latent projections
   std::vector<Tensor> keep;
 
   ComputeWeights(const MoEConfig& c, const MoEWeights& w, DType compute) {
@@ -68,6 +72,8 @@ struct ComputeWeights {
                                   view(w.shared_experts.down_proj_bias, compute)};
       shared = shared_to_linear(c, grouped, view(w.shared_expert_gate, compute));
     }
+    fc1 = {view(w.fc1_latent_proj.weight, compute), view(w.fc1_latent_proj.bias, compute)};
+    fc2 = {view(w.fc2_latent_proj.weight, compute), view(w.fc2_latent_proj.bias, compute)};
   }
 };
 
@@ -112,8 +118,6 @@ MoECompute::MoECompute(const MoEConfig& config, const BackendConfig& backend,
     : config_(config), backend_(backend), dispatch_(dispatch), dispatcher_(std::move(dispatcher)) {
   validate(config_);
   validate(backend_);
-  FLEXEP_CHECK_ARG(config_.moe_latent_size == 0, "moe.moe_latent_size", "is ", config_.moe_latent_size,
-                   "; latent expert projections are not offered by flexep's layer yet; allowed: null (0)");
   if (dispatcher_) {
     ep_rank_ = dispatcher_->rank();
     ep_size_ = dispatcher_->world_size();
@@ -133,7 +137,7 @@ MoECompute::MoECompute(const MoEConfig& config, const BackendConfig& backend,
   }
   if (backend_.fake_balanced_gate) fake_gate_.emplace(config_, backend_.fake_gate_noise);
   else gate_.emplace(config_, backend_.gate_precision);
-  experts_.emplace(config_, num_local_experts());
+  experts_.emplace(config_.routed_expert_config(), num_local_experts());
   if (config_.n_shared_experts > 0) shared_.emplace(config_);
 }
 
@@ -198,8 +202,15 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
         for (std::int64_t j = 0; j < k; ++j) saved->masked_indices.data<std::int64_t>()[t * k + j] = -1;
   }
 
+  // Latent experts (moe.moe_latent_size): the routed path runs in the latent width; the router
+  // and the shared experts read x.
+  Tensor routed_x = xc;
+  if (config_.latent()) {
+    saved->latent_x = xc.raw() == x.data ? xc.clone() : xc;
+    routed_x = ref::linear_forward(xc, w.fc1.weight, w.fc1.bias);
+  }
   DispatchInput in;
-  in.hidden = xc;
+  in.hidden = routed_x;
   in.indices = saved->masked_indices;
   in.weights = saved->gate.weights;
   saved->dispatched = dispatcher_->dispatch(in, dispatch_);
@@ -215,6 +226,10 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
     saved->experts =
         experts_->forward(w.experts, saved->dispatched.tokens, saved->dispatched.token_probs, counts);
     y = dispatcher_->combine(saved->dispatched.handle, saved->experts.out);
+  }
+  if (config_.latent()) {
+    saved->latent_y = y;
+    y = ref::linear_forward(y, w.fc2.weight, w.fc2.bias);
   }
   if (shared_) {
     saved->shared = shared_->forward(views_of(w.shared), xc);
@@ -242,7 +257,19 @@ MoEBackward MoECompute::backward(const MoEWeights& weights, const MoESaved& s, c
   const Tensor g = as_dtype(grad_out, compute);
 
   MoEBackward out;
-  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, g);
+  auto linear_grads = [&](const LinearWeights& lw) {
+    return LinearGradients{zeros_like(lw.weight, compute), zeros_like(lw.bias, compute)};
+  };
+  auto in_dtypes = [](const LinearGradients& lg, const LinearWeights& lw) {
+    return LinearGradients{as_dtype(lg.weight, lw.weight.dtype), as_dtype(lg.bias, lw.bias.dtype)};
+  };
+  Tensor grad_routed = g;
+  if (config_.latent()) {
+    const LinearGradients fc2 = linear_grads(w.fc2);
+    grad_routed = ref::linear_backward(s.latent_y, w.fc2.weight, g, fc2.weight, fc2.bias);
+    out.gradients.fc2_latent_proj = in_dtypes(fc2, weights.fc2_latent_proj);
+  }
+  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, grad_routed);
   if (s.rank_major) grad_rows = ref::gather_rows(grad_rows, *s.rank_major);
   const ExpertGradients experts_grads{
       zeros_like(w.experts.gate_and_up_projs, compute), zeros_like(w.experts.down_projs, compute),
@@ -258,6 +285,11 @@ MoEBackward MoECompute::backward(const MoEWeights& weights, const MoESaved& s, c
     dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
   }
   Tensor grad_x = dg.hidden;
+  if (config_.latent()) {
+    const LinearGradients fc1 = linear_grads(w.fc1);
+    grad_x = ref::linear_backward(s.latent_x, w.fc1.weight, dg.hidden, fc1.weight, fc1.bias);
+    out.gradients.fc1_latent_proj = in_dtypes(fc1, weights.fc1_latent_proj);
+  }
   if (gate_ && !s.routing_override) {
     // Straight into the weights' dtypes: the gate sums in f64 and rounds once.
     GateGradients gate_grads;

@@ -42,12 +42,14 @@ MoELayer::MoELayer(const MoEConfig& config, const BackendConfig& backend, std::s
   compute_.set_gate_input_dtype(options.gate_input_dtype);
   if (backend_.fake_balanced_gate) fake_gate_ = std::make_unique<FakeBalancedGate>(config_, backend_.fake_gate_noise);
   else gate_ = std::make_unique<Gate>(config_, backend_.gate_precision, options_.param_dtype);
-  experts_ = std::make_unique<GroupedExperts>(config_, local, rank * local, options_.param_dtype);
+  experts_ = std::make_unique<GroupedExperts>(config_.routed_expert_config(), local, rank * local, options_.param_dtype);
   if (config_.n_shared_experts > 0) shared_ = std::make_unique<SharedExperts>(config_, options_.param_dtype);
+  if (config_.latent()) latent_ = std::make_unique<LatentProjections>(config_, options_.param_dtype);
 
   if (gate_) gate_->init(options_.seed, options_.init_std);
   experts_->init(options_.seed, options_.init_std);
   if (shared_) shared_->init(options_.seed, options_.init_std);
+  if (latent_) latent_->init(options_.seed, options_.init_std);
 }
 
 MoELayer::Views MoELayer::views() const {
@@ -59,6 +61,10 @@ MoELayer::Views MoELayer::views() const {
     v.shared_grouped = shared_to_grouped(config_, lin);
     v.weights.shared_experts = views_of(v.shared_grouped);
     v.weights.shared_expert_gate = lin.shared_expert_gate;
+  }
+  if (latent_) {
+    v.weights.fc1_latent_proj = latent_->fc1();
+    v.weights.fc2_latent_proj = latent_->fc2();
   }
   return v;
 }
@@ -113,6 +119,12 @@ Tensor MoELayer::backward(const MoEOutput& forward_output, const TensorView& gra
     for (const auto& [name, grad] : named)
       if (Parameter* p = param(name)) accumulate(*p, *grad);
   }
+  if (latent_) {
+    accumulate(latent_->fc1_weight(), g.fc1_latent_proj.weight);
+    accumulate(latent_->fc1_bias(), g.fc1_latent_proj.bias);
+    accumulate(latent_->fc2_weight(), g.fc2_latent_proj.weight);
+    accumulate(latent_->fc2_bias(), g.fc2_latent_proj.bias);
+  }
   return b.grad_x;
 }
 
@@ -128,6 +140,8 @@ std::vector<Parameter*> MoELayer::parameters() {
   for (Parameter* p : experts_->parameters()) add(p, "experts.");
   if (shared_)
     for (Parameter* p : shared_->parameters()) add(p, "");
+  if (latent_)
+    for (Parameter* p : latent_->parameters()) add(p, "");
   return all;
 }
 

@@ -39,6 +39,10 @@ const std::vector<Slot>& slots() {
                   shared_experts.gate_up_proj_bias),
       FLEXEP_SLOT("shared_experts.down_proj_bias", shared_experts.down_proj_bias, shared_experts.down_proj_bias),
       FLEXEP_SLOT("shared_expert_gate.weight", shared_expert_gate, shared_expert_gate),
+      FLEXEP_SLOT("fc1_latent_proj.weight", fc1_latent_proj.weight, fc1_latent_proj.weight),
+      FLEXEP_SLOT("fc1_latent_proj.bias", fc1_latent_proj.bias, fc1_latent_proj.bias),
+      FLEXEP_SLOT("fc2_latent_proj.weight", fc2_latent_proj.weight, fc2_latent_proj.weight),
+      FLEXEP_SLOT("fc2_latent_proj.bias", fc2_latent_proj.bias, fc2_latent_proj.bias),
   };
   return table;
 }
@@ -83,7 +87,7 @@ const std::vector<std::string>& moe_weight_names() {
 }
 
 std::vector<MoEWeightSpec> moe_weight_specs(const MoEConfig& c, const BackendConfig& backend, int num_local_experts) {
-  const std::int64_t E = c.n_routed_experts, El = num_local_experts, dim = c.dim;
+  const std::int64_t E = c.n_routed_experts, El = num_local_experts, dim = c.dim, xd = c.expert_dim();
   const std::int64_t up = c.up_dim(), inter = c.moe_inter_dim;
   const std::int64_t inter_s = c.shared_inter();
   const std::int64_t up_s = c.shared_expert_activation == Activation::relu2 ? inter_s : 2 * inter_s;
@@ -95,11 +99,14 @@ std::vector<MoEWeightSpec> moe_weight_specs(const MoEConfig& c, const BackendCon
     if (c.has_correction_bias())
       v.push_back({"gate.e_score_correction_bias", {E}, "[moe.n_routed_experts]", false});
   }
-  v.push_back({"experts.gate_and_up_projs", {El, dim, up}, "[local experts, moe.dim, up]", true});
-  v.push_back({"experts.down_projs", {El, inter, dim}, "[local experts, moe.moe_inter_dim, moe.dim]", true});
+  // The routed experts' width: moe.dim, or the latent size.
+  const char* xd_name = c.latent() ? "moe.moe_latent_size" : "moe.dim";
+  v.push_back({"experts.gate_and_up_projs", {El, xd, up}, std::string("[local experts, ") + xd_name + ", up]", true});
+  v.push_back({"experts.down_projs", {El, inter, xd},
+               std::string("[local experts, moe.moe_inter_dim, ") + xd_name + "]", true});
   if (c.expert_bias) {
     v.push_back({"experts.gate_up_proj_bias", {El, up}, "[local experts, up]", true});
-    v.push_back({"experts.down_proj_bias", {El, dim}, "[local experts, moe.dim]", true});
+    v.push_back({"experts.down_proj_bias", {El, xd}, std::string("[local experts, ") + xd_name + "]", true});
   }
   if (shared) {
     v.push_back({"shared_experts.gate_and_up_projs", {1, dim, up_s}, "[1, moe.dim, shared up]", true});
@@ -109,6 +116,12 @@ std::vector<MoEWeightSpec> moe_weight_specs(const MoEConfig& c, const BackendCon
       v.push_back({"shared_experts.down_proj_bias", {1, dim}, "[1, moe.dim]", true});
     }
     if (c.shared_expert_gate) v.push_back({"shared_expert_gate.weight", {1, dim}, "[1, moe.dim]", true});
+  }
+  if (c.latent()) {
+    v.push_back({"fc1_latent_proj.weight", {xd, dim}, "[moe.moe_latent_size, moe.dim]", true});
+    if (c.expert_bias) v.push_back({"fc1_latent_proj.bias", {xd}, "[moe.moe_latent_size]", true});
+    v.push_back({"fc2_latent_proj.weight", {dim, xd}, "[moe.dim, moe.moe_latent_size]", true});
+    if (c.expert_bias) v.push_back({"fc2_latent_proj.bias", {dim}, "[moe.dim]", true});
   }
   return v;
 }

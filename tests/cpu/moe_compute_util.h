@@ -91,6 +91,10 @@ inline HeldWeights owner_weights(MoELayer& L) {
     }
     h.w.shared_expert_gate = value_of(L, "shared_expert_gate.weight");
   }
+  if (LatentProjections* lp = L.latent_projections()) {
+    h.w.fc1_latent_proj = lp->fc1();
+    h.w.fc2_latent_proj = lp->fc2();
+  }
   return h;
 }
 

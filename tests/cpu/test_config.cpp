@@ -511,7 +511,7 @@ TEST(MoEConfig, ValidateRejectsEachField) {
       {[](MoEConfig& c) { c.swiglu_limit = -1; }, "moe.swiglu_limit", "is -1; allowed: >= 0"},
       {[](MoEConfig& c) { c.swiglu_limit = kNaN; }, "moe.swiglu_limit", "allowed: >= 0"},
       {[](MoEConfig& c) { c.gate_dtype = DType::i64; }, "moe.gate_dtype", "is i64; allowed: bf16, f16, f32, f64"},
-      {[](MoEConfig& c) { c.moe_latent_size = -4; }, "moe.moe_latent_size", "is -4; allowed: >= 1, or 0"},
+      {[](MoEConfig& c) { c.moe_latent_size = -4; }, "moe.moe_latent_size", "is -4; allowed: 1 to 1048576, or 0"},
   };
   for (const auto& tc : cases) {
     SCOPED_TRACE(tc.arg + " / " + tc.needle);

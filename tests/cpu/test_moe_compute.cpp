@@ -93,6 +93,13 @@ std::vector<Case> cases() {
     c.n_shared_experts = 1;
     v.push_back({"quick_geglu_softmax_before_topk_aux_shared", c, false, 0.37});
   }
+  {
+    MoEConfig c = small_config(Activation::swiglu, ScoreFunc::sigmoid);
+    c.moe_latent_size = 5;
+    c.expert_bias = true;
+    c.n_shared_experts = 1;
+    v.push_back({"latent_projections_bias_shared_padding", c, true});
+  }
   return v;
 }
 

@@ -19,7 +19,8 @@ using namespace flexep::testing;
 
 namespace {
 
-// Every weight present: router bias, correction bias, expert biases, shared experts with their gate.
+// Every weight present: router bias, correction bias, expert biases, shared experts with their gate,
+// latent projections with biases.
 MoEConfig full_config() {
   MoEConfig c;
   c.n_routed_experts = 8;
@@ -33,6 +34,7 @@ MoEConfig full_config() {
   c.n_shared_experts = 1;
   c.shared_expert_inter_dim = 4;
   c.shared_expert_gate = true;
+  c.moe_latent_size = 5;
   return c;
 }
 

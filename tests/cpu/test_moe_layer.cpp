@@ -1089,7 +1089,7 @@ TEST(MoELayer, GateInputDtypeRoutesLikeTheBf16Gate) {
             "gate_input_dtype");
 }
 
-TEST(MoELayer, ReplayIndicesReachTheGateAndLatentProjectionIsRefused) {
+TEST(MoELayer, ReplayIndicesReachTheGate) {
   MoEConfig c = small_config(Activation::swiglu, ScoreFunc::sigmoid);
   c.enable_routing_replay = true;
   MoELayer layer(c, BackendConfig{}, nullptr, f64_options());
@@ -1098,11 +1098,46 @@ TEST(MoELayer, ReplayIndicesReachTheGateAndLatentProjectionIsRefused) {
   const MoEOutput out = layer.forward(x, Tensor(), false, forced);
   const GateOutput g = layer.gate()->forward(x, Tensor(), false, forced);
   EXPECT_TRUE(same_values(out.out, layer.experts().forward_loop(x, Tensor(), g.weights, forced)));
-  MoEConfig latent = small_config();
-  latent.moe_latent_size = 4;
-  const auto e = catch_error<ArgumentError>([&] { MoELayer(latent, BackendConfig{}, nullptr, f64_options()); });
-  ASSERT_TRUE(e.has_value());
-  EXPECT_EQ(e->argument(), "moe.moe_latent_size");
+}
+
+// y = fc2(experts(fc1(x))) with the router on x (Automodel's MoE with moe_latent_size), against
+// nn.Linear written out here and the experts' per-token loop in the latent width.
+TEST(MoELayer, LatentProjectionsWrapTheRoutedExperts) {
+  MoEConfig c = small_config(Activation::swiglu, ScoreFunc::sigmoid);
+  c.enable_routing_replay = true;
+  c.moe_latent_size = 5;
+  c.expert_bias = true;
+  MoELayer layer(c, BackendConfig{}, nullptr, f64_options());
+  LatentProjections* lp = layer.latent_projections();
+  ASSERT_NE(lp, nullptr);
+  for (Parameter* p : {&lp->fc1_bias(), &lp->fc2_bias()})  // zero after init: make them count
+    for (std::int64_t i = 0; i < p->value.numel(); ++i) p->value.data<double>()[i] = 0.1 * static_cast<double>(i + 1);
+  EXPECT_EQ(layer.experts().gate_and_up_projs().value.shape(), Shape({8, 5, 12}));
+  const Tensor x = randn({4, c.dim}, 8);
+  const Tensor forced = Tensor::from_vector<std::int64_t>({7, 6, 5, 4, 3, 2, 1, 0}, {4, 2});
+  const MoEOutput out = layer.forward(x, Tensor(), false, forced);
+  const GateOutput g = layer.gate()->forward(x, Tensor(), false, forced);
+  auto linear = [](const Tensor& in, const Parameter& w, const Parameter& b) {
+    const std::int64_t rows = in.size(0), n_in = w.value.size(1), n_out = w.value.size(0);
+    Tensor o = Tensor::zeros({rows, n_out}, DType::f64);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < n_out; ++j) {
+        double s = b.value.data<double>()[j];
+        for (std::int64_t i = 0; i < n_in; ++i) s += w.value.data<double>()[j * n_in + i] * in.data<double>()[r * n_in + i];
+        o.data<double>()[r * n_out + j] = s;
+      }
+    return o;
+  };
+  const Tensor x_latent = linear(x, lp->fc1_weight(), lp->fc1_bias());
+  const Tensor want =
+      linear(layer.experts().forward_loop(x_latent, Tensor(), g.weights, forced), lp->fc2_weight(), lp->fc2_bias());
+  ASSERT_EQ(out.out.shape(), want.shape());
+  for (std::int64_t i = 0; i < want.numel(); ++i)
+    EXPECT_NEAR(out.out.data<double>()[i], want.data<double>()[i], 1e-12) << i;
+  std::vector<std::string> names;
+  for (Parameter* p : layer.parameters()) names.push_back(p->name);
+  for (const char* n : {"fc1_latent_proj.weight", "fc1_latent_proj.bias", "fc2_latent_proj.weight", "fc2_latent_proj.bias"})
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
 }
 
 // A rank-major dispatch (DeepEP's layout) under the layer: the experts read the received rows

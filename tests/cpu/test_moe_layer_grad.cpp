@@ -191,6 +191,26 @@ std::vector<GradCase> grad_cases() {
     v.push_back({"sigmoid_with_bias_groups_geglu_shared_limit", c});
   }
   {
+    // Automodel's latent projections around the routed experts (biases on), a gated shared expert
+    // reading x, and the router reading x: every path of grad x meets in one sum.
+    MoEConfig c = base_config();
+    c.moe_latent_size = 5;
+    c.expert_bias = true;
+    c.n_shared_experts = 1;
+    c.shared_expert_gate = true;
+    c.score_func = ScoreFunc::sigmoid;
+    c.force_e_score_correction_bias = true;
+    c.aux_loss_coeff = 0.2;
+    v.push_back({"latent_projections_bias_shared", c});
+  }
+  {
+    MoEConfig c = base_config();
+    c.moe_latent_size = 11;  // wider than dim
+    c.expert_activation = Activation::relu2;
+    c.apply_router_weight_after_down = true;
+    v.push_back({"latent_projections_wide_relu2_after_down", c, /*padding=*/true});
+  }
+  {
     MoEConfig c = base_config();
     c.score_func = ScoreFunc::sigmoid;
     c.force_e_score_correction_bias = true;

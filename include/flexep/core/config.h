@@ -99,8 +99,9 @@ struct MoEConfig {
   DType dtype = DType::bf16;  // parameter dtype on the GPU path
   // Storage dtype of the gate weight and bias; nullopt = dtype.
   std::optional<DType> gate_dtype;
-  // Automodel's latent projection size; 0 = none (JSON null). Accepted, not implemented: the
-  // layers refuse a non-zero value.
+  // Automodel's latent projection size; 0 = none (JSON null). When set, the routed experts work in
+  // this width: x is projected dim -> latent (fc1_latent_proj) before dispatch and the combined
+  // output latent -> dim (fc2_latent_proj) after it; the router and the shared experts read x.
   int moe_latent_size = 0;
   // Rollout routing replay: the gates accept forced expert indices (Gate::forward, replay_indices).
   bool enable_routing_replay = false;
@@ -122,6 +123,16 @@ struct MoEConfig {
     return group_mask == GroupMask::neg_inf || score_func == ScoreFunc::sigmoid_with_bias;
   }
   DType gate_storage_dtype() const { return gate_dtype ? *gate_dtype : dtype; }
+  bool latent() const { return moe_latent_size > 0; }
+  // The width the routed experts and the dispatcher see: the latent size when set, else dim.
+  int expert_dim() const { return latent() ? moe_latent_size : dim; }
+  // This configuration as the routed experts see it (dim = expert_dim()).
+  MoEConfig routed_expert_config() const {
+    MoEConfig c = *this;
+    c.dim = expert_dim();
+    c.moe_latent_size = 0;
+    return c;
+  }
   // Columns of gate_and_up_projs: 2*moe_inter_dim for gated activations, moe_inter_dim for relu2.
   int up_dim() const { return expert_activation == Activation::relu2 ? moe_inter_dim : 2 * moe_inter_dim; }
   int shared_inter() const {

@@ -6,6 +6,8 @@
 //   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
 //   y_rows = experts(rows)                         (CudaGroupedExpertsCompute, prob inside the FFN)
 //   y = combine(y_rows) + shared_experts(x)       (shared experts on a second stream, joined at the end)
+// With moe.moe_latent_size the routed path is wrapped by Automodel's latent projections: rows are
+// dispatched from fc1_latent_proj(x) and y = fc2_latent_proj(combine(y_rows)) + shared_experts(x).
 //
 // The object holds the configuration, the dispatcher, a side stream, events and one routing cache
 // (the fake balanced gate without noise), never a weight: every call reads the weights it is given,
@@ -50,12 +52,18 @@ struct CudaMoEPhaseTimes {
   double router = 0, dispatch = 0, experts = 0, combine = 0, shared = 0;
 };
 
+// An nn.Linear's gradient targets: weight [out, in] and bias [out], f32, added to.
+struct CudaLinearGradTargets {
+  TensorView weight, bias;
+};
+
 // Where backward_into writes the gradients; undefined members are not computed. gate_weight,
-// gate_bias and shared_expert_gate are f32 and added to (router and shared-gate kernels); the
-// experts' as CudaExpertGradTargets says.
+// gate_bias, shared_expert_gate and the latent projections' are f32 and added to; the experts' as
+// CudaExpertGradTargets says.
 struct CudaMoEGradTargets {
   TensorView gate_weight, gate_bias, shared_expert_gate;
   CudaExpertGradTargets experts, shared_experts;
+  CudaLinearGradTargets fc1_latent_proj, fc2_latent_proj;
 };
 
 class CudaMoECompute {

@@ -7,6 +7,7 @@
 //   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
 //   y_rows = experts(rows)                         (CudaGroupedExperts, prob inside the FFN)
 //   y = combine(y_rows) + shared_experts(x)       (shared experts on a second stream, joined at the end)
+// (with moe.moe_latent_size, between fc1_latent_proj and fc2_latent_proj: cuda_moe_compute.h)
 //
 // Parameters are bf16 device tensors (the gate weight and bias f32 with moe.gate_dtype float32);
 // inputs and outputs bf16. Routing rounds as Automodel's Gate with bf16 x (cuda/router.h).
@@ -101,11 +102,14 @@ class CudaMoELayer {
  private:
   void upload_shared(const std::vector<Parameter*>& cpu_shared_params, cudaStream_t stream);
   void renew_own_grads();
+  // The parameters whose f32 gradients the layer itself holds (not the grouped experts').
+  std::vector<Parameter*> own_f32_grad_parameters();
   MoEConfig config_;
   BackendConfig backend_;
   CudaMoELayerOptions options_;
   std::unique_ptr<CudaMoECompute> compute_;  // first: outlives the parameters (its streams retire last)
   Parameter gate_weight_, gate_bias_, shared_gate_;
+  Parameter fc1_weight_, fc1_bias_, fc2_weight_, fc2_bias_;  // moe.moe_latent_size: f32 gradients
   Tensor correction_bias_;                  // [E] f32 device
   Tensor cumulative_load_;                  // [E] i64 device
   std::vector<double> correction_master_;  // fp64 master of the correction bias

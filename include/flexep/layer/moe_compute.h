@@ -4,6 +4,8 @@
 //   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
 //   y_rows = experts(rows)                         (prob applied inside the FFN)
 //   y = combine(y_rows) (+ shared_experts(x))
+// With moe.moe_latent_size, Automodel's latent projections wrap the routed path: rows are
+// dispatched from fc1_latent_proj(x) and y = fc2_latent_proj(combine(y_rows)) (+ shared_experts(x)).
 // The object holds the configuration and the dispatcher, never a weight: forward and backward read
 // the MoEWeights (moe_weights.h) they are given during the call, the saved state holds activations
 // only, and backward returns fresh gradients for exactly the weights it was given. MoELayer

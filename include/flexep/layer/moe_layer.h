@@ -4,6 +4,8 @@
 //   rows = dispatch(x, indices, weights)          (expert-major on the owning ranks)
 //   y_rows = experts(rows)                         (prob applied inside the FFN)
 //   y = combine(y_rows) (+ shared_experts(x))
+// (with moe.moe_latent_size, rows come from fc1_latent_proj(x) and fc2_latent_proj maps the combined
+// rows back to dim; moe_compute.h).
 // Backward runs the same chain in reverse and accumulates the gradient of every parameter
 // (Parameter::grad: the fresh gradient when it was undefined, else added to it). The gradients of
 // replicated parameters (gate, shared experts) are this rank's contribution; the training loop
@@ -19,6 +21,7 @@
 #include "flexep/dispatch/dispatcher.h"
 #include "flexep/layer/gate.h"
 #include "flexep/layer/grouped_experts.h"
+#include "flexep/layer/latent_projections.h"
 #include "flexep/layer/moe_compute.h"
 #include "flexep/layer/shared_experts.h"
 
@@ -56,6 +59,7 @@ class MoELayer {
   Gate* gate() { return gate_.get(); }  // null with the fake balanced gate
   GroupedExperts& experts() { return *experts_; }
   SharedExperts* shared_experts() { return shared_.get(); }
+  LatentProjections* latent_projections() { return latent_.get(); }  // null without moe.moe_latent_size
   const MoEConfig& config() const { return config_; }
   const BackendConfig& backend_config() const { return backend_; }
   int ep_rank() const { return compute_.ep_rank(); }
@@ -73,6 +77,7 @@ class MoELayer {
   std::unique_ptr<FakeBalancedGate> fake_gate_;
   std::unique_ptr<GroupedExperts> experts_;
   std::unique_ptr<SharedExperts> shared_;
+  std::unique_ptr<LatentProjections> latent_;  // moe.moe_latent_size
 };
 
 }  // namespace flexep

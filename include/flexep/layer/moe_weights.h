@@ -8,7 +8,9 @@
 // experts use the grouped one-expert layout on every device: gate_and_up_projs [1, dim, up_s] =
 // [gate_proj^T | up_proj^T] (relu2: up_proj^T), down_projs [1, inter_s, dim] = down_proj^T, biases
 // [1, up_s] = [gate_proj.bias | up_proj.bias] and [1, dim] (inter_s = moe.shared_inter(), up_s =
-// 2 * inter_s for gated activations, inter_s for relu2).
+// 2 * inter_s for gated activations, inter_s for relu2). With moe.moe_latent_size the routed experts'
+// "dim" is the latent size (moe.expert_dim()) and the two latent projections are nn.Linear-shaped:
+// fc1_latent_proj [latent, dim], fc2_latent_proj [dim, latent], biases (moe.expert_bias) [out].
 #pragma once
 
 #include <functional>
@@ -42,11 +44,22 @@ struct GateGradients {
   Tensor weight, bias;
 };
 
+// An nn.Linear: weight [out, in], bias [out] (moe.expert_bias).
+struct LinearWeights {
+  TensorView weight;
+  TensorView bias;
+};
+struct LinearGradients {
+  Tensor weight, bias;
+};
+
 struct MoEWeights {
   GateWeights gate;
   ExpertWeights experts;
   ExpertWeights shared_experts;
   TensorView shared_expert_gate;  // "shared_expert_gate.weight" [1, dim]
+  LinearWeights fc1_latent_proj;  // dim -> latent (moe.moe_latent_size)
+  LinearWeights fc2_latent_proj;  // latent -> dim
 
   // The member of a state_dict name, or null for a name the layer does not have.
   TensorView* find(std::string_view name);
@@ -60,12 +73,14 @@ struct MoEGradients {
   ExpertGradients experts;
   ExpertGradients shared_experts;
   Tensor shared_expert_gate;
+  LinearGradients fc1_latent_proj, fc2_latent_proj;
 
   // (state_dict name, gradient) for every defined gradient, in moe_weight_names() order.
   std::vector<std::pair<std::string, Tensor>> named() const;
 };
 
-// Every weight name the layer can have, in a fixed order (gate, routed experts, shared experts).
+// Every weight name the layer can have, in a fixed order (gate, routed experts, shared experts,
+// latent projections: Automodel's module order).
 const std::vector<std::string>& moe_weight_names();
 
 // One weight a configuration takes.

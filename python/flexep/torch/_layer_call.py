@@ -1,15 +1,15 @@
 """One MoE layer call into the library, from the tensors a module holds at that moment.
 
 `run_moe(moe, x, padding_mask)` serves flexep's own MoE and an Automodel MoE that flexep was put into
-alike: both have Automodel's module tree (gate, experts, shared_experts, shared_expert_gate) and
-parameter names. Every call reads the module's current tensors (the local shard of a DTensor, the
+alike: both have Automodel's module tree (gate, experts, shared_experts, shared_expert_gate,
+fc1_latent_proj, fc2_latent_proj) and parameter names. Every call reads the module's current tensors (the local shard of a DTensor, the
 unsharded parameter FSDP2 put in place for this forward), casts them as Automodel's layer does,
 passes them as DLPack views to the library's MoECompute and gets a gradient back for each of them.
 The library keeps no pointer to them between calls.
 
 The library call runs inside `experts.forward`: Automodel's parallelizer makes the experts their own
 FSDP2 unit, whose parameters exist unsharded only while that module's forward runs (and again from
-its pre-backward hook on). The gate's and shared experts' tensors, which belong to the enclosing
+its pre-backward hook on). The gate's, shared experts' and latent projections' tensors, which belong to the enclosing
 block's unit, travel into that forward inside a `LayerCall`, an object FSDP2's input casting does
 not look into (it would otherwise cast the fp32 correction bias to the compute dtype).
 """
@@ -164,6 +164,12 @@ class LayerCall:
             w.update(_shared_grouped(moe.shared_experts, dtype))
             if moe.shared_expert_gate is not None:
                 w["shared_expert_gate.weight"] = _local(moe.shared_expert_gate.weight).to(dtype).contiguous()
+        for name in ("fc1_latent_proj", "fc2_latent_proj"):
+            proj = getattr(moe, name, None)
+            if proj is not None:
+                w[f"{name}.weight"] = _local(proj.weight).to(dtype).contiguous()
+                if proj.bias is not None:
+                    w[f"{name}.bias"] = _local(proj.bias).to(dtype).contiguous()
         self.weights = w
 
 

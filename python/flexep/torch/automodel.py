@@ -65,9 +65,6 @@ def _check_supported(name: str, module) -> None:
         raise _flexep.ArgumentError(
             f"flexep: invalid argument 'model': {name}.experts is {type(experts).__name__}; flexep's layer takes "
             "the experts of GroupedExperts or GroupedExpertsDeepEP (backend.experts 'torch', 'torch_mm' or 'gmm')")
-    if getattr(module, "fc1_latent_proj", None) is not None:
-        raise _flexep.ArgumentError(f"flexep: invalid argument 'model': {name} has latent expert projections "
-                                    "(moe_latent_size), which flexep's layer does not offer yet")
 
 
 def use_flexep(model, backend: Optional[BackendConfig] = None, *, pad_multiple: int = 1) -> int:
@@ -75,7 +72,7 @@ def use_flexep(model, backend: Optional[BackendConfig] = None, *, pad_multiple: 
 
     backend: the dispatcher and SM settings for flexep (flexep's or Automodel's BackendConfig);
     default: each layer's own Automodel backend. Raises flexep.ArgumentError naming the first layer
-    whose parts flexep cannot serve (TE or MoK experts, latent projections). Routing replay
+    whose parts flexep cannot serve (TE or MoK experts). Routing replay
     (Automodel's RouterReplay on the gate) is honoured: recorded and replayed as Automodel does.
     """
     from nemo_automodel.components.moe.layers import MoE as AutomodelMoE

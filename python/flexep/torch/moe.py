@@ -51,10 +51,6 @@ class MoE(nn.Module):
         super().__init__()
         config = MoEConfig.from_automodel(config)
         backend = BackendConfig.from_automodel(backend) if backend is not None else BackendConfig()
-        if config.moe_latent_size is not None:
-            raise _flexep.ArgumentError(
-                f"flexep: invalid argument 'moe.moe_latent_size': latent expert projections (got "
-                f"{config.moe_latent_size}) are not offered by flexep's layer yet; allowed: None")
         if group is not None and not isinstance(group, HostRank) and not (dist.is_available()
                                                                           and dist.is_initialized()):
             raise _flexep.ArgumentError("flexep: invalid argument 'group': a torch.distributed group needs "
@@ -81,8 +77,17 @@ class MoE(nn.Module):
         else:
             self.shared_experts = None
             self.shared_expert_gate = None
-        self.fc1_latent_proj = None
-        self.fc2_latent_proj = None
+        if config.moe_latent_size is not None:
+            # Automodel's latent projections: the routed experts work in moe_latent_size; the gate
+            # and the shared experts read x.
+            latent = config.moe_latent_size
+            self.fc1_latent_proj = nn.Linear(config.dim, latent, bias=config.expert_bias, dtype=config.dtype,
+                                             device=device)
+            self.fc2_latent_proj = nn.Linear(latent, config.dim, bias=config.expert_bias, dtype=config.dtype,
+                                             device=device)
+        else:
+            self.fc1_latent_proj = None
+            self.fc2_latent_proj = None
         self.cp_mesh = None
         if self.experts.gate_and_up_projs.device.type != "meta":
             self.init_weights(self.experts.gate_and_up_projs.device, init_std)
@@ -102,6 +107,12 @@ class MoE(nn.Module):
         for m in (self.gate, self.experts, self.shared_experts):
             if m is not None:
                 m.init_weights(buffer_device, init_std)
+        with torch.no_grad():
+            for proj in (self.fc1_latent_proj, self.fc2_latent_proj):
+                if proj is not None:
+                    proj.weight.normal_(mean=0.0, std=init_std)
+                    if proj.bias is not None:
+                        proj.bias.zero_()
 
     def update_bias(self) -> None:
         """Automodel's gate.update_bias() (aux-loss-free balancing)."""
