@@ -202,8 +202,10 @@ class PyMoECompute {
 }  // namespace
 
 void bind_moe_compute(nb::module_& m) {
+  // Weak-referenceable: whoever holds the autograd graph can check that a state was freed.
   nb::class_<PyMoEState>(m, "MoEComputeState",
-                         "What a MoECompute forward saved for its backward (opaque; no weights).")
+                         "What a MoECompute forward saved for its backward (opaque; no weights).",
+                         nb::is_weak_referenceable())
       .def(
           "routing", [](const PyMoEState& s) { return nb::make_tuple(to_python(s.indices), to_python(s.weights)); },
           "-> (indices [T, k] int64: the router's selection, padding tokens included; weights [T, k]).");

@@ -2,7 +2,9 @@
 to_empty + init_weights, .to() / .double(), load_state_dict(assign=True), activation checkpointing,
 micro-batch accumulation and optimizers behave as with Automodel's own layer."""
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -99,6 +101,44 @@ def test_activation_checkpointing(use_reentrant):
     torch.testing.assert_close(xc.grad, gx_plain)
     for n, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, g_plain[n], msg=n)
+
+
+class _RecordingCompute:
+    """The library's MoECompute, recording a weak reference to the state of each forward."""
+
+    def __init__(self, inner):
+        self.inner, self.states = inner, []
+
+    def forward(self, *args):
+        out = self.inner.forward(*args)
+        self.states.append(weakref.ref(out[3]))
+        return out
+
+    def backward(self, *args):
+        return self.inner.backward(*args)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_checkpointing_frees_the_librarys_activations_until_backward(monkeypatch, checkpointed):
+    """Under torch.utils.checkpoint the library's saved state (its activations) is freed right after
+    the forward and made again by the recomputation for the backward; without checkpointing it lives
+    until the backward. Either way the graph frees it."""
+    import flexep.torch._layer_call as lc
+
+    _, ours = pair(**CONFIG)
+    real, recorded = lc.compute_of, {}
+    monkeypatch.setattr(lc, "compute_of", lambda moe, device: recorded.setdefault("c", _RecordingCompute(
+        real(moe, device))))
+    x = _x().requires_grad_()
+    y = ckpt.checkpoint(ours, x, use_reentrant=False) if checkpointed else ours(x)
+    gc.collect()
+    states = recorded["c"].states
+    assert len(states) == 1 and (states[0]() is None) == checkpointed
+    y.square().sum().backward()
+    assert len(states) == (2 if checkpointed else 1)
+    gc.collect()
+    assert all(s() is None for s in states)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_micro_batches_accumulate_into_grad():

@@ -85,6 +85,17 @@ std::vector<Case> cases() {
     c.moe.force_e_score_correction_bias = true;
     v.push_back(c);
   }
+  {
+    // Automodel's latent projections (biases on) around the routed experts, in a latent width
+    // other than dim.
+    Case c{"latent_projections_bias_shared_padding", base_config(), 0.2};
+    c.moe.moe_latent_size = 40;
+    c.moe.expert_bias = true;
+    c.moe.n_shared_experts = 1;
+    c.moe.score_func = ScoreFunc::sigmoid;
+    c.moe.force_e_score_correction_bias = true;
+    v.push_back(c);
+  }
   return v;
 }
 

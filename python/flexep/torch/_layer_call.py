@@ -196,6 +196,25 @@ class _Outputs:
     __slots__ = ("aux_loss", "expert_load", "routing")
 
 
+def _state_token(state) -> torch.Tensor:
+    """An empty tensor that owns the library's saved state. It is saved for backward like any
+    activation, so whatever autograd does with saved tensors it does with the library's activations
+    too: activation checkpointing (torch.utils.checkpoint) drops it after the forward, which frees
+    the state, and its recomputation makes a new one for the backward."""
+    token = torch.empty(0)
+    token._flexep_state = state
+    return token
+
+
+def _state_of(token: torch.Tensor):
+    state = getattr(token, "_flexep_state", None)
+    if state is None:
+        raise _flexep.Error("flexep: the MoE layer's saved state did not come back from autograd's saved-tensor "
+                            "hooks: a hook that copies saved tensors (e.g. torch.autograd.graph.save_on_cpu) cannot "
+                            "carry it; activation checkpointing (torch.utils.checkpoint) can")
+    return state
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compute, names, mask, routing, training, outputs, x, *tensors):
@@ -204,16 +223,17 @@ class _MoEFunction(torch.autograd.Function):
         outputs.aux_loss = None if aux is None else torch.from_dlpack(aux).reshape(()).float()  # fp32 scalar, as Automodel
         outputs.expert_load = None if load is None else torch.from_dlpack(load)
         outputs.routing = tuple(torch.from_dlpack(t) for t in state.routing())
-        ctx.compute, ctx.names, ctx.state = compute, names, state
-        ctx.save_for_backward(*tensors)
+        ctx.compute, ctx.names = compute, names
+        ctx.save_for_backward(_state_token(state), *tensors)
         return torch.from_dlpack(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        weights = dict(zip(ctx.names, ctx.saved_tensors))
+        token, *tensors = ctx.saved_tensors
+        weights = dict(zip(ctx.names, tensors))
         g = grad_out.contiguous()
         # The state stays with the graph (freed with it), so backward can run again under retain_graph.
-        grad_x, grads = ctx.compute.backward(weights, ctx.state, g, aux_loss_scale(), _stream(g))
+        grad_x, grads = ctx.compute.backward(weights, _state_of(token), g, aux_loss_scale(), _stream(g))
         result = [None] * 6 + [torch.from_dlpack(grad_x)]
         for i, name in enumerate(ctx.names):
             grad = grads.get(name)

@@ -40,6 +40,8 @@ CASES = {
     "softmax-before-topk-geglu-relu2-shared": dict(score_func="softmax", softmax_before_topk=True,
                                                    expert_activation="geglu", n_shared_experts=1,
                                                    shared_expert_activation="relu2"),
+    "latent-bias-shared": dict(score_func="sigmoid", force_e_score_correction_bias=True, moe_latent_size=96,
+                               expert_bias=True, n_shared_experts=1),
 }
 
 
