@@ -35,7 +35,7 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
   cuda::init();
   cuda::DeviceGuard guard(comm_->device());
   const int R = comm_->size(), me = comm_->rank();
-  FLEXEP_CHECK_ARG(R <= kMaxSymmetricPeers, "comm", name_, " supports at most ", kMaxSymmetricPeers,
+  FLEXEP_CHECK_ARG(R <= kMaxSymmetricRanks, "comm", name_, " supports at most ", kMaxSymmetricRanks,
                    " ranks in one NVLink domain, the communicator has ", R);
 
   // Windows must have the same size on every rank (NCCL 2.28.9 maps each peer's allocation with the
@@ -86,7 +86,11 @@ void SymmetricBuffer::init(const SymmetricBufferSpec& spec) {
     //    current epoch. Then resolve the peer addresses.
     FLEXEP_CUDA_CHECK(cudaMemset(local_, 0, spec.window_bytes));
     FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
-    detail::resolve_symmetric_peers(window_, dev_comm_, flag_handle_, spec.flag_bytes != 0, R, &peers_);
+    peer_windows_.assign(static_cast<std::size_t>(R), nullptr);
+    peer_flags_.assign(static_cast<std::size_t>(R), nullptr);
+    detail::resolve_symmetric_peers(window_, dev_comm_, flag_handle_, spec.flag_bytes != 0, R, peer_windows_.data(),
+                                    peer_flags_.data());
+    publish_peers();
 
     // 4. No rank may write into a peer's window before that peer has zeroed it.
     comm_->barrier(name_ + ":init");
@@ -130,14 +134,33 @@ void SymmetricBuffer::init_simulated() {
       const auto* holder =
           reinterpret_cast<const std::shared_ptr<SimulatedMemory>*>(static_cast<std::uintptr_t>(all[r]));
       simulated_peers_.push_back(*holder);
-      peers_.window[r] = static_cast<char*>(simulated_peers_.back()->window);
-      peers_.flags[r] = static_cast<char*>(simulated_peers_.back()->flags);
+      peer_windows_.push_back(static_cast<char*>(simulated_peers_.back()->window));
+      peer_flags_.push_back(static_cast<char*>(simulated_peers_.back()->flags));
     }
+    publish_peers();
     comm_->barrier(name_ + ":init");  // every rank zeroed its buffers and took its peers' holders
   } catch (...) {
     teardown_local();
     throw;
   }
+}
+
+void SymmetricBuffer::publish_peers() {
+  const int R = size();
+  for (int r = 0; r < R && r < kMaxSymmetricPeers; ++r) {
+    peers_.window[r] = peer_windows_[static_cast<std::size_t>(r)];
+    peers_.flags[r] = peer_flags_[static_cast<std::size_t>(r)];
+  }
+  std::vector<char*> table(peer_windows_);
+  table.insert(table.end(), peer_flags_.begin(), peer_flags_.end());
+  FLEXEP_CUDA_CHECK(cudaMalloc(&peer_table_, table.size() * sizeof(char*)));
+  FLEXEP_CUDA_CHECK(cudaMemcpy(peer_table_, table.data(), table.size() * sizeof(char*), cudaMemcpyHostToDevice));
+}
+
+const SymmetricPeers& SymmetricBuffer::peers() const {
+  FLEXEP_CHECK(size() <= kMaxSymmetricPeers, name_, ": the by-value peer table holds ", kMaxSymmetricPeers,
+               " ranks, the group has ", size(), " (use peer_table())");
+  return peers_;
 }
 
 void SymmetricBuffer::resize(const SymmetricBufferSpec& spec) {
@@ -172,6 +195,7 @@ void SymmetricBuffer::teardown_local() noexcept {
     ncclCommWindowDeregister(comm_->get(), window_);
     settle(comm_->get(), comm_->timeout_seconds());
   }
+  if (peer_table_) cudaFree(peer_table_);
   if (comm_->simulated()) {
     simulated_.reset();  // freed with the last rank's reference
     simulated_peers_.clear();
@@ -186,6 +210,9 @@ void SymmetricBuffer::teardown_local() noexcept {
   dev_comm_created_ = false;
   flag_handle_ = 0;
   peers_ = {};
+  peer_windows_.clear();
+  peer_flags_.clear();
+  peer_table_ = nullptr;
 }
 
 }  // namespace flexep

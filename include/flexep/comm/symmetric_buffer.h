@@ -5,8 +5,10 @@
 //     buffer for flags and counters (zeroed once by NCCL, persistent across kernels and graph
 //     replays);
 //   - the address of every peer's window and flag buffer, resolved once at init with
-//     ncclGetLsaPointer / ncclGetResourceBufferLsaPointer by a one-block kernel and kept in a
-//     SymmetricPeers table that kernels take by value.
+//     ncclGetLsaPointer / ncclGetResourceBufferLsaPointer by a small kernel and kept twice: in
+//     device memory for any number of ranks (SymmetricPeerTable, what deepep's kernels read), and
+//     for up to kMaxSymmetricPeers ranks in a SymmetricPeers table that kernels take by value
+//     (hybridep's kernels, one lane per rank).
 //
 // With simulated ranks (Communicator::simulate: R threads on one GPU, which NCCL refuses) the window
 // and the flag buffer are plain device allocations of each rank, their addresses exchanged through
@@ -39,14 +41,25 @@
 
 namespace flexep {
 
+// Ranks one buffer serves: one NVLink domain (a GB200 NVL72 domain holds 72).
+constexpr int kMaxSymmetricRanks = 1024;
+// Ranks of the by-value table below.
 constexpr int kMaxSymmetricPeers = 32;
 
 // Base addresses of every rank's window and flag buffer in this process's address space
 // (peer r's memory is reached over NVLink; entry [rank] is the local memory through NCCL's flat
-// mapping). Entries at and beyond `ranks` are null.
+// mapping). Entries at and beyond `ranks` are null. Filled for groups of at most
+// kMaxSymmetricPeers ranks.
 struct SymmetricPeers {
   char* window[kMaxSymmetricPeers];
   char* flags[kMaxSymmetricPeers];
+};
+
+// The same addresses for any number of ranks, as two device arrays of `ranks` entries owned by the
+// buffer: a kernel argument whose size does not grow with the group.
+struct SymmetricPeerTable {
+  char* const* window = nullptr;
+  char* const* flags = nullptr;
 };
 
 struct SymmetricBufferSpec {
@@ -72,7 +85,13 @@ class SymmetricBuffer {
   // Bytes held: the window's allocation (ncclMemAlloc rounds up) plus the flag buffer.
   std::size_t allocated_bytes() const { return allocated_ + (initialized() ? spec_.flag_bytes : 0); }
   void* local() const { return local_; }  // this rank's window (the ncclMemAlloc address)
-  const SymmetricPeers& peers() const { return peers_; }
+  // By value, for at most kMaxSymmetricPeers ranks (throws for larger groups).
+  const SymmetricPeers& peers() const;
+  // In device memory, for any number of ranks.
+  SymmetricPeerTable peer_table() const { return {peer_table_, peer_table_ + size()}; }
+  // Host copies of the addresses (rank r's window and flag buffer in this process).
+  char* peer_window(int r) const { return peer_windows_[static_cast<std::size_t>(r)]; }
+  char* peer_flags(int r) const { return peer_flags_[static_cast<std::size_t>(r)]; }
   ncclWindow_t window() const { return window_; }
   const ncclDevComm& dev_comm() const { return dev_comm_; }
   ncclDevResourceHandle_t flag_handle() const { return flag_handle_; }
@@ -82,6 +101,7 @@ class SymmetricBuffer {
 
  private:
   void init_simulated();
+  void publish_peers();  // the host lists into peers_ and the device table
   void teardown_local() noexcept;
 
   std::shared_ptr<Communicator> comm_;
@@ -94,6 +114,8 @@ class SymmetricBuffer {
   bool dev_comm_created_ = false;
   ncclDevResourceHandle_t flag_handle_ = 0;
   SymmetricPeers peers_{};
+  std::vector<char*> peer_windows_, peer_flags_;  // [ranks]
+  char** peer_table_ = nullptr;                   // device: [ranks] windows, then [ranks] flag buffers
   // Simulated ranks: this rank's window and flag buffer, and every rank's, held like NCCL's peer
   // mappings: memory is freed when the last rank lets go, so a peer's late store never lands in a
   // new allocation at the same address.
@@ -103,10 +125,11 @@ class SymmetricBuffer {
 };
 
 namespace detail {
-// Fills `out` (host) with the peer addresses of `window` and of the resource buffer `flags`
-// (ignored when has_flags is false), via a one-block kernel on `device` (synchronises).
+// Fills `windows` and `flag_buffers` (host, `ranks` entries each) with the peer addresses of
+// `window` and of the resource buffer `flags` (null when has_flags is false), via a kernel on the
+// current device (synchronises).
 void resolve_symmetric_peers(ncclWindow_t window, const ncclDevComm& dev_comm, ncclDevResourceHandle_t flags,
-                             bool has_flags, int ranks, SymmetricPeers* out);
+                             bool has_flags, int ranks, char** windows, char** flag_buffers);
 }  // namespace detail
 
 }  // namespace flexep

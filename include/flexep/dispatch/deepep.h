@@ -1,8 +1,8 @@
 // The `deepep` backend of the TokenDispatcher: DeepEP's rank-major layout (docs/semantics.md,
 // "Rank-major dispatch"; docs/deepep.md), and the expert-major layout derived from it on the
 // receiver, rows moved by our CUDA kernels over NVLink into NCCL
-// symmetric windows (NCCL_WIN_DEFAULT, never multicast). All ranks in one NVLink domain (at most
-// 32 ranks). Per call on each rank:
+// symmetric windows (NCCL_WIN_DEFAULT, never multicast). All ranks in one NVLink domain, any
+// number of them (kMaxSymmetricRanks). Per call on each rank:
 //
 //   dispatch:  a count kernel validates the ids and counts rows per destination rank and pairs per
 //              expert; the counts and the call signature are all-gathered (host sync: blocking mode);

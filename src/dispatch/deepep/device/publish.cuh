@@ -9,7 +9,7 @@
 
 namespace flexep::deepep {
 
-__device__ inline void publish_to_peers(const hybridep::OpSession& session, const SymmetricPeers& peers, int kind,
+__device__ inline void publish_to_peers(const hybridep::OpSession& session, const SymmetricPeerTable& peers, int kind,
                                         int ranks, int rank) {
   hybridep::fence_sys(::cuda::memory_order_seq_cst);
   if (!session.last_cta_to_finish()) return;

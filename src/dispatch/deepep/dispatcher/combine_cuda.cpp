@@ -20,7 +20,7 @@ void Dispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, const 
   const cudaStream_t s = stream();
   const int ctas = options_.sms > 0 ? options_.sms : 20;
   SendPartialsCall c;
-  c.peers = sym_.peers();
+  c.peers = sym_.peer_table();
   c.rank = rank();
   c.ranks = world_size();
   c.k = static_cast<int>(h.topk);

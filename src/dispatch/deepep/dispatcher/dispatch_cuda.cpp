@@ -283,7 +283,7 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   out.entries = failed ? 0 : expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple);
   out.words = scratch(true, Scratch::layout, layout_word::words(R, L), false);
   NotifyCall c;
-  c.peers = sym_.peers();
+  c.peers = sym_.peer_table();
   c.rank = rank();
   c.ranks = R;
   c.experts = experts_;
@@ -354,7 +354,7 @@ void Dispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, const 
   const cudaStream_t s = stream();
   const int L = local_experts();
   SendRowsCall c;
-  c.peers = sym_.peers();
+  c.peers = sym_.peer_table();
   c.rank = rank();
   c.ranks = world_size();
   c.local_experts = L;

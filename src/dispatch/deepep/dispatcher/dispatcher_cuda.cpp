@@ -104,8 +104,8 @@ void Dispatcher::check_options(int num_experts) {
   p.ranks = R;
   p.experts = num_experts;
   validate(p);
-  FLEXEP_CHECK_ARG(R <= kMaxSymmetricPeers, "comm", "has ", R, " ranks; the deepep backend supports at most ",
-                   kMaxSymmetricPeers, " (one NVLink domain)");
+  FLEXEP_CHECK_ARG(R <= kMaxSymmetricRanks, "comm", "has ", R, " ranks; the deepep backend supports at most ",
+                   kMaxSymmetricRanks, " (one NVLink domain)");
   FLEXEP_CHECK_ARG(options_.hidden >= 8 && options_.hidden % 8 == 0, "options.hidden", options_.hidden,
                    " must be a positive multiple of 8 (rows move as 16-byte vectors)");
   FLEXEP_CHECK_ARG(options_.max_tokens_per_rank >= 1, "options.max_tokens_per_rank", "must be >= 1, got ",
@@ -134,7 +134,7 @@ cudaStream_t Dispatcher::stream() const {
 }
 
 const unsigned* Dispatcher::own_flags() const {
-  return reinterpret_cast<const unsigned*>(sym_.peers().flags[comm_->rank()]);
+  return reinterpret_cast<const unsigned*>(sym_.peer_flags(comm_->rank()));
 }
 
 void Dispatcher::require_usable() const {

@@ -55,7 +55,7 @@ struct WindowLayout {
 // words are then kept in `snapshot` and the status says abort, so that the host decodes the exact
 // error at its next check.
 struct NotifyCall {
-  SymmetricPeers peers{};
+  SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, experts = 0;
   long long header[call_signature::kWords] = {};
   const cuda::DeviceErrorRecord* errors = nullptr;
@@ -85,7 +85,7 @@ void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream);
 // Sender: row t goes to dest_row[d * T + t] of rank d's window at `rows_at` (and, with slots, its
 // k slots as d's local ids, their weights, and t). Then one flag per destination: flags[kind * R + me].
 struct SendRowsCall {
-  SymmetricPeers peers{};
+  SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, local_experts = 0, k = 0;
   std::int64_t tokens = 0, hidden = 0;
   const void* x = nullptr;             // [T, H] bf16
@@ -134,7 +134,7 @@ void launch_receive(const ReceiveCall& c, cudaStream_t stream);
 // Sender of the way back: received row i (from source s, token src[i]) goes to rank s's window at
 // part[me][t] (and its k weight gradients to part_w[me][t]); then one flag per source.
 struct SendPartialsCall {
-  SymmetricPeers peers{};
+  SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, k = 0;
   std::int64_t rows = 0, hidden = 0, max_tokens = 0;  // rows: recv_x's (a budget's tail has src -1)
   const long long* layout = nullptr;                  // layout_word: source_begin
