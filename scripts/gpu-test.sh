@@ -43,6 +43,9 @@ export LD_LIBRARY_PATH="${nccl_root:+$nccl_root/lib:}${LD_LIBRARY_PATH:-}"
 
 if [ "${FLEXEP_SANITIZER:-}" != "" ]; then
   step "compute-sanitizer --tool ${FLEXEP_SANITIZER}"
+  # The simulated-rank tests need what ctest gives them (tests/CMakeLists.txt): eager module
+  # loading and a hardware queue per rank.
+  CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 \
   compute-sanitizer --tool "$FLEXEP_SANITIZER" --report-api-errors no --error-exitcode 3 "$build/tests/flexep_gpu_tests" \
     ${FLEXEP_GTEST_FILTER:+--gtest_filter=$FLEXEP_GTEST_FILTER} > "$out/sanitizer-${FLEXEP_SANITIZER}.log" 2>&1
   rc=$?; tail -5 "$out/sanitizer-${FLEXEP_SANITIZER}.log"; [ $rc = 0 ] || status=$rc

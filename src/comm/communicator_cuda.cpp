@@ -232,6 +232,28 @@ std::unique_ptr<Communicator> Communicator::simulate(std::shared_ptr<HostWorld> 
   return std::unique_ptr<Communicator>(new Communicator(std::move(world), rank, device, options));
 }
 
+namespace {
+// The hardware queues the driver gives a context (read when CUDA initialised; 8 by default).
+int hardware_queues() {
+  const char* text = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (text == nullptr || *text == '\0') return 8;
+  char* end = nullptr;
+  const long n = std::strtol(text, &end, 10);
+  if (*end != '\0' || n < 1) return 8;
+  return static_cast<int>(std::min(n, 32L));
+}
+}  // namespace
+
+void Communicator::require_queue_per_rank(const std::string& backend) const {
+  if (!simulated()) return;
+  const int queues = hardware_queues();
+  FLEXEP_CHECK_ARG(size_ <= queues, "comm", backend, ": ", size_, " simulated ranks share GPU ", device_,
+                   " but it has ", queues,
+                   " hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, set before CUDA starts: 8 by default, 32 at "
+                   "most); two ranks' streams in one queue would wait for each other. Simulate at most ",
+                   queues, " ranks");
+}
+
 std::unique_ptr<Communicator> Communicator::borrow(ncclComm_t comm, int device, const CommunicatorOptions& options) {
   FLEXEP_CHECK_ARG(comm != nullptr, "comm", "is null");
   check_nccl_version();

@@ -39,7 +39,6 @@ struct Config {
   bool multihot = false;
   bool separate_stream = false;  // alltoall: NCCL on its own stream
   bool i32_indices = false;
-  int sms = 0;  // deepep: CTAs of the send kernels (0: the backend's default)
 };
 
 inline Config config(std::string name, int experts_per_rank, int k, std::int64_t H, std::vector<std::int64_t> tokens,

@@ -5,15 +5,20 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <numeric>
+#include <string>
 #include <vector>
 
 #include "cpu/host_ranks.h"
 #include "flexep/comm/symmetric_buffer.h"
 #include "flexep/dispatch/alltoall.h"
+#include "flexep/dispatch/deepep.h"
 #include "flexep/dispatch/hybridep.h"
 #include "gpu/dispatch_harness.h"
 #include "gpu/gpu_test_util.h"
 #include "gpu/multi_gpu.h"
+#include "gpu/symmetric_peer_kernels.h"
 
 namespace flexep::testing {
 namespace {
@@ -83,6 +88,80 @@ TEST(SimulatedRanksComm, SymmetricBufferPeersAreTheRanksOwnMemory) {
     EXPECT_EQ(window[r], (std::vector<int>{0, 1})) << "rank " << r;
     EXPECT_EQ(flags[r], (std::vector<int>{0, 1})) << "rank " << r;
   }
+}
+
+// More ranks than SymmetricBuffer's by-value table holds (and than a warp has lanes): that table is
+// refused by name, and every rank reaches every peer through the device table deepep's kernels
+// read. Each rank's kernel stores without waiting, so 40 ranks may share fewer hardware queues.
+TEST(SimulatedRanksComm, SymmetricPeerTableReachesFortyRanks) {
+  if (!require_gpus(1)) return;
+  const Simulate sim(40);
+  const int R = gpu_ranks();
+  std::vector<std::vector<int>> window(R), flags(R);
+  std::vector<std::exception_ptr> by_value(R);
+  std::vector<int> own_entries(R, 0);
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    SymmetricBuffer buf(g.comm, "test buffer");
+    buf.init({1 << 16, 4096, 1});
+    try {
+      buf.peers();
+    } catch (...) {
+      by_value[g.rank] = std::current_exception();
+    }
+    own_entries[g.rank] = buf.peer_window(g.rank) == buf.local();
+    launch_write_through_peer_table(buf.peer_table(), R, g.rank, g.stream);
+    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    g.comm->barrier("written");
+    window[g.rank].resize(R);
+    flags[g.rank].resize(R);
+    FLEXEP_CUDA_CHECK(cudaMemcpy(window[g.rank].data(), buf.local(), 4 * R, cudaMemcpyDeviceToHost));
+    FLEXEP_CUDA_CHECK(cudaMemcpy(flags[g.rank].data(), buf.peer_flags(g.rank), 4 * R, cudaMemcpyDeviceToHost));
+    g.comm->barrier("read");
+    buf.free();
+  });
+  ASSERT_TRUE(all_ok(errors));
+  std::vector<int> every_rank(R);
+  std::iota(every_rank.begin(), every_rank.end(), 0);
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(window[r], every_rank) << "rank " << r;
+    EXPECT_EQ(flags[r], every_rank) << "rank " << r;
+    EXPECT_TRUE(own_entries[r]) << "rank " << r;
+  }
+  EXPECT_TRUE(all_threw<Error>(by_value, [](const Error& e) { return contains(e.what(), "the group has 40"); }));
+}
+
+// The hardware queues this process's GPU context got (the driver's rule: 8 unless
+// CUDA_DEVICE_MAX_CONNECTIONS says otherwise, 32 at most).
+int hardware_queues() {
+  const char* text = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  return text != nullptr && *text != '\0' ? std::min(32, std::atoi(text)) : 8;
+}
+
+// deepep's kernels wait for their peers': one more simulated rank than the GPU has hardware
+// queues is refused by name on every rank, before any kernel could hang on a shared queue.
+TEST(SimulatedRanksComm, WaitingBackendsNeedAHardwareQueuePerRank) {
+  if (!require_gpus(1)) return;
+  const int queues = hardware_queues();
+  const Simulate sim(queues + 1);
+  const int R = gpu_ranks();
+  std::vector<std::exception_ptr> refused(R);
+  const auto errors = run_gpu_ranks(R, [&](GpuRank& g) {
+    DeepEpOptions o;
+    o.hidden = 64;
+    o.max_tokens_per_rank = 4;
+    o.stream = g.stream;
+    try {
+      make_deepep_dispatcher(g.comm, R, o);
+    } catch (...) {
+      refused[g.rank] = std::current_exception();
+    }
+  });
+  ASSERT_TRUE(all_ok(errors));
+  const std::string expected = std::to_string(R) + " simulated ranks share GPU 0 but it has " +
+                               std::to_string(queues) + " hardware queues";
+  EXPECT_TRUE(all_threw<ArgumentError>(refused, [&](const ArgumentError& e) {
+    return e.argument() == "comm" && contains(e.what(), "deepep") && contains(e.what(), expected);
+  })) << expected;
 }
 
 TEST(SimulatedRanksComm, SmShareAndNcclBackendsAreRefusedByName) {

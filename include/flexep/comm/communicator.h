@@ -89,6 +89,11 @@ class Communicator : public ProcessGroup {
   // SMs this rank's kernels may take: the GPU's, or with R simulated ranks on one GPU 1 / (2R) of
   // them, so that every rank's preprocess and dispatch grids (which may overlap) are resident at once.
   int sms_per_rank() const;
+  // For backends whose kernels wait for each other's: with simulated ranks each rank's stream needs
+  // a hardware queue of its own, or one rank's kernel queues behind another's that waits for it.
+  // The GPU has CUDA_DEVICE_MAX_CONNECTIONS of them (8 unless set before CUDA starts, 32 at most);
+  // refuses more simulated ranks with an ArgumentError naming `backend`. Nothing for real ranks.
+  void require_queue_per_rank(const std::string& backend) const;
   double timeout_seconds() const { return options_.timeout_seconds; }
   bool aborted() const { return aborted_; }
 

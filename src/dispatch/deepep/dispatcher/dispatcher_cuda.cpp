@@ -104,6 +104,7 @@ void Dispatcher::check_options(int num_experts) {
   p.ranks = R;
   p.experts = num_experts;
   validate(p);
+  comm_->require_queue_per_rank("deepep");
   FLEXEP_CHECK_ARG(R <= kMaxSymmetricRanks, "comm", "has ", R, " ranks; the deepep backend supports at most ",
                    kMaxSymmetricRanks, " (one NVLink domain)");
   FLEXEP_CHECK_ARG(options_.hidden >= 8 && options_.hidden % 8 == 0, "options.hidden", options_.hidden,

@@ -85,6 +85,7 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
       options_(options),
       config_(config_of(options, comm_->size(), num_experts)),
       errors_(comm_->device()) {
+  comm_->require_queue_per_rank("hybridep");
   cuda::DeviceGuard guard(comm_->device());
   own_sms_ = {options.dispatch_sms, options.combine_sms, options.preprocess_sms};
   FLEXEP_CUDA_CHECK(cudaMalloc(&status_, sizeof(Status)));
