@@ -387,6 +387,189 @@ TEST_P(DeepEpMultiGpu, BudgetDispatchAndCombineReplayInACudaGraph) {
   ASSERT_TRUE(all_ok(errors));
 }
 
+// ---- FP8 dispatch ------------------------------------------------------------------------------------------
+
+// Random e4m3 bytes [T, H] and scales [T, H / 128] of rank r (every byte pattern: rows are moved, not read).
+struct Fp8Rows {
+  Tensor bytes, scales;
+};
+Fp8Rows fp8_rows(std::int64_t T, std::int64_t H, int r) {
+  Fp8Rows f;
+  f.bytes = Tensor::empty({T, H}, DType::e4m3);
+  auto* b = static_cast<std::uint8_t*>(f.bytes.raw());
+  for (std::int64_t i = 0; i < T * H; ++i) b[i] = static_cast<std::uint8_t>(splitmix64(i * 31 + r) & 0xff);
+  f.scales = random_tensor({T, H / 128}, DType::f32, 77, "scales", r);
+  return f;
+}
+
+// dispatch_fp8 moves e4m3 rows and their scales exactly as bf16 rows move: the host backend, given
+// the same bytes as bf16 containers ([T, H/2]) and the scales as f32 rows, places them in the same
+// rows, in both layouts and in budget mode; the slots, lists and counts are the bf16 dispatch's, and
+// the handle combines bf16 expert outputs as the bf16 dispatch's handle does.
+TEST_P(DeepEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  struct Case {
+    Config c;
+    bool rank_major;
+  };
+  std::vector<Case> cases = {
+      {config("fp8 rank-major uniform k8 H7168", 8, 8, 7168, tokens_for(R, {40, 0}), RoutingKind::uniform, 1), true},
+      {config("fp8 rank-major zipf k4 H256 budget", 4, 4, 256, tokens_for(R, {64, 17}), RoutingKind::zipf, 4), true},
+      {config("fp8 expert-major hot k2 H1024 pad 16", 4, 2, 1024, tokens_for(R, {31, 50}), RoutingKind::hot, 16),
+       false},
+  };
+  cases[1].c.mode = DispatchMode::budget;
+  cases[1].c.budget_fraction = 1.5;
+  for (const Case& cs : cases) {
+    const Config& c = cs.c;
+    SCOPED_TRACE(c.name);
+    const int E = c.experts_per_rank * R;
+    const std::int64_t H = c.hidden;
+    const DispatchOptions o = cs.rank_major ? rank_major(c, R) : dispatch_options(c, R);
+    struct Want {
+      Tensor rows, scales, idx, weights, probs, tpe, expert_rows, combined;
+    };
+    std::vector<Want> want(static_cast<std::size_t>(R));
+    {
+      auto world = std::make_shared<HostWorld>(R, 60.0);
+      ASSERT_TRUE(all_ok(run_ranks(R, [&](int r) {
+        auto d = make_host_dispatcher(world, r, E);
+        const Inputs in = make_inputs(c, R, r);
+        const Fp8Rows f = fp8_rows(in.hidden.size(0), H, r);
+        DispatchOptions ho = o;
+        ho.check_finite = false;  // random bytes viewed as bf16 may be NaN
+        DispatchInput di;
+        di.indices = in.indices;
+        di.weights = in.weights;
+        di.hidden = TensorView(f.bytes.raw(), DType::bf16, {in.hidden.size(0), H / 2});
+        DispatchResult a = d->dispatch(di, ho);
+        di.hidden = f.scales;
+        DispatchResult b = d->dispatch(di, ho);
+        di.hidden = in.hidden;
+        DispatchResult res = d->dispatch(di, ho);
+        Want& w = want[static_cast<std::size_t>(r)];
+        w.rows = a.tokens;
+        w.scales = b.tokens;
+        w.idx = res.topk_indices;
+        w.weights = res.topk_weights;
+        w.probs = res.token_probs;
+        w.tpe = res.tokens_per_expert;
+        w.expert_rows = res.expert_rows;
+        w.combined = d->combine(res.handle, wide_range_rows(res.tokens.size(0), H, 5, "expert_out", r));
+      })));
+    }
+    const auto errors = run_gpu_ranks(
+        R,
+        [&](GpuRank& g) {
+          DeepEpOptions opt = options_for(c, g.size);
+          opt.stream = g.stream;
+          auto d = make_deepep_dispatcher(g.comm, E, opt);
+          const Inputs in = make_inputs(c, g.size, g.rank);
+          const Fp8Rows f = fp8_rows(in.hidden.size(0), H, g.rank);
+          const Tensor x = cuda::to_device(f.bytes, g.device, g.stream);
+          const Tensor sc = cuda::to_device(f.scales, g.device, g.stream);
+          const Tensor idx = cuda::to_device(in.indices, g.device, g.stream);
+          const Tensor w = cuda::to_device(in.weights, g.device, g.stream);
+          DispatchInput di;
+          di.hidden = x;
+          di.indices = idx;
+          di.weights = w;
+          Fp8DispatchResult res = d->dispatch_fp8(di, sc, o);
+          const Want& want_r = want[static_cast<std::size_t>(g.rank)];
+          auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+          const Tensor rows = down(res.dispatch.tokens);
+          EXPECT_EQ(rows.dtype(), DType::e4m3);
+          ASSERT_EQ(rows.nbytes(), want_r.rows.nbytes());
+          EXPECT_EQ(std::memcmp(rows.raw(), want_r.rows.raw(), static_cast<std::size_t>(rows.nbytes())), 0)
+              << "e4m3 rows";
+          EXPECT_TRUE(same_bytes(want_r.scales, down(res.scales))) << "scales";
+          EXPECT_TRUE(same_bytes(want_r.tpe, down(res.dispatch.tokens_per_expert))) << "tokens_per_expert";
+          if (cs.rank_major) {
+            EXPECT_TRUE(same_bytes(want_r.idx, down(res.dispatch.topk_indices))) << "recv_topk_idx";
+            EXPECT_TRUE(same_bytes(want_r.weights, down(res.dispatch.topk_weights))) << "recv_topk_weights";
+            EXPECT_TRUE(same_bytes(want_r.expert_rows, down(res.dispatch.expert_rows))) << "expert_rows";
+          } else {
+            EXPECT_TRUE(same_bytes(want_r.probs, down(res.dispatch.token_probs))) << "token_probs";
+          }
+          const std::int64_t N = res.dispatch.tokens.size(0);
+          const Tensor eo = cuda::to_device(wide_range_rows(N, H, 5, "expert_out", g.rank), g.device, g.stream);
+          EXPECT_TRUE(same_bytes(want_r.combined, down(d->combine(res.dispatch.handle, eo))))
+              << "combine after an FP8 dispatch";
+          d->check_errors();
+        },
+        test_comm_options());
+    ASSERT_TRUE(all_ok(errors));
+  }
+}
+
+// FP8 rows on one rank and bf16 on the others: an ArgumentError naming `hidden` on every rank, in
+// blocking and in budget mode (there at the next check); wrong scales are refused by name.
+TEST_P(DeepEpMultiGpu, Fp8FormatMismatchAndBadScalesAreNamed) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  const std::int64_t T = 6, H = 256;
+  std::vector<std::exception_ptr> blocking(static_cast<std::size_t>(R)), budget(blocking), scales(blocking);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions o;
+        o.hidden = H;
+        o.max_tokens_per_rank = T;
+        o.max_topk = 2;
+        o.timeout_seconds = 20;
+        o.stream = g.stream;
+        auto d = make_deepep_dispatcher(g.comm, E, o);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        const Fp8Rows f = fp8_rows(T, H, g.rank);
+        const Tensor x8 = cuda::to_device(f.bytes, g.device, g.stream);
+        const Tensor sc = cuda::to_device(f.scales, g.device, g.stream);
+        DeviceInputs in = device_inputs(g, E, T, H, 2);
+        auto call = [&](const DispatchOptions& opt) {
+          if (g.rank == 0) {
+            DispatchInput di = in.view();
+            di.hidden = x8;
+            d->dispatch_fp8(di, sc, opt);
+          } else {
+            d->dispatch(in.view(), opt);
+          }
+        };
+        DispatchOptions rm;
+        rm.layout = DispatchLayout::rank_major;
+        try {
+          call(rm);
+        } catch (...) {
+          blocking[r] = std::current_exception();
+        }
+        DispatchOptions b = rm;
+        b.mode = DispatchMode::budget;
+        b.budget_rows = T * R;
+        try {
+          call(b);
+          d->check_errors();
+        } catch (...) {
+          budget[r] = std::current_exception();
+        }
+        try {  // scales of the wrong width on every rank
+          const Tensor bad = cuda::to_device(random_tensor({T, 3}, DType::f32, 1, "scales", g.rank), g.device, g.stream);
+          DispatchInput di = in.view();
+          di.hidden = x8;
+          d->dispatch_fp8(di, bad, rm);
+        } catch (...) {
+          scales[r] = std::current_exception();
+        }
+        DispatchResult ok = d->dispatch(in.view(), rm);  // still usable
+        d->combine(ok.handle, ok.tokens);
+        d->check_errors();
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  auto format = [](const std::string& w) { return contains(w, "FP8 (dispatch_fp8) rows"); };
+  EXPECT_TRUE(all_threw<ArgumentError>(blocking, argument_is("hidden", format)));
+  EXPECT_TRUE(all_threw<ArgumentError>(budget, argument_is("hidden", format)));
+  EXPECT_TRUE(all_threw<ArgumentError>(scales, argument_is("scales", [](const std::string&) { return true; })));
+}
+
 TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;

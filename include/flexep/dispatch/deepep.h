@@ -38,9 +38,13 @@
 // GPU, so a dispatch + combine can be captured in a CUDA graph; an argument error, a configuration
 // mismatch or a budget overflow is raised on every rank by the next check_errors() (or blocking call).
 //
-// Built now: blocking mode of both layouts, budget mode of the rank-major layout, top-k form, bf16
-// rows, f32 weights. Not yet: the drop policy and the expert-major layout in budget mode, FP8,
-// low-latency mode.
+// Low-latency mode (DeepEP's LL): low_latency_dispatch writes the masked expert-major layout
+// [E_local, R * T_ll, H] with per-expert counts, low_latency_combine each token's weighted sum;
+// one kernel each, no host sync, bitwise the CPU oracle (core/low_latency.h).
+//
+// Built now: blocking mode of both layouts, budget mode of the rank-major layout, low-latency
+// mode, top-k form, bf16 or e4m3 rows (dispatch_fp8), f32 weights. Not yet: the drop policy and
+// the expert-major layout in budget mode.
 #pragma once
 
 #include <cstdint>
@@ -60,10 +64,44 @@ struct DeepEpOptions {
   double timeout_seconds = 30;           // deadline of every device wait
   void* stream = nullptr;                // cudaStream_t of every call; nullptr: the current stream
   bool check_blocking_calls = true;      // combine and the backwards wait for the GPU and raise its errors
+  // Low-latency mode: T of a low_latency_dispatch on any rank, at most (DeepEP's
+  // num_max_dispatch_tokens_per_rank); 0: no low-latency buffers. They take about
+  // 2 * E_local * R * T * 2H bytes of window and local memory (4 * T * max_topk * H more).
+  std::int64_t low_latency_max_tokens = 0;
+};
+
+// A low-latency dispatch (docs/semantics.md, "Low-latency dispatch"): views of the dispatcher's
+// buffers, valid until its next low_latency_dispatch. Nothing is waited for: every tensor is
+// on the device, and a dispatch + combine can be captured in a CUDA graph.
+struct LowLatencyResult {
+  Tensor recv_x;         // [E_local, R * T_ll, H] bf16 (e4m3 for an FP8 dispatch): each expert's rows first
+  Tensor recv_scales;    // [E_local, R * T_ll, H / 128] f32 (FP8 dispatch), else empty
+  Tensor recv_count;     // [E_local] int32: rows of each local expert
+  Tensor recv_src_info;  // [E_local, R * T_ll] int32: each row's source token
+  Tensor layout_range;   // [E_local, R] int64: (begin << 32) | count of each source rank's rows
+  Handle handle;
 };
 
 class DeepEpDispatcher : public TokenDispatcher {
  public:
+  // FP8 dispatch, as DeepEP's dispatch of an (x, x_scales) pair: input.hidden [T, H] e4m3
+  // (pre-quantized; H a multiple of 128) with `scales` [T, H / 128] f32; each (token, rank) row
+  // and its scales travel once, like bf16 rows, in either layout and either mode. Every rank of
+  // a call dispatches the same format. combine and the backwards take and give bf16.
+  virtual Fp8DispatchResult dispatch_fp8(const DispatchInput& input, const TensorView& scales,
+                                         const DispatchOptions& options) = 0;
+
+  // DeepEP's low-latency mode (options.low_latency_max_tokens > 0), one kernel per direction:
+  // x [T, H] bf16, or e4m3 with `scales` [T, H / 128] f32; indices [T, k] int32/int64 (k <= 32),
+  // -1 for no expert. Every (token, expert) pair travels on its own. A bad id sends nothing and is
+  // raised, on this rank, by the next check_errors().
+  virtual LowLatencyResult low_latency_dispatch(const TensorView& x, const TensorView& indices,
+                                                const TensorView& scales = TensorView()) = 0;
+  // expert_out [E_local, R * T_ll, H] bf16 in recv_x's places; indices and weights [T, k] (f32)
+  // of the dispatch -> out [T, H] bf16, each token's weighted sum (a view of the dispatcher's
+  // buffer, valid until its next low_latency_combine).
+  virtual Tensor low_latency_combine(const Handle& handle, const TensorView& expert_out, const TensorView& indices,
+                                     const TensorView& weights) = 0;
   // Waits for this dispatcher's GPU work and raises what it recorded: a budget-mode call's argument
   // error, mismatch or overflow (as blocking mode would have raised it, on every rank; the
   // dispatcher stays usable), or a timeout naming the phase and the peer (then it is unusable).

@@ -75,6 +75,15 @@ struct DispatchResult {
                         // recv_x per local expert, end to end in expert order; -1 = padding
 };
 
+// An FP8 dispatch (hybridep's and deepep's dispatch_fp8): `dispatch.tokens` [N, H] e4m3 and `scales`
+// [N, H / 128] f32, one scale per 128 consecutive elements of a row, moved with it (views of the
+// receive window where the bf16 tokens would be views, valid as long); the rest as for a bf16
+// dispatch. The handle combines bf16 expert outputs: combine and the backwards stay bf16.
+struct Fp8DispatchResult {
+  DispatchResult dispatch;
+  Tensor scales;
+};
+
 struct DispatchGrads {
   Tensor hidden;   // [T, H]
   Tensor weights;  // [T, k] (top-k form) or probs [T, E] (multihot form)

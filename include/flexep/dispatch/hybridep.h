@@ -94,13 +94,7 @@ struct HybridEpMemory {
   }
 };
 
-// FP8 dispatch: `dispatch.tokens` [N, H] e4m3 and `scales` [N, H / 128] f32 (views of the window,
-// valid like the tokens); probs, tokens_per_expert and the handle as for a bf16 dispatch. The handle
-// combines bf16 expert outputs ([N, H] bf16): combine and the backwards stay bf16.
-struct HybridEpFp8Result {
-  DispatchResult dispatch;
-  Tensor scales;
-};
+using HybridEpFp8Result = Fp8DispatchResult;
 
 struct HybridEpSms {
   int dispatch = 0, combine = 0, preprocess = 0;

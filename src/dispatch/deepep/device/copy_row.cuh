@@ -13,20 +13,21 @@ inline constexpr int kRowUnroll = 4;
 // `l2` at L2 (a window a peer or an earlier kernel wrote: never a stale L1 line).
 enum class RowSource { nc, l2 };
 
-template <RowSource kSource>
-__device__ __forceinline__ uint4 load_vector(const uint4* p) {
+template <RowSource kSource, class V>
+__device__ __forceinline__ V load_vector(const V* p) {
   if constexpr (kSource == RowSource::nc)
     return __ldg(p);
   else
     return __ldcg(p);
 }
 
-template <RowSource kSource>
-__device__ __forceinline__ void copy_row(const uint4* __restrict__ from, uint4* __restrict__ to,
-                                         std::int64_t vectors, int lane) {
+// V: uint4 for rows, float for FP8 scales.
+template <RowSource kSource, class V>
+__device__ __forceinline__ void copy_row(const V* __restrict__ from, V* __restrict__ to, std::int64_t vectors,
+                                         int lane) {
   std::int64_t v = lane;
   for (; v + 32 * (kRowUnroll - 1) < vectors; v += 32 * kRowUnroll) {
-    uint4 r[kRowUnroll];
+    V r[kRowUnroll];
 #pragma unroll
     for (int u = 0; u < kRowUnroll; ++u) r[u] = load_vector<kSource>(from + v + 32 * u);
 #pragma unroll
@@ -36,8 +37,9 @@ __device__ __forceinline__ void copy_row(const uint4* __restrict__ from, uint4* 
 }
 
 // The zero row (padding entries of the expert-major layout).
-__device__ __forceinline__ void zero_row(uint4* to, std::int64_t vectors, int lane) {
-  for (std::int64_t v = lane; v < vectors; v += 32) to[v] = make_uint4(0, 0, 0, 0);
+template <class V>
+__device__ __forceinline__ void zero_row(V* to, std::int64_t vectors, int lane) {
+  for (std::int64_t v = lane; v < vectors; v += 32) to[v] = V{};
 }
 
 }  // namespace flexep::deepep

@@ -27,8 +27,9 @@ struct Routing {
   int k = 0;
 };
 
-Routing check_input(const DispatchInput& in, const DispatchOptions& opt, int ranks, int experts, int device,
-                    std::int64_t hidden, std::int64_t max_tokens, int max_topk, std::int64_t capacity) {
+Routing check_input(const DispatchInput& in, const TensorView& scales, bool fp8, const DispatchOptions& opt,
+                    int ranks, int experts, int device, std::int64_t hidden, std::int64_t max_tokens, int max_topk,
+                    std::int64_t capacity) {
   if (opt.mode == DispatchMode::budget) {
     FLEXEP_CHECK_ARG(opt.layout == DispatchLayout::rank_major, "options.mode",
                      "is budget with the expert_major layout, which the deepep backend does not offer yet; allowed: "
@@ -40,13 +41,20 @@ Routing check_input(const DispatchInput& in, const DispatchOptions& opt, int ran
                    "the deepep backend takes the top-k form (indices, weights), as DeepEP's dispatch does");
   const Device dev = Device::cuda(device);
   check::rank(in.hidden, 2, "hidden");
-  check::dtype(in.hidden, {DType::bf16}, "hidden");
+  check::dtype(in.hidden, {fp8 ? DType::e4m3 : DType::bf16}, "hidden");
   check::device(in.hidden, dev, "hidden");
   Routing r;
   r.tokens = in.hidden.size(0);
   r.hidden = in.hidden.size(1);
   FLEXEP_CHECK_ARG(r.hidden == hidden, "hidden", "has H=", r.hidden,
                    " but this deepep dispatcher was created for DeepEpOptions::hidden=", hidden);
+  if (fp8) {
+    FLEXEP_CHECK_ARG(r.hidden % kFp8ScaleBlock == 0, "hidden", "has H=", r.hidden, "; FP8 rows need a multiple of ",
+                     kFp8ScaleBlock, " (one scale per ", kFp8ScaleBlock, " elements)");
+    check::shape(scales, {r.tokens, r.hidden / kFp8ScaleBlock}, "scales");
+    check::dtype(scales, {DType::f32}, "scales");
+    check::device(scales, dev, "scales");
+  }
   FLEXEP_CHECK_ARG(r.tokens <= max_tokens, "hidden", "has ", r.tokens, " tokens, more than the ", max_tokens,
                    " the buffers hold (DeepEpOptions::max_tokens_per_rank)");
   FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(in.hidden.data) % 16 == 0, "hidden",
@@ -75,6 +83,18 @@ call_signature::DeviceViolation describe_violation(const call_signature::CallSig
 }  // namespace
 
 DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
+  return dispatch_rows(input, TensorView(), options, false, nullptr);
+}
+
+Fp8DispatchResult Dispatcher::dispatch_fp8(const DispatchInput& input, const TensorView& scales,
+                                           const DispatchOptions& options) {
+  Fp8DispatchResult r;
+  r.dispatch = dispatch_rows(input, scales, options, true, &r.scales);
+  return r;
+}
+
+DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const TensorView& scales,
+                                         const DispatchOptions& options, bool fp8, Tensor* scales_out) {
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
@@ -88,8 +108,8 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
   auto h = std::make_shared<DeepEpHandle>();
   Tensor dest_flag, counts, counts_host;
   const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
-    rt = check_input(input, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank, max_topk_,
-                     capacity_rows_);
+    rt = check_input(input, scales, fp8, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank,
+                     max_topk_, capacity_rows_);
     h->slot_expert = scratch(budget, Scratch::slot_expert, rt.tokens * rt.k, false);
     dest_flag = scratch(budget, Scratch::dest_flag, R * rt.tokens, true);
     counts = scratch(budget, Scratch::counts, E + R, true);
@@ -112,6 +132,7 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
     errors_.check(s, "dispatch");            // a bad id: ArgumentError naming "indices"
   });
   call_signature::set_call(mine, E, false, rt.hidden, rt.k, options, local ? 0 : rt.tokens);
+  mine.fp8 = fp8;
 
   // 2. The count exchange and the call's layout.
   CallLayout lay;
@@ -181,20 +202,30 @@ DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOp
     listing.slot_pos = h->slot_pos.data<std::int32_t>();
     listing.row_order = h->row_order.data<std::int32_t>();
   }
-  move_rows(*h, input.hidden, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing);
-  if (budget) zero_tail(*h, win_.x, true);
+  const int S = fp8 ? static_cast<int>(rt.hidden / kFp8ScaleBlock) : 0;
+  const RowPayload payload{input.hidden.data, fp8 ? rt.hidden : 2 * rt.hidden,
+                           fp8 && rt.tokens > 0 ? scales.ptr<float>() : nullptr, S};
+  move_rows(*h, payload, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing);
+  if (budget) zero_tail(*h, win_.x, payload.row_bytes, true, S);
   h->recv_src = scratch(budget, Scratch::recv_src, N, false);  // kept: a later dispatch rewrites the window's copy
   if (N > 0)
     FLEXEP_CUDA_CHECK(cudaMemcpyAsync(h->recv_src.raw(), window() + win_.src, static_cast<std::size_t>(N) * 4,
                                       cudaMemcpyDeviceToDevice, s));
   if (expert_major) {
     // 5. Each entry's row out of the window; the window itself is rewritten by a later dispatch.
-    result.tokens = Tensor::empty({lay.entries, rt.hidden}, DType::bf16, dev);
-    launch_gather_rows(window() + win_.x, expert_rows.data<std::int32_t>(), lay.entries, rt.hidden,
+    result.tokens = Tensor::empty({lay.entries, rt.hidden}, fp8 ? DType::e4m3 : DType::bf16, dev);
+    launch_gather_rows(window() + win_.x, expert_rows.data<std::int32_t>(), lay.entries, payload.row_bytes,
                        result.tokens.raw(), s);
+    if (fp8) {
+      *scales_out = Tensor::empty({lay.entries, S}, DType::f32, dev);
+      launch_gather_scales(reinterpret_cast<const float*>(window() + win_.scales), expert_rows.data<std::int32_t>(),
+                           lay.entries, S, scales_out->data<float>(), s);
+    }
     h->expert_rows = std::move(expert_rows);
   } else {
-    result.tokens = Tensor::wrap(TensorView(window() + win_.x, DType::bf16, {N, rt.hidden}, dev));
+    result.tokens =
+        Tensor::wrap(TensorView(window() + win_.x, fp8 ? DType::e4m3 : DType::bf16, {N, rt.hidden}, dev));
+    if (fp8) *scales_out = Tensor::wrap(TensorView(window() + win_.scales, DType::f32, {N, S}, dev));
     result.topk_indices = Tensor::wrap(TensorView(window() + win_.idx, DType::i32, {N, k}, dev));
     result.topk_weights = Tensor::wrap(TensorView(window() + win_.w, DType::f32, {N, k}, dev));
     result.expert_rows = std::move(expert_rows);
@@ -210,12 +241,12 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
                                                                 const Tensor& counts_host,
                                                                 const DispatchOptions& options) {
   const int R = world_size(), E = experts_, L = local_experts(), me = rank();
-  const std::int64_t P = call_signature::kWords + E + R;
-  std::vector<long long> words(static_cast<std::size_t>(P), 0);
+  std::vector<long long> words(static_cast<std::size_t>(exchange_word::words(E, R)), 0);
   call_signature::encode_words(mine, words.data());
+  words[exchange_word::fp8] = mine.fp8 ? 1 : 0;
   if (!local)
     std::copy(counts_host.data<std::int64_t>(), counts_host.data<std::int64_t>() + E + R,
-              words.begin() + call_signature::kWords);
+              words.begin() + exchange_word::header);
   const std::vector<long long> all = comm_->all_gather_i64(words, "deepep dispatch:count-exchange");
   const Gathered g = read_gathered(all.data());
   if (local) std::rethrow_exception(local);
@@ -248,16 +279,17 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
 
 Dispatcher::Gathered Dispatcher::read_gathered(const long long* all) const {
   const int R = world_size(), E = experts_, L = local_experts(), me = rank();
-  const std::int64_t P = call_signature::kWords + E + R;
+  const std::int64_t P = exchange_word::words(E, R);
   Gathered g;
   g.rows.resize(static_cast<std::size_t>(R * R));
   g.pairs_here.assign(static_cast<std::size_t>(L), 0);
   for (int src = 0; src < R; ++src) {
     const long long* p = all + src * P;
     g.headers.push_back(call_signature::decode_words(p));
+    g.headers.back().fp8 = p[exchange_word::fp8] != 0;
     for (int le = 0; le < L; ++le)
-      g.pairs_here[static_cast<std::size_t>(le)] += p[call_signature::kWords + me * L + le];
-    for (int d = 0; d < R; ++d) g.rows[static_cast<std::size_t>(src * R + d)] = p[call_signature::kWords + E + d];
+      g.pairs_here[static_cast<std::size_t>(le)] += p[exchange_word::header + me * L + le];
+    for (int d = 0; d < R; ++d) g.rows[static_cast<std::size_t>(src * R + d)] = p[exchange_word::header + E + d];
   }
   return g;
 }
@@ -288,9 +320,10 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   c.ranks = R;
   c.experts = experts_;
   call_signature::encode_words(mine, c.header);
+  c.header[exchange_word::fp8] = mine.fp8 ? 1 : 0;
   c.errors = errors_.record();
   c.counts = counts.defined() ? reinterpret_cast<const long long*>(counts.raw()) : nullptr;
-  c.words = call_signature::kWords + experts_ + R;
+  c.words = exchange_word::words(experts_, R);
   c.win = win_;
   c.op = ops_ + kCounts;
   c.status = status_;
@@ -335,7 +368,8 @@ void Dispatcher::allocate_budget_buffers() {
         Tensor::empty({sizes[i]}, scratch_dtype(static_cast<Scratch>(i)), Device::cuda(comm_->device()));
 }
 
-void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots) {
+void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, long long row_bytes, bool slots,
+                           int scale_cols) {
   TailCall t;
   t.window = window();
   t.rows_at = rows_at;
@@ -343,14 +377,15 @@ void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bo
   t.slots = slots;
   t.layout = reinterpret_cast<const long long*>(h.call_layout.raw());
   t.rows = h.recv_rows;
-  t.hidden = h.hidden;
+  t.row_bytes = row_bytes;
   t.k = static_cast<int>(h.topk);
+  t.scale_cols = scale_cols;
   launch_tail(t, options_.sms > 0 ? options_.sms : 20, stream());
 }
 
-void Dispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert,
-                                 const TensorView& weights, unsigned long long rows_at, Kind kind, Phase phase,
-                                 const ReceiveCall* listing) {
+void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, const Tensor* slot_expert,
+                           const TensorView& weights, unsigned long long rows_at, Kind kind, Phase phase,
+                           const ReceiveCall* listing) {
   const cudaStream_t s = stream();
   const int L = local_experts();
   SendRowsCall c;
@@ -360,8 +395,10 @@ void Dispatcher::move_rows(const DeepEpHandle& h, const TensorView& rows, const 
   c.local_experts = L;
   c.k = static_cast<int>(h.topk);
   c.tokens = h.tokens;
-  c.hidden = h.hidden;
-  c.x = rows.data;
+  c.row_bytes = payload.row_bytes;
+  c.x = payload.rows;
+  c.scales = payload.scales;
+  c.scale_cols = payload.scale_cols;
   c.slot_expert = slot_expert ? slot_expert->data<std::int32_t>() : nullptr;
   c.weights = slot_expert && h.tokens > 0 ? weights.ptr<float>() : nullptr;  // none when a failed rank sends nothing
   c.dest_row = h.dest_row.data<std::int32_t>();
@@ -392,13 +429,14 @@ Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad
   require_usable();
   const DeepEpHandle& h = own_handle(handle);
   check_rows(grad_out, h.tokens, h, "grad_out");
-  move_rows(h, grad_out, nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows, nullptr);
-  if (h.budget) zero_tail(h, win_.grad, false);
+  move_rows(h, bf16_rows(grad_out), nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows,
+            nullptr);
+  if (h.budget) zero_tail(h, win_.grad, 2 * h.hidden, false, 0);
   const Device dev = Device::cuda(comm_->device());
   Tensor out;
   if (h.layout == DispatchLayout::expert_major) {
     out = Tensor::empty({h.rows, h.hidden}, DType::bf16, dev);
-    launch_gather_rows(window() + win_.grad, h.expert_rows.data<std::int32_t>(), h.rows, h.hidden, out.raw(), s);
+    launch_gather_rows(window() + win_.grad, h.expert_rows.data<std::int32_t>(), h.rows, 2 * h.hidden, out.raw(), s);
   } else {
     out = Tensor::wrap(TensorView(window() + win_.grad, DType::bf16, {h.rows, h.hidden}, dev));
   }

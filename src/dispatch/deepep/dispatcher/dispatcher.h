@@ -40,6 +40,17 @@ struct DeepEpHandle : HandleState {
   Tensor expert_rows, slot_pos, row_order;        // [M], [N * k], [N * k] int32
 };
 
+// What a low-latency dispatch leaves for its combine: the call's shape (the routes stay in the
+// dispatcher's buffers, hence only the latest low-latency handle combines).
+struct LowLatencyHandle : HandleState {
+  std::uint64_t sequence = 0;
+};
+
+// The low-latency mode's per-rank device buffers (outside the window), allocated at creation.
+struct LowLatencyBuffers {
+  Tensor recv_x, recv_scales, recv_count, recv_src_info, layout_range, route, out;
+};
+
 class Dispatcher final : public DeepEpDispatcher {
  public:
   Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options);
@@ -51,6 +62,12 @@ class Dispatcher final : public DeepEpDispatcher {
   int num_experts() const override { return experts_; }
 
   DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
+  Fp8DispatchResult dispatch_fp8(const DispatchInput& input, const TensorView& scales,
+                                 const DispatchOptions& options) override;
+  LowLatencyResult low_latency_dispatch(const TensorView& x, const TensorView& indices,
+                                        const TensorView& scales) override;
+  Tensor low_latency_combine(const Handle& handle, const TensorView& expert_out, const TensorView& indices,
+                             const TensorView& weights) override;
   Tensor combine(const Handle& handle, const TensorView& expert_out) override;
   DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
                                   const TensorView& grad_token_probs) override;
@@ -73,6 +90,10 @@ class Dispatcher final : public DeepEpDispatcher {
     const cudaStream_t stream;
   };
   CallScope open_call() const { return CallScope(comm_->device(), stream()); }
+
+  // dispatch and dispatch_fp8 (fp8: e4m3 rows with `scales`; their output goes to *scales_out).
+  DispatchResult dispatch_rows(const DispatchInput& input, const TensorView& scales, const DispatchOptions& options,
+                               bool fp8, Tensor* scales_out);
 
   // The count exchange's outcome on this rank: the layout words on the device, and the sizes.
   struct CallLayout {
@@ -99,7 +120,7 @@ class Dispatcher final : public DeepEpDispatcher {
   // same error on every rank; else every receiver's layout.
   std::vector<RankMajorLayout> agree(const Gathered& g, const DispatchOptions& options) const;
   // Budget mode: the window region's rows past the received ones zeroed (and their slots cleared).
-  void zero_tail(const DeepEpHandle& h, unsigned long long rows_at, bool slots);
+  void zero_tail(const DeepEpHandle& h, unsigned long long rows_at, long long row_bytes, bool slots, int scale_cols);
   // The error every rank raises for an aborted budget-mode call, from the count exchange's words;
   // returns without raising when this rank's own failure was raised already.
   void raise_abort();
@@ -111,6 +132,11 @@ class Dispatcher final : public DeepEpDispatcher {
   Tensor scratch(bool budget, Scratch which, std::int64_t n, bool zero);
   static DType scratch_dtype(Scratch which);
   void allocate_budget_buffers();
+  void allocate_low_latency_buffers();
+  int low_latency_ctas() const { return options_.sms > 0 ? options_.sms : 20; }
+  // K of the low-latency routes and of ll_back: at most 32 slots per token (a warp's lanes).
+  int ll_slots() const { return max_topk_ < kMaxLowLatencyTopk ? max_topk_ : kMaxLowLatencyTopk; }
+  const LowLatencyHandle& own_low_latency_handle(const Handle& handle) const;
   cudaStream_t stream() const;
   void check_options(int num_experts);  // sets max_topk_ and capacity_rows_
   // A [rows, H] bf16 argument of combine or a backward: the handle's shape, this GPU, 16-byte aligned.
@@ -120,11 +146,19 @@ class Dispatcher final : public DeepEpDispatcher {
   // Waits for `s` and raises what the kernels recorded (a timeout names the phase and the rank);
   // after a timeout the dispatcher is unusable.
   void check(cudaStream_t s, const std::string& op);
-  // Sends `rows` ([T, H], this rank's tokens) along the handle's dest_row into the peers' windows
+  // What travels of each token: its row, of row_bytes, and with FP8 rows its scales.
+  struct RowPayload {
+    const void* rows = nullptr;     // [T, row_bytes]
+    long long row_bytes = 0;
+    const float* scales = nullptr;  // [T, scale_cols] or null
+    int scale_cols = 0;
+  };
+  static RowPayload bf16_rows(const TensorView& rows) { return {rows.data, 2 * rows.size(1), nullptr, 0}; }
+  // Sends the payload (this rank's tokens) along the handle's dest_row into the peers' windows
   // at `rows_at` (with the slots when given), then waits for the rows coming here.
   // `listing`: the receive kernel also lists each local expert's rows (and, for the expert-major
   // layout, the entries' probs and places).
-  void move_rows(const DeepEpHandle& h, const TensorView& rows, const Tensor* slot_expert, const TensorView& weights,
+  void move_rows(const DeepEpHandle& h, const RowPayload& payload, const Tensor* slot_expert, const TensorView& weights,
                  unsigned long long rows_at, Kind kind, Phase phase, const ReceiveCall* listing);
   // Level 1 of the combine for the expert-major layout: the handle's [M, H] entries -> [N, H] rows
   // (and, with grad_probs [M], their slots' gradients [N, k]).
@@ -148,6 +182,8 @@ class Dispatcher final : public DeepEpDispatcher {
   long long* snapshot_ = nullptr;  // [R * P]: the count exchange's words of an aborted call
   std::array<Tensor, static_cast<std::size_t>(Scratch::kinds)> budget_buffers_;
   std::uint64_t budget_sequence_ = 0;  // the latest budget dispatch's handle
+  LowLatencyBuffers ll_;
+  std::uint64_t ll_sequence_ = 0;      // the latest low-latency dispatch's handle
   cuda::DeviceErrors errors_;
   std::uint64_t calls_ = 0;
   bool broken_ = false;

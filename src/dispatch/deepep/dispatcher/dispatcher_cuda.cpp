@@ -15,7 +15,7 @@ namespace {
 unsigned long long align16(unsigned long long x) { return (x + 15) / 16 * 16; }
 
 WindowLayout window_layout(int ranks, int experts, std::int64_t cap, std::int64_t hidden, int k,
-                           std::int64_t max_tokens) {
+                           std::int64_t max_tokens, std::int64_t ll_tokens, int ll_slots) {
   WindowLayout w;
   unsigned long long at = 0;
   auto take = [&](unsigned long long bytes) {
@@ -27,13 +27,20 @@ WindowLayout window_layout(int ranks, int experts, std::int64_t cap, std::int64_
              K = static_cast<unsigned long long>(k), R = static_cast<unsigned long long>(ranks),
              T = static_cast<unsigned long long>(max_tokens);
   w.x = take(C * H * 2);
+  w.scales = take(C * (H / kFp8ScaleBlock) * 4);
   w.idx = take(C * K * 4);
   w.w = take(C * K * 4);
   w.src = take(C * 4);
   w.grad = take(C * H * 2);
   w.part = take(R * T * H * 2);
   w.part_w = take(R * T * K * 4);
-  w.counts = take(R * static_cast<unsigned long long>(call_signature::kWords + experts + ranks) * 8);
+  w.counts = take(R * static_cast<unsigned long long>(exchange_word::words(experts, ranks)) * 8);
+  const auto L = static_cast<unsigned long long>(experts) / R, TL = static_cast<unsigned long long>(ll_tokens);
+  w.ll_x = take(L * R * TL * H * 2);
+  w.ll_scales = take(L * R * TL * (H / kFp8ScaleBlock) * 4);
+  w.ll_info = take(L * R * TL * 4);
+  w.ll_counts = take(TL > 0 ? L * R * 4 : 0);
+  w.ll_back = take(TL * static_cast<unsigned long long>(ll_slots) * H * 2);
   w.bytes = at > 0 ? at : 16;
   return w;
 }
@@ -45,6 +52,8 @@ std::string phase_name(int phase) {
     case Phase::combine_partials: return "deepep combine:rows";
     case Phase::dispatch_backward_partials: return "deepep dispatch_backward:rows";
     case Phase::combine_backward_rows: return "deepep combine_backward:rows";
+    case Phase::low_latency_dispatch: return "deepep low_latency_dispatch:rows";
+    case Phase::low_latency_combine: return "deepep low_latency_combine:rows";
     default: return "deepep";
   }
 }
@@ -71,11 +80,12 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
     FLEXEP_CHECK_ARG(failed[static_cast<std::size_t>(r)] == 0, "options", "rank ", r,
                      " rejected its deepep options, so the set-up stops on every rank: see the error raised there");
   const int R = comm_->size();
-  win_ = window_layout(R, num_experts, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank);
+  win_ = window_layout(R, num_experts, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank,
+                       options.low_latency_max_tokens, ll_slots());
   cuda::DeviceGuard guard(comm_->device());
   // The operation state starts at epoch 0 like the flags; zeroed (and the device synchronised)
   // before the window's barrier, so that no peer's kernel can wait on this rank's zeroing.
-  const std::size_t snapshot_words = static_cast<std::size_t>(R) * (call_signature::kWords + num_experts + R);
+  const std::size_t snapshot_words = static_cast<std::size_t>(R) * exchange_word::words(num_experts, R);
   const std::size_t local_bytes = sizeof(OpControl) * kKinds + sizeof(Status) + 8 * snapshot_words;
   void* state = nullptr;
   FLEXEP_CUDA_CHECK(cudaMalloc(&state, local_bytes));
@@ -96,6 +106,7 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
     throw;
   }
   allocate_budget_buffers();
+  allocate_low_latency_buffers();
 }
 
 void Dispatcher::check_options(int num_experts) {
@@ -119,6 +130,18 @@ void Dispatcher::check_options(int num_experts) {
   FLEXEP_CHECK_ARG(options_.sms >= 0 && options_.sms <= 1024, "options.sms", options_.sms, " is outside [0, 1024]");
   FLEXEP_CHECK_ARG(options_.timeout_seconds > 0, "options.timeout_seconds", "must be > 0, got ",
                    options_.timeout_seconds);
+  const std::int64_t ll = options_.low_latency_max_tokens;
+  FLEXEP_CHECK_ARG(ll >= 0 && ll <= 65536, "options.low_latency_max_tokens", ll,
+                   " is outside [0, 65536] (0: no low-latency buffers)");
+  if (ll > 0) {
+    // The low-latency kernels wait, inside one grid, for what the grid's other CTAs publish: all
+    // of them must be resident at once, one per SM of this rank's share.
+    FLEXEP_CHECK_ARG(low_latency_ctas() <= comm_->sms_per_rank(), "options.sms", low_latency_ctas(),
+                     " CTAs of the low-latency kernels exceed the ", comm_->sms_per_rank(),
+                     " SMs this rank may hold at once (a GPU's SMs, shared by its simulated ranks)");
+    FLEXEP_CHECK_ARG(static_cast<std::int64_t>(R) * ll * ll_slots() <= INT32_MAX, "options.low_latency_max_tokens",
+                     ll, " x ", R, " ranks x ", ll_slots(), " slots exceed the kernels' 32-bit routes");
+  }
 }
 
 Dispatcher::~Dispatcher() {
@@ -158,6 +181,7 @@ void Dispatcher::check_errors() {
   const CallScope call = open_call();
   require_usable();
   check(call.stream, "check_errors");
+  errors_.check(call.stream, "check_errors");  // a bad id of a low-latency dispatch (this rank's)
 }
 
 void Dispatcher::check(cudaStream_t s, const std::string& op) {
@@ -193,7 +217,7 @@ void Dispatcher::raise_abort() {
   // error blocking mode would have raised. The status is cleared: an argument error leaves the
   // dispatcher usable, as in blocking mode.
   const int R = world_size(), me = rank();
-  std::vector<long long> all(static_cast<std::size_t>(R * (call_signature::kWords + experts_ + R)));
+  std::vector<long long> all(static_cast<std::size_t>(R) * exchange_word::words(experts_, R));
   FLEXEP_CUDA_CHECK(cudaMemcpy(all.data(), snapshot_, all.size() * 8, cudaMemcpyDeviceToHost));
   FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
   const Gathered g = read_gathered(all.data());

@@ -18,13 +18,14 @@ int grid_for(std::int64_t warps_needed) {
   return static_cast<int>(ctas < 1 ? 1 : (ctas > 65535 ? 65535 : ctas));
 }
 
-__global__ void __launch_bounds__(kThreads) gather_rows_kernel(const uint4* rows, const int* index, std::int64_t entries,
-                                                               std::int64_t vectors, uint4* out) {
+template <class V>
+__global__ void __launch_bounds__(kThreads) gather_rows_kernel(const V* rows, const int* index, std::int64_t entries,
+                                                               std::int64_t vectors, V* out) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
   for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; p < entries; p += warps) {
     const int r = index[p];
-    uint4* to = out + p * vectors;
+    V* to = out + p * vectors;
     if (r < 0)
       zero_row(to, vectors, lane);
     else
@@ -63,12 +64,19 @@ __global__ void __launch_bounds__(kThreads) sum_rows_kernel(SumRowsCall c) {
 
 }  // namespace
 
-void launch_gather_rows(const void* rows, const int* index, std::int64_t entries, std::int64_t hidden, void* out,
+void launch_gather_rows(const void* rows, const int* index, std::int64_t entries, long long row_bytes, void* out,
                         cudaStream_t stream) {
   if (entries == 0) return;
   gather_rows_kernel<<<grid_for(entries), kThreads, 0, stream>>>(static_cast<const uint4*>(rows), index, entries,
-                                                                 hidden / 8, static_cast<uint4*>(out));
+                                                                 row_bytes / 16, static_cast<uint4*>(out));
   FLEXEP_CUDA_CHECK_LAUNCH("deepep gather_rows_kernel");
+}
+
+void launch_gather_scales(const float* scales, const int* index, std::int64_t entries, int scale_cols, float* out,
+                          cudaStream_t stream) {
+  if (entries == 0) return;
+  gather_rows_kernel<<<grid_for(entries), kThreads, 0, stream>>>(scales, index, entries, scale_cols, out);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep gather_rows_kernel (scales)");
 }
 
 void launch_sum_rows(const SumRowsCall& c, cudaStream_t stream) {

@@ -20,7 +20,16 @@ using hybridep::Status;
 
 // The kinds of operation, each with its own epoch and one flag per source rank: the four calls,
 // and the budget-mode dispatch's count exchange.
-enum Kind : int { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3, kCounts = 4, kKinds = 5 };
+enum Kind : int {
+  kDispatch = 0,
+  kCombine = 1,
+  kDispatchBackward = 2,
+  kCombineBackward = 3,
+  kCounts = 4,
+  kLowLatencyDispatch = 5,
+  kLowLatencyCombine = 6,
+  kKinds = 7
+};
 
 // A call's layout on the device, int64 words (a tensor of the handle): written by the host in
 // blocking mode, by the count-exchange kernel in budget mode; the kernels read it from there.
@@ -34,9 +43,21 @@ inline constexpr int list_len(int ranks, int local) { return list_begin(ranks) +
 inline constexpr int words(int ranks, int local) { return list_len(ranks, local) + local; }
 }  // namespace layout_word
 
+// The count exchange's words of one rank: [call signature (kWords) | fp8 | pairs per expert [E] |
+// rows per destination rank [R]].
+namespace exchange_word {
+constexpr int fp8 = call_signature::kWords;  // 1: the rows travel as e4m3 with their scales (dispatch_fp8)
+constexpr int header = fp8 + 1;              // the words before the counts
+inline constexpr int words(int experts, int ranks) { return header + experts + ranks; }
+}  // namespace exchange_word
+
+// FP8 rows carry one fp32 scale per this many elements (DeepEP's and hybridep's).
+constexpr int kFp8ScaleBlock = 128;
+
 // Byte offsets into every rank's window (the same on all ranks).
 struct WindowLayout {
-  unsigned long long x = 0;       // [cap, H] bf16: recv_x
+  unsigned long long x = 0;       // [cap, H] bf16 (or e4m3, dispatch_fp8): recv_x
+  unsigned long long scales = 0;  // [cap, H / 128] f32: recv_x's scales (dispatch_fp8)
   unsigned long long idx = 0;     // [cap, k] int32: recv_topk_idx
   unsigned long long w = 0;       // [cap, k] f32: recv_topk_weights
   unsigned long long src = 0;     // [cap] int32: the source token of each received row
@@ -44,6 +65,12 @@ struct WindowLayout {
   unsigned long long part = 0;    // [R, T_max, H] bf16: the rows coming back (combine, dispatch_backward)
   unsigned long long part_w = 0;  // [R, T_max, K] f32: their weight gradients (dispatch_backward)
   unsigned long long counts = 0;  // [R, P] int64: the budget-mode count exchange, row s from source s
+  // Low-latency mode (DeepEpOptions::low_latency_max_tokens = T_ll > 0; else empty):
+  unsigned long long ll_x = 0;       // [L, R, T_ll, 2H] bytes: the pairs' rows as they arrive, per (expert, source)
+  unsigned long long ll_scales = 0;  // [L, R, T_ll, H / 128] f32: their FP8 scales
+  unsigned long long ll_info = 0;    // [L, R, T_ll] int32: t * K + j of each arrived row (K = max_topk)
+  unsigned long long ll_counts = 0;  // [L, R] int32: rows from each source per local expert
+  unsigned long long ll_back = 0;    // [T_ll, K, H] bf16: the expert outputs coming back, per (token, slot)
   unsigned long long bytes = 0;
 };
 
@@ -57,10 +84,10 @@ struct WindowLayout {
 struct NotifyCall {
   SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, experts = 0;
-  long long header[call_signature::kWords] = {};
+  long long header[exchange_word::header] = {};
   const cuda::DeviceErrorRecord* errors = nullptr;
   const long long* counts = nullptr;  // [E + R], or null (this rank's checks failed: zeros travel)
-  int words = 0;                      // P = kWords + E + R
+  int words = 0;                      // P = exchange_word::words(E, R)
   WindowLayout win{};
   OpControl* op = nullptr;
   Status* status = nullptr;
@@ -83,12 +110,16 @@ struct RankRowsCall {
 void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream);
 
 // Sender: row t goes to dest_row[d * T + t] of rank d's window at `rows_at` (and, with slots, its
-// k slots as d's local ids, their weights, and t). Then one flag per destination: flags[kind * R + me].
+// k slots as d's local ids, their weights, and t; with scales, its scales). Then one flag per
+// destination: flags[kind * R + me].
 struct SendRowsCall {
   SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, local_experts = 0, k = 0;
-  std::int64_t tokens = 0, hidden = 0;
-  const void* x = nullptr;             // [T, H] bf16
+  std::int64_t tokens = 0;
+  long long row_bytes = 0;             // 2H (bf16) or H (e4m3): a multiple of 16
+  const void* x = nullptr;             // [T, row_bytes]
+  const float* scales = nullptr;       // [T, scale_cols] (dispatch_fp8) or null
+  int scale_cols = 0;                  // H / 128
   const int* slot_expert = nullptr;    // [T * k] (null: no slots travel)
   const float* weights = nullptr;      // [T * k]
   const int* dest_row = nullptr;       // [R * T]
@@ -169,19 +200,23 @@ void launch_reduce(const ReduceCall& c, int ctas, cudaStream_t stream);
 
 // The expert-major layout on this rank, from the rank-major rows (no communication):
 // out[p] = rows[index[p]] for every entry p, a zero row where index[p] = -1. One warp per entry.
-void launch_gather_rows(const void* rows, const int* index, std::int64_t entries, std::int64_t hidden, void* out,
+// Rows of row_bytes (a multiple of 16: bf16 or e4m3 rows), and FP8 scales of scale_cols floats.
+void launch_gather_rows(const void* rows, const int* index, std::int64_t entries, long long row_bytes, void* out,
                         cudaStream_t stream);
+void launch_gather_scales(const float* scales, const int* index, std::int64_t entries, int scale_cols, float* out,
+                          cudaStream_t stream);
 
 // Budget mode's tail of a window region: rows [layout[received], rows) zero, and with slots their
-// ids -1, weights 0 and source tokens -1. One warp per row.
+// ids -1, weights 0 and source tokens -1 (and with scale_cols their scales 0). One warp per row.
 struct TailCall {
   char* window = nullptr;
   unsigned long long rows_at = 0;  // WindowLayout::x or ::grad
   WindowLayout win{};
   bool slots = false;
   const long long* layout = nullptr;
-  std::int64_t rows = 0, hidden = 0;
-  int k = 0;
+  std::int64_t rows = 0;
+  long long row_bytes = 0;
+  int k = 0, scale_cols = 0;
 };
 void launch_tail(const TailCall& c, int ctas, cudaStream_t stream);
 
@@ -199,5 +234,64 @@ struct SumRowsCall {
   float* grad_w = nullptr;            // [rows * k]
 };
 void launch_sum_rows(const SumRowsCall& c, cudaStream_t stream);
+
+// ---- Low-latency mode (low_latency.cu): one kernel per direction, no host sync ----------------------------
+
+// A token's slots are a warp's lanes in the combine's weighted sum.
+constexpr int kMaxLowLatencyTopk = 32;
+
+// The dispatch: every (token, expert) pair's row (+ FP8 scales) goes to the expert's rank, into
+// ll_x at (local expert, this rank, its place among this rank's tokens of that expert), with t * K
+// + j in ll_info, then each (expert, this rank) count; one flag per peer (kind kLowLatencyDispatch).
+// Then, in the same kernel, every source's flag awaited (deadline) and each local expert's rows
+// packed into recv_x in (source, token) order, with recv_count, recv_src_info, layout_range and
+// `route` (the way back). A bad id (outside [-1, E), or repeated in a token) is reported and
+// sends nothing.
+struct LowLatencyDispatchCall {
+  SymmetricPeerTable peers{};
+  int rank = 0, ranks = 0, experts = 0, local_experts = 0, k = 0, slots = 0;  // slots: K
+  std::int64_t tokens = 0, max_tokens = 0;  // T, T_ll
+  long long row_bytes = 0;
+  int scale_cols = 0;                       // H / 128 with FP8 rows, else 0
+  const void* x = nullptr;                  // [T, row_bytes]
+  const float* scales = nullptr;            // [T, scale_cols] or null
+  const void* indices = nullptr;            // [T, k] int32 or int64
+  bool indices_i64 = true;
+  cuda::DeviceErrorRecord* errors = nullptr;
+  WindowLayout win{};
+  OpControl* op = nullptr;
+  Status* status = nullptr;
+  unsigned long long timeout_ns = 0;
+  // This rank's outputs (device memory of the dispatcher):
+  void* recv_x = nullptr;            // [L, R * T_ll, row_bytes]
+  float* recv_scales = nullptr;      // [L, R * T_ll, scale_cols] or null
+  int* recv_count = nullptr;         // [L]
+  int* recv_src_info = nullptr;      // [L, R * T_ll]
+  long long* layout_range = nullptr; // [L, R]
+  int* route = nullptr;              // [L, R * T_ll]: (s * T_ll + t) * K + j
+};
+void launch_low_latency_dispatch(const LowLatencyDispatchCall& c, int ctas, cudaStream_t stream);
+
+// The combine: each local expert's row i of expert_out goes back to its source's ll_back at (t,
+// j) (route), one flag per source (kind kLowLatencyCombine); then, in the same kernel, every
+// rank's flag awaited and out[t] = the fp32 sum over t's sending slots j ascending of w[t][j] *
+// row (t, j), products and sums rounded once each, rounded to bf16 (core/low_latency.h).
+struct LowLatencyCombineCall {
+  SymmetricPeerTable peers{};
+  int rank = 0, ranks = 0, experts = 0, local_experts = 0, k = 0, slots = 0;
+  std::int64_t tokens = 0, max_tokens = 0, hidden = 0;
+  const void* expert_out = nullptr;  // [L, R * T_ll, H] bf16
+  const int* recv_count = nullptr;   // [L]
+  const int* route = nullptr;        // [L, R * T_ll]
+  const void* indices = nullptr;     // [T, k] of the dispatch's source side
+  bool indices_i64 = true;
+  const float* weights = nullptr;    // [T, k]
+  WindowLayout win{};
+  OpControl* op = nullptr;
+  Status* status = nullptr;
+  unsigned long long timeout_ns = 0;
+  void* out = nullptr;               // [T, H] bf16
+};
+void launch_low_latency_combine(const LowLatencyCombineCall& c, int ctas, cudaStream_t stream);
 
 }  // namespace flexep::deepep

@@ -21,8 +21,9 @@ constexpr int kThreads = 256;
 
 // The configuration words every rank must agree on (call_signature.cpp compares the same ones).
 __device__ inline bool same_config(const long long* a, const long long* b) {
-  constexpr int fields[] = {word::experts, word::multihot, word::hidden,      word::topk,
-                            word::mode,    word::pad_multiple, word::budget_rows, word::overflow};
+  constexpr int fields[] = {word::experts,      word::multihot,    word::hidden,   word::topk,
+                            word::mode,         word::pad_multiple, word::budget_rows, word::overflow,
+                            exchange_word::fp8};
   for (int f : fields)
     if (a[f] != b[f]) return false;
   return true;
@@ -35,7 +36,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
   for (int i = static_cast<int>(threadIdx.x); i < R * P; i += blockDim.x) {
     const int d = i / P, w = i - d * P;
     long long v = 0;
-    if (w < call_signature::kWords) {
+    if (w < exchange_word::header) {
       v = c.header[w];
       if (c.errors->arg != 0) {  // a bad id this rank's count kernel found travels as its device_* words
         if (w == word::device_arg) v = c.errors->arg;
@@ -45,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
         if (w == word::device_limit) v = c.errors->limit;
       }
     } else if (c.counts != nullptr) {
-      v = c.counts[w - call_signature::kWords];
+      v = c.counts[w - exchange_word::header];
     }
     reinterpret_cast<long long*>(c.peers.window[d] + c.win.counts)[static_cast<long long>(c.rank) * P + w] = v;
   }
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     return;
   }
   const long long* all = reinterpret_cast<const long long*>(c.peers.window[c.rank] + c.win.counts);
-  auto rows = [&](int s, int d) { return __ldcg(all + static_cast<long long>(s) * P + call_signature::kWords + E + d); };
+  auto rows = [&](int s, int d) { return __ldcg(all + static_cast<long long>(s) * P + exchange_word::header + E + d); };
   // 3. Agreement, budget, layout (thread 0 decides; the others derive row_begin).
   __shared__ int bad;
   if (threadIdx.x == 0) {

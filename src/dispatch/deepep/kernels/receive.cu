@@ -112,10 +112,11 @@ __global__ void __launch_bounds__(kThreads) tail_kernel(TailCall c) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
   const std::int64_t from = c.layout[layout_word::abort] ? 0 : c.layout[layout_word::received];
-  const std::int64_t vectors = c.hidden / 8;
+  const std::int64_t vectors = c.row_bytes / 16;
   for (std::int64_t r = from + static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; r < c.rows;
        r += warps) {
     zero_row(reinterpret_cast<uint4*>(c.window + c.rows_at) + r * vectors, vectors, lane);
+    zero_row(reinterpret_cast<float*>(c.window + c.win.scales) + r * c.scale_cols, c.scale_cols, lane);
     if (!c.slots) continue;
     for (int j = lane; j < c.k; j += 32) {
       reinterpret_cast<int*>(c.window + c.win.idx)[r * c.k + j] = -1;

@@ -36,12 +36,13 @@ __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
   }
 }
 
-// One warp per (destination, token) pair; the row in 16-byte vectors, the slots by lanes 0..k-1.
+// One warp per (destination, token) pair; the row in 16-byte vectors (then its FP8 scales), the slots
+// by lanes 0..k-1.
 __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c) {
   const OpSession session(c.op);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kSendThreads / 32);
-  const std::int64_t vectors = c.hidden / 8;  // 8 bf16 per uint4
+  const std::int64_t vectors = c.row_bytes / 16;
   const std::int64_t pairs = static_cast<std::int64_t>(c.ranks) * c.tokens;
   for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * (kSendThreads / 32) + threadIdx.x / 32; p < pairs;
        p += warps) {
@@ -53,6 +54,10 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c)
     const uint4* from = static_cast<const uint4*>(c.x) + t * vectors;
     uint4* to = reinterpret_cast<uint4*>(win + c.rows_at) + static_cast<std::int64_t>(row) * vectors;
     copy_row<RowSource::nc>(from, to, vectors, lane);
+    if (c.scales != nullptr)
+      copy_row<RowSource::nc>(c.scales + t * c.scale_cols,
+                              reinterpret_cast<float*>(win + c.win.scales) + static_cast<std::int64_t>(row) * c.scale_cols,
+                              c.scale_cols, lane);
     if (c.slot_expert != nullptr) {
       for (int j = lane; j < c.k; j += 32) {
         const int e = c.slot_expert[t * c.k + j];

@@ -214,7 +214,9 @@ std::string phase_name(Phase p) {
     case Phase::dispatch_backward_reuse: return "dispatch_backward:buffer-reuse";
     case Phase::combine_backward_rows: return "combine_backward:rows";
     case Phase::combine_backward_reuse: return "combine_backward:buffer-reuse";
-    case Phase::none: break;
+    case Phase::none:
+    case Phase::low_latency_dispatch:  // deepep's
+    case Phase::low_latency_combine: break;
   }
   return "unknown";
 }

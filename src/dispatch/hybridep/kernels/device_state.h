@@ -51,6 +51,8 @@ enum class Phase : int {
   dispatch_backward_reuse = 6,
   combine_backward_rows = 7,
   combine_backward_reuse = 8,
+  low_latency_dispatch = 9,  // deepep's low-latency mode
+  low_latency_combine = 10,
 };
 
 // One per dispatcher, shared by all its kernels; the first error wins (code is claimed with an

@@ -1,0 +1,213 @@
+// deepep's low-latency (decode) mode: one kernel per direction, as DeepEP's. Each kernel sends
+// first, then releases one flag per peer when its last CTA is done (publish.cuh), then waits for
+// every peer's flag and finishes on the receiving side. A CTA therefore waits for the other CTAs of
+// its own grid (through the peers' flags): every CTA of the grid must be resident at once, which
+// the launch guarantees by taking at most one CTA per SM of this rank's share (the dispatcher
+// checks it).
+#include <cuda_bf16.h>
+
+#include "dispatch/deepep/device/copy_row.cuh"
+#include "dispatch/deepep/device/publish.cuh"
+#include "dispatch/deepep/kernels/kernels.h"
+#include "dispatch/hybridep/device/flag.cuh"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::deepep {
+
+using hybridep::OpSession;
+using hybridep::wait_flag_at_least;
+using hybridep::WaitContext;
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+template <class Call>
+__device__ __forceinline__ long long id_at(const Call& c, std::int64_t p) {
+  return c.indices_i64 ? __ldg(static_cast<const long long*>(c.indices) + p) : __ldg(static_cast<const int*>(c.indices) + p);
+}
+
+// Whether slot j of token t sends: its id lies in [0, E) and no earlier slot of t has it
+// (core/low_latency.h).
+template <class Call>
+__device__ __forceinline__ bool slot_sends(const Call& c, std::int64_t t, int j) {
+  const long long e = id_at(c, t * c.k + j);
+  if (e < 0 || e >= c.experts) return false;
+  for (int i = 0; i < j; ++i)
+    if (id_at(c, t * c.k + i) == e) return false;
+  return true;
+}
+
+// Every thread s < ranks of the CTA acquires source s's flag of `kind` at `epoch`; false in every
+// thread when a wait timed out (the status then names the phase and the rank).
+__device__ __forceinline__ bool wait_all_sources(const SymmetricPeerTable& peers, int rank, int ranks, int kind, unsigned epoch,
+                                        const WaitContext& w) {
+  const unsigned* flags = reinterpret_cast<const unsigned*>(peers.flags[rank]) + kind * ranks;
+  bool ok = true;
+  for (int s = static_cast<int>(threadIdx.x); s < ranks; s += blockDim.x) ok = ok && wait_flag_at_least(flags + s, epoch, w, s);
+  return __syncthreads_and(ok) != 0;
+}
+
+// The source of packed row i: the last s with offsets[s] <= i (offsets ascending, [R + 1]).
+__device__ __forceinline__ int source_of(const long long* offsets, int ranks, long long i) {
+  int lo = 0, hi = ranks - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LowLatencyDispatchCall c) {
+  extern __shared__ long long offsets[];  // [R + 1]
+  const OpSession session(c.op);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warps = static_cast<int>(gridDim.x) * kWarps;
+  const int R = c.ranks, L = c.local_experts;
+  const std::int64_t vectors = c.row_bytes / 16;
+
+  // 0. Ids outside [-1, E) or repeated in a token send nothing; the first such is reported.
+  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < c.tokens * c.k;
+       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const long long e = id_at(c, p);
+    const std::int64_t t = p / c.k;
+    const int j = static_cast<int>(p - t * c.k);
+    if (e != -1 && (e < -1 || e >= c.experts || !slot_sends(c, t, j)))
+      cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, e, c.experts);
+  }
+
+  // 1. A warp per expert: its tokens in ascending order, each row into the expert's rank.
+  for (int e = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x / 32); e < c.experts; e += warps) {
+    const int d = e / L, le = e - d * L;
+    char* win = c.peers.window[d];
+    const std::int64_t first_row = (static_cast<std::int64_t>(le) * R + c.rank) * c.max_tokens;
+    int n = 0;
+    for (std::int64_t base = 0; base < c.tokens; base += 32) {
+      const std::int64_t t = base + lane;
+      int j = -1;
+      if (t < c.tokens)
+        for (int s = 0; s < c.k && j < 0; ++s)
+          if (id_at(c, t * c.k + s) == e) j = s;
+      for (unsigned mask = __ballot_sync(~0u, j >= 0); mask != 0; mask &= mask - 1) {
+        const int from_lane = __ffs(mask) - 1;
+        const int slot = __shfl_sync(~0u, j, from_lane);
+        const std::int64_t tt = base + from_lane, row = first_row + n++;
+        copy_row<RowSource::nc>(static_cast<const uint4*>(c.x) + tt * vectors,
+                                reinterpret_cast<uint4*>(win + c.win.ll_x) + row * vectors, vectors, lane);
+        if (c.scales != nullptr)
+          copy_row<RowSource::nc>(c.scales + tt * c.scale_cols,
+                                  reinterpret_cast<float*>(win + c.win.ll_scales) + row * c.scale_cols, c.scale_cols,
+                                  lane);
+        if (lane == 0) reinterpret_cast<int*>(win + c.win.ll_info)[row] = static_cast<int>(tt) * c.slots + slot;
+      }
+    }
+    if (lane == 0) reinterpret_cast<int*>(win + c.win.ll_counts)[le * R + c.rank] = n;
+  }
+  publish_to_peers(session, c.peers, kLowLatencyDispatch, R, c.rank);
+
+  // 2. Every source's rows here: each local expert's rows packed in (source, token) order.
+  const WaitContext wait{c.status, c.timeout_ns, Phase::low_latency_dispatch};
+  if (!wait_all_sources(c.peers, c.rank, R, kLowLatencyDispatch, session.epoch(), wait)) return;
+  const char* own = c.peers.window[c.rank];
+  const std::int64_t region = static_cast<std::int64_t>(R) * c.max_tokens;
+  for (int le = static_cast<int>(blockIdx.x); le < L; le += static_cast<int>(gridDim.x)) {
+    if (threadIdx.x == 0) {
+      long long at = 0;
+      for (int s = 0; s < R; ++s) {
+        const int n = __ldcg(reinterpret_cast<const int*>(own + c.win.ll_counts) + le * R + s);
+        offsets[s] = at;
+        c.layout_range[static_cast<std::int64_t>(le) * R + s] = (at << 32) | n;
+        at += n;
+      }
+      offsets[R] = at;
+      c.recv_count[le] = static_cast<int>(at);
+    }
+    __syncthreads();
+    const long long total = offsets[R];
+    for (long long i = threadIdx.x / 32; i < total; i += kWarps) {
+      const int s = source_of(offsets, R, i);
+      const std::int64_t from = (static_cast<std::int64_t>(le) * R + s) * c.max_tokens + (i - offsets[s]);
+      const std::int64_t to = le * region + i;
+      copy_row<RowSource::l2>(reinterpret_cast<const uint4*>(own + c.win.ll_x) + from * vectors,
+                              static_cast<uint4*>(c.recv_x) + to * vectors, vectors, lane);
+      if (c.recv_scales != nullptr)
+        copy_row<RowSource::l2>(reinterpret_cast<const float*>(own + c.win.ll_scales) + from * c.scale_cols,
+                                c.recv_scales + to * c.scale_cols, c.scale_cols, lane);
+      if (lane == 0) {
+        const int info = __ldcg(reinterpret_cast<const int*>(own + c.win.ll_info) + from);
+        c.recv_src_info[to] = info / c.slots;
+        c.route[to] = static_cast<int>(s * c.max_tokens * c.slots) + info;
+      }
+    }
+    __syncthreads();  // offsets are rewritten for the next expert
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LowLatencyCombineCall c) {
+  __shared__ float weight[kWarps][32];
+  const OpSession session(c.op);
+  const int lane = static_cast<int>(threadIdx.x % 32), w = static_cast<int>(threadIdx.x / 32);
+  const int warps = static_cast<int>(gridDim.x) * kWarps;
+  const int warp = static_cast<int>(blockIdx.x) * kWarps + w;
+  const std::int64_t vectors = c.hidden / 8;
+  const std::int64_t region = static_cast<std::int64_t>(c.ranks) * c.max_tokens;
+  const std::int64_t per_source = c.max_tokens * c.slots;
+
+  // 1. Every received row's output back to its source, at (token, slot).
+  for (std::int64_t g = warp; g < c.local_experts * region; g += warps) {
+    const int le = static_cast<int>(g / region);
+    if (g - le * region >= __ldg(c.recv_count + le)) continue;
+    const int r = __ldg(c.route + g);
+    const int s = static_cast<int>(r / per_source);
+    const std::int64_t tj = r - s * per_source;
+    copy_row<RowSource::nc>(static_cast<const uint4*>(c.expert_out) + g * vectors,
+                            reinterpret_cast<uint4*>(c.peers.window[s] + c.win.ll_back) + tj * vectors, vectors, lane);
+  }
+  publish_to_peers(session, c.peers, kLowLatencyCombine, c.ranks, c.rank);
+
+  // 2. Every rank's rows here: each token's weighted sum in slot order.
+  const WaitContext wait{c.status, c.timeout_ns, Phase::low_latency_combine};
+  if (!wait_all_sources(c.peers, c.rank, c.ranks, kLowLatencyCombine, session.epoch(), wait)) return;
+  const auto* back = reinterpret_cast<const uint4*>(c.peers.window[c.rank] + c.win.ll_back);
+  for (std::int64_t t = warp; t < c.tokens; t += warps) {
+    const bool sends = lane < c.k && slot_sends(c, t, lane);
+    weight[w][lane] = sends ? __ldg(c.weights + t * c.k + lane) : 0.0f;
+    const unsigned slots = __ballot_sync(~0u, sends);
+    __syncwarp();
+    for (std::int64_t v = lane; v < vectors; v += 32) {
+      float acc[8] = {};
+      for (unsigned m = slots; m != 0; m &= m - 1) {
+        const int j = __ffs(m) - 1;
+        const uint4 raw = __ldcg(back + (t * c.slots + j) * vectors + v);
+        const auto* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight[w][j], __bfloat162float(y[i])));
+      }
+      uint4 packed;
+      auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[i]);
+      static_cast<uint4*>(c.out)[t * vectors + v] = packed;
+    }
+    __syncwarp();  // weight[w] is rewritten for the warp's next token
+  }
+}
+
+}  // namespace
+
+void launch_low_latency_dispatch(const LowLatencyDispatchCall& c, int ctas, cudaStream_t stream) {
+  const std::size_t shared = static_cast<std::size_t>(c.ranks + 1) * sizeof(long long);
+  ll_dispatch_kernel<<<ctas < 1 ? 1 : ctas, kThreads, shared, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep ll_dispatch_kernel");
+}
+
+void launch_low_latency_combine(const LowLatencyCombineCall& c, int ctas, cudaStream_t stream) {
+  ll_combine_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep ll_combine_kernel");
+}
+
+}  // namespace flexep::deepep
