@@ -167,6 +167,15 @@ void expect_matches(const Want& w, int d, const LowLatencyResult& res, const Ten
   EXPECT_TRUE(same_bytes(w.combined[static_cast<std::size_t>(d)], cuda::to_host(combined, stream))) << "combine";
 }
 
+// Simulated ranks share one GPU: a host call that synchronises the device (a free, a pageable
+// copy) on one rank would wait for another rank's kernel, which waits for this rank's next one.
+// Each rank therefore makes its device inputs first, then all meet, then the calls run back to back.
+void start_together(GpuRank& g) {
+  if (simulated_ranks() == 0) return;
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  g.comm->barrier("low-latency calls");
+}
+
 std::vector<Case> cases(int R) {
   std::vector<Case> cs = {
       {config("ll uniform k4 H256", 4, 4, 256, tokens_for(R, {37, 0}), RoutingKind::uniform), false, 64},
@@ -201,8 +210,9 @@ TEST_P(DeepEpLowLatencyMultiGpu, MatchesTheCpuOracle) {
             const Tensor idx = cuda::to_device(li.in.indices, g.device, g.stream);
             const Tensor w = cuda::to_device(li.in.weights, g.device, g.stream);
             const Tensor sc = cs.fp8 ? cuda::to_device(li.scales, g.device, g.stream) : Tensor();
-            const LowLatencyResult res = d->low_latency_dispatch(x, idx, sc);
             const Tensor y = cuda::to_device(want[round].expert_out[static_cast<std::size_t>(g.rank)], g.device, g.stream);
+            start_together(g);
+            const LowLatencyResult res = d->low_latency_dispatch(x, idx, sc);
             const Tensor out = d->low_latency_combine(res.handle, y, idx, w);
             expect_matches(want[round], g.rank, res, out, cs, g.stream);
             d->check_errors();
@@ -241,6 +251,7 @@ TEST_P(DeepEpLowLatencyMultiGpu, DispatchAndCombineReplayInACudaGraph) {
         const Tensor idx = cuda::to_device(first.in.indices, g.device, g.stream);
         const Tensor w = cuda::to_device(first.in.weights, g.device, g.stream);
         const Tensor y = cuda::to_device(want[0].expert_out[static_cast<std::size_t>(g.rank)], g.device, g.stream);
+        start_together(g);
         LowLatencyResult warm = d->low_latency_dispatch(x, idx);  // loads the kernels outside the capture
         d->low_latency_combine(warm.handle, y, idx, w);
         d->check_errors();
@@ -287,14 +298,17 @@ TEST_P(DeepEpLowLatencyMultiGpu, BadIdsAndArgumentsAreNamed) {
         auto d = make_deepep_dispatcher(g.comm, E, options_for(cs, g.size, g.stream));
         const std::size_t r = static_cast<std::size_t>(g.rank);
         const LowLatencyInputs li = inputs_for(cs, g.size, g.rank, 3);
-        Tensor ids = li.in.indices;
+        Tensor ids = Tensor::empty(li.in.indices.shape(), DType::i64);
+        std::memcpy(ids.raw(), li.in.indices.raw(), ids.nbytes());
         if (g.rank == 0) ids.data<std::int64_t>()[5 * 2] = E + 3;  // rank 0's token 5
         const Tensor x = cuda::to_device(li.x, g.device, g.stream);
         const Tensor idx = cuda::to_device(ids, g.device, g.stream);
+        const Tensor good = cuda::to_device(li.in.indices, g.device, g.stream);
         const Tensor w = cuda::to_device(li.in.weights, g.device, g.stream);
-        const LowLatencyResult res = d->low_latency_dispatch(x, idx);
         const Tensor y = Tensor::zeros({cs.c.experts_per_rank, g.size * cs.max_tokens, cs.c.hidden}, DType::bf16,
                                        Device::cuda(g.device));
+        start_together(g);
+        const LowLatencyResult res = d->low_latency_dispatch(x, idx);
         d->low_latency_combine(res.handle, y, idx, w);
         try {
           d->check_errors();
@@ -324,7 +338,7 @@ TEST_P(DeepEpLowLatencyMultiGpu, BadIdsAndArgumentsAreNamed) {
           no_buffers[r] = std::current_exception();
         }
         // Still usable: a clean round.
-        const Tensor good = cuda::to_device(li.in.indices, g.device, g.stream);
+        start_together(g);
         const LowLatencyResult ok = d->low_latency_dispatch(x, good);
         d->low_latency_combine(ok.handle, y, good, w);
         d->check_errors();
@@ -362,9 +376,10 @@ TEST_P(DeepEpLowLatencyMultiGpu, MissingPeerTimesOutNamingPhaseAndPeer) {
           return;
         }
         const LowLatencyInputs li = inputs_for(cs, g.size, g.rank, 3);
+        const Tensor x = cuda::to_device(li.x, g.device, g.stream);
+        const Tensor idx = cuda::to_device(li.in.indices, g.device, g.stream);
         try {
-          d->low_latency_dispatch(cuda::to_device(li.x, g.device, g.stream),
-                                  cuda::to_device(li.in.indices, g.device, g.stream));
+          d->low_latency_dispatch(x, idx);
           d->check_errors();
         } catch (...) {
           failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
