@@ -22,6 +22,8 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kPieceVectors = 4;  // combine: 16-byte vectors per lane of one work item
+constexpr int kBatch = 8;         // combine: a token's rows loaded together
 
 template <class Call>
 __device__ __forceinline__ long long id_at(const Call& c, std::int64_t p) {
@@ -47,6 +49,14 @@ __device__ __forceinline__ bool wait_all_sources(const SymmetricPeerTable& peers
   bool ok = true;
   for (int s = static_cast<int>(threadIdx.x); s < ranks; s += blockDim.x) ok = ok && wait_flag_at_least(flags + s, epoch, w, s);
   return __syncthreads_and(ok) != 0;
+}
+
+// The first slot of token t (t may be past the tokens: -1) whose id is e.
+__device__ __forceinline__ int slot_of(const LowLatencyDispatchCall& c, std::int64_t t, int e) {
+  if (t >= c.tokens) return -1;
+  for (int s = 0; s < c.k; ++s)
+    if (id_at(c, t * c.k + s) == e) return s;
+  return -1;
 }
 
 // The source of packed row i: the last s with offsets[s] <= i (offsets ascending, [R + 1]).
@@ -80,32 +90,33 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LowLatencyDisp
       cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, e, c.experts);
   }
 
-  // 1. A warp per expert: its tokens in ascending order, each row into the expert's rank.
-  for (int e = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x / 32); e < c.experts; e += warps) {
+  // 1. A warp per (expert, 32 tokens): its place among this rank's rows of the expert counted over
+  //    the tokens before, then each of its rows into the expert's rank; the last chunk's warp
+  //    writes the (expert, this rank) count.
+  const int chunks = c.tokens > 0 ? static_cast<int>((c.tokens + 31) / 32) : 1;
+  for (int item = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x / 32);
+       item < c.experts * chunks; item += warps) {
+    const int e = item / chunks, chunk = item - e * chunks;
     const int d = e / L, le = e - d * L;
     char* win = c.peers.window[d];
     const std::int64_t first_row = (static_cast<std::int64_t>(le) * R + c.rank) * c.max_tokens;
     int n = 0;
-    for (std::int64_t base = 0; base < c.tokens; base += 32) {
-      const std::int64_t t = base + lane;
-      int j = -1;
-      if (t < c.tokens)
-        for (int s = 0; s < c.k && j < 0; ++s)
-          if (id_at(c, t * c.k + s) == e) j = s;
-      for (unsigned mask = __ballot_sync(~0u, j >= 0); mask != 0; mask &= mask - 1) {
-        const int from_lane = __ffs(mask) - 1;
-        const int slot = __shfl_sync(~0u, j, from_lane);
-        const std::int64_t tt = base + from_lane, row = first_row + n++;
-        copy_row<RowSource::nc>(static_cast<const uint4*>(c.x) + tt * vectors,
-                                reinterpret_cast<uint4*>(win + c.win.ll_x) + row * vectors, vectors, lane);
-        if (c.scales != nullptr)
-          copy_row<RowSource::nc>(c.scales + tt * c.scale_cols,
-                                  reinterpret_cast<float*>(win + c.win.ll_scales) + row * c.scale_cols, c.scale_cols,
-                                  lane);
-        if (lane == 0) reinterpret_cast<int*>(win + c.win.ll_info)[row] = static_cast<int>(tt) * c.slots + slot;
-      }
+    for (int before = 0; before < chunk; ++before) n += __popc(__ballot_sync(~0u, slot_of(c, before * 32 + lane, e) >= 0));
+    const std::int64_t base = static_cast<std::int64_t>(chunk) * 32;
+    const int j = slot_of(c, base + lane, e);
+    for (unsigned mask = __ballot_sync(~0u, j >= 0); mask != 0; mask &= mask - 1) {
+      const int from_lane = __ffs(mask) - 1;
+      const int slot = __shfl_sync(~0u, j, from_lane);
+      const std::int64_t tt = base + from_lane, row = first_row + n++;
+      copy_row<RowSource::nc>(static_cast<const uint4*>(c.x) + tt * vectors,
+                              reinterpret_cast<uint4*>(win + c.win.ll_x) + row * vectors, vectors, lane);
+      if (c.scales != nullptr)
+        copy_row<RowSource::nc>(c.scales + tt * c.scale_cols,
+                                reinterpret_cast<float*>(win + c.win.ll_scales) + row * c.scale_cols, c.scale_cols,
+                                lane);
+      if (lane == 0) reinterpret_cast<int*>(win + c.win.ll_info)[row] = static_cast<int>(tt) * c.slots + slot;
     }
-    if (lane == 0) reinterpret_cast<int*>(win + c.win.ll_counts)[le * R + c.rank] = n;
+    if (lane == 0 && chunk == chunks - 1) reinterpret_cast<int*>(win + c.win.ll_counts)[le * R + c.rank] = n;
   }
   publish_to_peers(session, c.peers, kLowLatencyDispatch, R, c.rank);
 
@@ -173,19 +184,39 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LowLatencyCombi
   const WaitContext wait{c.status, c.timeout_ns, Phase::low_latency_combine};
   if (!wait_all_sources(c.peers, c.rank, c.ranks, kLowLatencyCombine, session.epoch(), wait)) return;
   const auto* back = reinterpret_cast<const uint4*>(c.peers.window[c.rank] + c.win.ll_back);
-  for (std::int64_t t = warp; t < c.tokens; t += warps) {
+  // A warp per (token, piece of kPieceVectors vectors per lane): the token's k rows read together
+  // (kBatch loads in flight per lane), summed in slot order.
+  const std::int64_t pieces = (vectors + 32 * kPieceVectors - 1) / (32 * kPieceVectors);
+  for (std::int64_t item = warp; item < c.tokens * pieces; item += warps) {
+    const std::int64_t t = item / pieces, piece = item - t * pieces;
     const bool sends = lane < c.k && slot_sends(c, t, lane);
     weight[w][lane] = sends ? __ldg(c.weights + t * c.k + lane) : 0.0f;
     const unsigned slots = __ballot_sync(~0u, sends);
     __syncwarp();
-    for (std::int64_t v = lane; v < vectors; v += 32) {
+#pragma unroll 1
+    for (int u = 0; u < kPieceVectors; ++u) {
+      const std::int64_t v = (piece * kPieceVectors + u) * 32 + lane;
+      if (v >= vectors) break;
       float acc[8] = {};
-      for (unsigned m = slots; m != 0; m &= m - 1) {
-        const int j = __ffs(m) - 1;
-        const uint4 raw = __ldcg(back + (t * c.slots + j) * vectors + v);
-        const auto* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
+      for (unsigned m = slots; m != 0;) {
+        uint4 raw[kBatch];
+        int js[kBatch];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight[w][j], __bfloat162float(y[i])));
+        for (int q = 0; q < kBatch; ++q) {
+          js[q] = m != 0 ? __ffs(m) - 1 : -1;
+          if (m != 0) {
+            raw[q] = __ldcg(back + (t * c.slots + js[q]) * vectors + v);
+            m &= m - 1;
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          if (js[q] < 0) continue;
+          const float wj = weight[w][js[q]];
+          const auto* y = reinterpret_cast<const __nv_bfloat16*>(&raw[q]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wj, __bfloat162float(y[i])));
+        }
       }
       uint4 packed;
       auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
@@ -193,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LowLatencyCombi
       for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[i]);
       static_cast<uint4*>(c.out)[t * vectors + v] = packed;
     }
-    __syncwarp();  // weight[w] is rewritten for the warp's next token
+    __syncwarp();  // weight[w] is rewritten for the warp's next item
   }
 }
 
