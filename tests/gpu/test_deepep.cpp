@@ -52,6 +52,7 @@ DispatchOptions rank_major(const Config& c, int R) {
   DispatchOptions o;
   o.layout = DispatchLayout::rank_major;
   o.pad_multiple = c.pad;
+  o.overflow = c.overflow;
   if (c.mode == DispatchMode::budget) {
     o.mode = DispatchMode::budget;
     const auto b = static_cast<std::int64_t>(static_cast<double>(most_rank_major_rows(c, R)) * c.budget_fraction);
@@ -61,6 +62,7 @@ DispatchOptions rank_major(const Config& c, int R) {
 }
 
 struct RankMajorOutputs {
+  std::int64_t dropped = 0;
   Tensor recv_x, idx, weights, tpe, expert_rows;
   Tensor combined, grad_rows, grad_hidden, grad_weights;
 };
@@ -74,6 +76,7 @@ RankMajorOutputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config
   di.weights = weights;
   DispatchResult res = d.dispatch(di, rank_major(c, R));
   RankMajorOutputs out;
+  out.dropped = res.dropped;
   out.recv_x = down(res.tokens);
   out.idx = down(res.topk_indices);
   out.weights = down(res.topk_weights);
@@ -119,6 +122,7 @@ RankMajorOutputs run_deepep(GpuRank& g, const Config& c) {
   auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
   RankMajorOutputs out = run_sequence(*d, make_inputs(c, g.size, g.rank), c, g.size, g.rank, up, down);
   d->check_errors();  // budget mode raises device errors only here
+  if (c.mode == DispatchMode::budget) out.dropped = d->last_dropped();  // on the device until asked
   return out;
 }
 
@@ -128,6 +132,7 @@ void expect_equal(const std::vector<RankMajorOutputs>& want, const std::vector<R
     SCOPED_TRACE(name + ", rank " + std::to_string(r));
     const RankMajorOutputs &w = want[r], &g = got[r];
     ASSERT_TRUE(g.recv_x.defined()) << "no GPU result";
+    EXPECT_EQ(w.dropped, g.dropped) << "dropped";
     EXPECT_TRUE(same_bytes(w.recv_x, g.recv_x)) << "recv_x";
     EXPECT_TRUE(same_bytes(w.idx, g.idx)) << "recv_topk_idx";
     EXPECT_TRUE(same_bytes(w.weights, g.weights)) << "recv_topk_weights";
@@ -225,7 +230,8 @@ TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
 }
 
 // Budget mode: the counts cross on the device; recv_x has budget rows (the tail zero, slots -1),
-// tokens_per_expert stays on the device, expert_rows has its capacity (the tail -1).
+// tokens_per_expert stays on the device, expert_rows has its capacity (the tail -1); with the drop
+// policy the kept rows and the dropped pairs (last_dropped) are the host's.
 TEST_P(DeepEpMultiGpu, BudgetModeMatchesHost) {
   if (!require_ranks()) return;
   const int R = gpu_ranks();
@@ -238,6 +244,15 @@ TEST_P(DeepEpMultiGpu, BudgetModeMatchesHost) {
   for (std::size_t i = 0; i < configs.size(); ++i) {
     configs[i].mode = DispatchMode::budget;
     configs[i].budget_fraction = i % 2 ? 1.5 : 1.0;
+  }
+  // The drop policy: each receiver keeps the first rows of the (source, token) order.
+  for (Config c : {config("budget drop uniform k4 H64", 4, 4, 64, tokens_for(R, {60, 45})),
+                   config("budget drop zipf k8 H7168 pad4 T0", 8, 8, 7168, tokens_for(R, {0, 90}), RoutingKind::zipf, 4),
+                   config("budget drop hot k2 H128", 2, 2, 128, tokens_for(R, {40, 40}), RoutingKind::hot)}) {
+    c.mode = DispatchMode::budget;
+    c.overflow = OverflowPolicy::drop;
+    c.budget_fraction = 0.6;
+    configs.push_back(c);
   }
   check_configs(configs);
 }

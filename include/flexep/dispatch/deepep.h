@@ -43,8 +43,8 @@
 // one kernel each, no host sync, bitwise the CPU oracle (core/low_latency.h).
 //
 // Built now: blocking mode of both layouts, budget mode of the rank-major layout, low-latency
-// mode, top-k form, bf16 or e4m3 rows (dispatch_fp8), f32 weights. Not yet: the drop policy and
-// the expert-major layout in budget mode.
+// mode, top-k form, bf16 or e4m3 rows (dispatch_fp8), f32 weights. Not yet: the expert-major layout
+// in budget mode.
 #pragma once
 
 #include <cstdint>
@@ -106,6 +106,10 @@ class DeepEpDispatcher : public TokenDispatcher {
   // error, mismatch or overflow (as blocking mode would have raised it, on every rank; the
   // dispatcher stays usable), or a timeout naming the phase and the peer (then it is unusable).
   virtual void check_errors() = 0;
+  // Waits and returns the pairs the last dispatch dropped on this rank as receiver: a budget-mode
+  // dispatch with the drop policy keeps each receiver's first budget_rows rows of the (source rank,
+  // source token) order (DispatchResult::dropped of a budget call stays 0: nothing waits there).
+  virtual std::int64_t last_dropped() = 0;
 };
 
 std::unique_ptr<DeepEpDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,

@@ -34,8 +34,6 @@ Routing check_input(const DispatchInput& in, const TensorView& scales, bool fp8,
     FLEXEP_CHECK_ARG(opt.layout == DispatchLayout::rank_major, "options.mode",
                      "is budget with the expert_major layout, which the deepep backend does not offer yet; allowed: "
                      "budget with options.layout = rank_major, or blocking");
-    FLEXEP_CHECK_ARG(opt.overflow == OverflowPolicy::error, "options.overflow",
-                     "is drop, which the deepep backend's budget mode does not offer yet; allowed: error");
   }
   FLEXEP_CHECK_ARG(!in.multihot(), "routing_map",
                    "the deepep backend takes the top-k form (indices, weights), as DeepEP's dispatch does");
@@ -168,11 +166,13 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   h->call_layout = lay.words;
   h->dest_row = scratch(budget, Scratch::dest_row, R * rt.tokens, false);
   if (budget) budget_sequence_ = h->sequence;
+  last_was_budget_ = budget;
   RankRowsCall rr;
   rr.dest_flag = dest_flag.data<std::int32_t>();
   rr.layout = reinterpret_cast<const long long*>(lay.words.raw());
   rr.tokens = rt.tokens;
   rr.ranks = R;
+  rr.budget = budget && options.overflow == OverflowPolicy::drop ? options.budget_rows : -1;
   rr.dest_row = h->dest_row.data<std::int32_t>();
   launch_rank_rows(rr, s);
 
@@ -186,6 +186,12 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     listing.layout = rr.layout;
     listing.pad = options.pad_multiple;
     listing.capacity = lay.entries;
+    if (options.overflow == OverflowPolicy::drop) {
+      listing.exchanged = reinterpret_cast<const long long*>(window() + win_.counts);
+      listing.words = exchange_word::words(E, R);
+      listing.rank = rank();
+      listing.dropped = reinterpret_cast<unsigned long long*>(dropped_.raw());
+    }
   } else {
     listing.list_begin = rr.layout + layout_word::list_begin(R);
     listing.list_len = rr.layout + layout_word::list_len(R, L);
@@ -330,6 +336,8 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   c.timeout_ns = device_timeout_ns(options_.timeout_seconds);
   c.budget = out.recv_rows;
   c.capacity = capacity_rows_;
+  c.drop = options.overflow == OverflowPolicy::drop;
+  c.dropped = reinterpret_cast<long long*>(dropped_.raw());
   c.layout = reinterpret_cast<long long*>(out.words.raw());
   c.snapshot = snapshot_;
   launch_notify(c, stream());
@@ -353,6 +361,7 @@ Tensor Dispatcher::scratch(bool budget, Scratch which, std::int64_t n, bool zero
 }
 
 void Dispatcher::allocate_budget_buffers() {
+  dropped_ = Tensor::zeros({1}, DType::i64, Device::cuda(comm_->device()));
   const int R = world_size(), L = local_experts();
   const std::int64_t T = options_.max_tokens_per_rank;
   const std::int64_t sizes[] = {T * max_topk_,

@@ -73,6 +73,7 @@ class Dispatcher final : public DeepEpDispatcher {
                                   const TensorView& grad_token_probs) override;
   Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
   void check_errors() override;
+  std::int64_t last_dropped() override;
 
  private:
   // What every call opens: CUDA initialised, this rank's device and the call's stream current
@@ -182,6 +183,8 @@ class Dispatcher final : public DeepEpDispatcher {
   long long* snapshot_ = nullptr;  // [R * P]: the count exchange's words of an aborted call
   std::array<Tensor, static_cast<std::size_t>(Scratch::kinds)> budget_buffers_;
   std::uint64_t budget_sequence_ = 0;  // the latest budget dispatch's handle
+  Tensor dropped_;                     // [1] int64: the pairs the latest budget dispatch dropped here
+  bool last_was_budget_ = false;
   LowLatencyBuffers ll_;
   std::uint64_t ll_sequence_ = 0;      // the latest low-latency dispatch's handle
   cuda::DeviceErrors errors_;

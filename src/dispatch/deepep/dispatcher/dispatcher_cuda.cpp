@@ -184,6 +184,13 @@ void Dispatcher::check_errors() {
   errors_.check(call.stream, "check_errors");  // a bad id of a low-latency dispatch (this rank's)
 }
 
+std::int64_t Dispatcher::last_dropped() {
+  const CallScope call = open_call();
+  require_usable();
+  check(call.stream, "last_dropped");
+  return last_was_budget_ ? cuda::to_host(dropped_, call.stream).data<std::int64_t>()[0] : 0;
+}
+
 void Dispatcher::check(cudaStream_t s, const std::string& op) {
   // Every device wait has a deadline, so the stream finishes even when a peer never arrives.
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(s));

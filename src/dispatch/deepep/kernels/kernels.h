@@ -93,18 +93,22 @@ struct NotifyCall {
   Status* status = nullptr;
   unsigned long long timeout_ns = 0;
   long long budget = 0, capacity = 0;  // the budget; the window's rows
+  bool drop = false;                   // overflow policy drop: receivers keep their first `budget` rows
   long long* layout = nullptr;         // layout_word
   long long* snapshot = nullptr;       // [R * P]
+  long long* dropped = nullptr;        // zeroed here; the receive kernels add this rank's dropped pairs
 };
 void launch_notify(const NotifyCall& c, cudaStream_t stream);
 
 // dest_row[d * T + t] = row_begin[d] + (rank of t among the tokens with dest_flag[d * T + t]), or -1
-// (and -1 everywhere when the call aborted). One CTA per destination, a block scan: deterministic.
+// (and -1 everywhere when the call aborted, and for rows at or past a budget: the drop policy). One
+// CTA per destination, a block scan: deterministic.
 struct RankRowsCall {
   const int* dest_flag = nullptr;
   const long long* layout = nullptr;  // layout_word: abort, row_begin
   std::int64_t tokens = 0;
   int ranks = 0;
+  long long budget = -1;              // budget mode: rows at or past it are dropped (-1: none)
   int* dest_row = nullptr;
 };
 void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream);
@@ -154,6 +158,11 @@ struct ReceiveCall {
   long long* tokens_per_expert = nullptr; // [L] (budget)
   const long long* layout = nullptr;      // layout_word (budget: received, abort)
   long long pad = 1, capacity = 0;        // budget
+  // Budget mode with the drop policy: the pairs sent here (the count exchange's words in this rank's
+  // window, P per source) less those kept are added to *dropped.
+  const long long* exchanged = nullptr;
+  int words = 0, rank = 0;
+  unsigned long long* dropped = nullptr;
   int* expert_rows = nullptr;             // null: only wait
   const float* weights = nullptr;         // this rank's recv_topk_weights (window); with probs
   float* probs = nullptr;                 // [sum list_len] or null

@@ -75,16 +75,17 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     for (int d = 0; d < R && bad < 0; ++d) {
       long long n = 0;
       for (int s = 0; s < R; ++s) n += rows(s, d);
-      if (n > c.budget || n > c.capacity) bad = d;
+      if (!c.drop && (n > c.budget || n > c.capacity)) bad = d;  // drop: at most the budget is kept
     }
-    long long at = 0;
+    long long at = 0;  // the rows kept here are a prefix of the (source, token) order: at most the budget
     for (int s = 0; s < R; ++s) {
-      c.layout[layout_word::source_begin(R) + s] = bad < 0 ? at : 0;
+      c.layout[layout_word::source_begin(R) + s] = bad < 0 ? min(at, c.budget) : 0;
       at += rows(s, c.rank);
     }
-    c.layout[layout_word::source_begin(R) + R] = bad < 0 ? at : 0;
-    c.layout[layout_word::received] = bad < 0 ? at : 0;
+    c.layout[layout_word::source_begin(R) + R] = bad < 0 ? min(at, c.budget) : 0;
+    c.layout[layout_word::received] = bad < 0 ? min(at, c.budget) : 0;
     c.layout[layout_word::abort] = bad < 0 ? 0 : 1;
+    *c.dropped = 0;
   }
   __syncthreads();
   for (int d = static_cast<int>(threadIdx.x); d < R; d += blockDim.x) {

@@ -102,7 +102,16 @@ __global__ void __launch_bounds__(kThreads) count_lists_kernel(ReceiveCall c) {
     for (std::int64_t row = threadIdx.x; row < rows; row += kThreads)
       for (int j = 0; j < c.k; ++j) mine += __ldcg(c.idx + row * c.k + j) == e;
     const int n = Reduce(reduce).Sum(mine);
-    if (threadIdx.x == 0) c.tokens_per_expert[e] = (n + c.pad - 1) / c.pad * c.pad;
+    if (threadIdx.x == 0) {
+      c.tokens_per_expert[e] = (n + c.pad - 1) / c.pad * c.pad;
+      if (c.dropped != nullptr && ok) {
+        long long sent = 0;  // every source's pairs for this expert
+        for (int s = 0; s < c.ranks; ++s)
+          sent += __ldcg(c.exchanged + static_cast<long long>(s) * c.words + exchange_word::header +
+                         c.rank * c.local_experts + e);
+        atomicAdd(c.dropped, static_cast<unsigned long long>(sent - n));
+      }
+    }
     __syncthreads();
   }
 }

@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
     const int f = t < c.tokens && !abort ? flag[t] : 0;
     int before = 0, total = 0;
     Scan(scan).ExclusiveSum(f, before, total);
-    if (t < c.tokens) row[t] = f ? static_cast<int>(next + before) : -1;
+    const bool kept = c.budget < 0 || next + before < c.budget;
+    if (t < c.tokens) row[t] = f && kept ? static_cast<int>(next + before) : -1;
     next += total;
     __syncthreads();  // the scan storage is reused
   }
