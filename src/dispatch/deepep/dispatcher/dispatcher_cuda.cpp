@@ -139,6 +139,8 @@ void Dispatcher::check_options(int num_experts) {
     FLEXEP_CHECK_ARG(low_latency_ctas() <= comm_->sms_per_rank(), "options.sms", low_latency_ctas(),
                      " CTAs of the low-latency kernels exceed the ", comm_->sms_per_rank(),
                      " SMs this rank may hold at once (a GPU's SMs, shared by its simulated ranks)");
+    FLEXEP_CHECK_ARG(num_experts / R <= 4096, "num_experts", num_experts, " experts over ", R,
+                     " ranks: the low-latency kernels hold at most 4096 local experts (shared memory)");
     FLEXEP_CHECK_ARG(static_cast<std::int64_t>(R) * ll * ll_slots() <= INT32_MAX, "options.low_latency_max_tokens",
                      ll, " x ", R, " ranks x ", ll_slots(), " slots exceed the kernels' 32-bit routes");
   }

@@ -59,7 +59,8 @@ __device__ __forceinline__ int slot_of(const LowLatencyDispatchCall& c, std::int
   return -1;
 }
 
-// The source of packed row i: the last s with offsets[s] <= i (offsets ascending, [R + 1]).
+// The last s < n with offsets[s] <= i (offsets ascending, [n + 1]): the source of packed row i, or
+// the local expert of received row i.
 __device__ __forceinline__ int source_of(const long long* offsets, int ranks, long long i) {
   int lo = 0, hi = ranks - 1;
   while (lo < hi) {
@@ -159,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LowLatencyDisp
 }
 
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LowLatencyCombineCall c) {
+  extern __shared__ long long prefix[];  // [L + 1]: the received rows before each local expert
   __shared__ float weight[kWarps][32];
   const OpSession session(c.op);
   const int lane = static_cast<int>(threadIdx.x % 32), w = static_cast<int>(threadIdx.x / 32);
@@ -168,14 +170,25 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LowLatencyCombi
   const std::int64_t region = static_cast<std::int64_t>(c.ranks) * c.max_tokens;
   const std::int64_t per_source = c.max_tokens * c.slots;
 
-  // 1. Every received row's output back to its source, at (token, slot).
-  for (std::int64_t g = warp; g < c.local_experts * region; g += warps) {
-    const int le = static_cast<int>(g / region);
-    if (g - le * region >= __ldg(c.recv_count + le)) continue;
-    const int r = __ldg(c.route + g);
+  // 1. Every received row's output back to its source, at (token, slot): the received rows counted
+  //    end to end over the local experts (prefix in shared memory), a warp per row, so the work
+  //    spreads over every warp whatever the counts.
+  if (threadIdx.x == 0) {
+    long long at = 0;
+    for (int le = 0; le < c.local_experts; ++le) {
+      prefix[le] = at;
+      at += __ldg(c.recv_count + le);
+    }
+    prefix[c.local_experts] = at;
+  }
+  __syncthreads();
+  for (long long g = warp; g < prefix[c.local_experts]; g += warps) {
+    const int le = source_of(prefix, c.local_experts, g);  // the last expert whose rows start at or before g
+    const std::int64_t row = le * region + (g - prefix[le]);
+    const int r = __ldg(c.route + row);
     const int s = static_cast<int>(r / per_source);
     const std::int64_t tj = r - s * per_source;
-    copy_row<RowSource::nc>(static_cast<const uint4*>(c.expert_out) + g * vectors,
+    copy_row<RowSource::nc>(static_cast<const uint4*>(c.expert_out) + row * vectors,
                             reinterpret_cast<uint4*>(c.peers.window[s] + c.win.ll_back) + tj * vectors, vectors, lane);
   }
   publish_to_peers(session, c.peers, kLowLatencyCombine, c.ranks, c.rank);
@@ -237,7 +250,8 @@ void launch_low_latency_dispatch(const LowLatencyDispatchCall& c, int ctas, cuda
 }
 
 void launch_low_latency_combine(const LowLatencyCombineCall& c, int ctas, cudaStream_t stream) {
-  ll_combine_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  const std::size_t shared = static_cast<std::size_t>(c.local_experts + 1) * sizeof(long long);
+  ll_combine_kernel<<<ctas < 1 ? 1 : ctas, kThreads, shared, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep ll_combine_kernel");
 }
 
