@@ -1,0 +1,83 @@
+// Fault injection on the host backend: a rank that stops before one phase of a dispatch sequence
+// (the dispatch's count exchange, combine, dispatch_backward, combine_backward), in either layout,
+// makes every other rank raise a TimeoutError naming that phase and the missing rank within the
+// deadline; the world then stays broken, so every later call fails at once instead of hanging.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "cpu/host_dispatch_reference.h"
+
+using namespace flexep;
+using namespace flexep::testing;
+
+namespace {
+
+enum class Step { dispatch, combine, dispatch_backward, combine_backward };
+
+const char* phase_of(Step s) {
+  switch (s) {
+    case Step::dispatch: return "dispatch:count-exchange";
+    case Step::combine: return "combine:exchange";
+    case Step::dispatch_backward: return "dispatch_backward:exchange";
+    case Step::combine_backward: return "combine_backward:exchange";
+  }
+  return "";
+}
+
+// The sequence dispatch, combine, dispatch_backward, combine_backward; `stop` stops before `at`.
+void run_until(TokenDispatcher& d, const RankInput& in, const DispatchOptions& o, Step at, bool stop) {
+  if (stop && at == Step::dispatch) return;
+  const DispatchResult res = d.dispatch(in.topk(), o);
+  if (stop && at == Step::combine) return;
+  d.combine(res.handle, res.tokens);
+  if (stop && at == Step::dispatch_backward) return;
+  const bool rank_major = o.layout == DispatchLayout::rank_major;
+  const Tensor gp = rank_major ? Tensor::zeros({res.tokens.size(0), in.indices.size(1)}, DType::f32)
+                               : Tensor::zeros({res.tokens.size(0)}, DType::f32);
+  d.dispatch_backward(res.handle, res.tokens, gp);
+  if (stop && at == Step::combine_backward) return;
+  d.combine_backward(res.handle, in.hidden);
+}
+
+}  // namespace
+
+TEST(HostFaults, AStoppedRankTimesOutEveryOtherRankNamingPhaseAndPeer) {
+  for (DispatchLayout layout : {DispatchLayout::expert_major, DispatchLayout::rank_major})
+    for (Step at : {Step::dispatch, Step::combine, Step::dispatch_backward, Step::combine_backward}) {
+      const int R = 3, missing = 2;
+      SCOPED_TRACE(std::string(phase_of(at)) + (layout == DispatchLayout::rank_major ? ", rank-major" : ""));
+      Spec s;
+      s.ranks = R;
+      s.experts = 2 * R;
+      s.topk = 2;
+      s.hidden = 16;
+      s.tokens = {5, 0, 7};
+      const auto in = make_inputs(s);
+      DispatchOptions o;
+      o.layout = layout;
+      Group g(R, s.experts, 0.3);
+      const auto start = std::chrono::steady_clock::now();
+      auto errors = g.run([&](int r, TokenDispatcher& d) {
+        run_until(d, in[static_cast<std::size_t>(r)], o, at, r == missing);
+      });
+      EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+      EXPECT_EQ(errors[missing], nullptr);
+      for (int r = 0; r < R; ++r) {
+        if (r == missing) continue;
+        try {
+          std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+        } catch (const TimeoutError& e) {
+          EXPECT_EQ(e.phase(), phase_of(at)) << e.what();
+          EXPECT_EQ(e.peer(), missing) << e.what();
+        } catch (...) {
+          ADD_FAILURE() << "rank " << r << ": " << what_of(errors[static_cast<std::size_t>(r)]);
+        }
+      }
+      // Broken: the next call fails at once on every rank, the stopped one included.
+      errors = g.run([&](int r, TokenDispatcher& d) { d.dispatch(in[static_cast<std::size_t>(r)].topk(), o); });
+      EXPECT_TRUE(all_threw<Error>(errors, [](const Error& e) {
+        return std::string(e.what()).find("broken") != std::string::npos;
+      }));
+    }
+}
