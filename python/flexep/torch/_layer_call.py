@@ -295,8 +295,14 @@ def _record_gate_state(gate, outputs: _Outputs, training: bool) -> None:
 
 def run_moe(moe, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Automodel's MoE.forward: x [..., dim] -> the same shape, padding_mask [...] True = padding."""
-    shape = x.shape
-    x2 = x.reshape(-1, moe._flexep_config.dim).contiguous()
+    shape, dim = x.shape, moe._flexep_config.dim
+    if x.dim() < 1 or shape[-1] != dim:
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'x': has shape {list(shape)}; expected [..., {dim}] "
+                                    "(the last dimension the config's dim)")
+    if padding_mask is not None and padding_mask.numel() != x.numel() // max(dim, 1):
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'padding_mask': has shape {list(padding_mask.shape)}; "
+                                    f"expected x's leading dimensions {list(shape[:-1])} (flattened as Automodel does)")
+    x2 = x.reshape(-1, dim).contiguous()
     mask = None if padding_mask is None else padding_mask.reshape(-1).to(torch.bool).contiguous()
     y = moe.experts(x2, None, LayerCall(moe, x2, mask))
     return y.view(shape)
