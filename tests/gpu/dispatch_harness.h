@@ -239,4 +239,35 @@ auto argument_is(std::string argument, Check check) {
 
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// Every rank but `missing` raised a TimeoutError naming `phase` and `missing` (a peer that never came).
+inline void expect_timeouts(const std::vector<std::exception_ptr>& failures, int missing, const std::string& phase) {
+  for (std::size_t r = 0; r < failures.size(); ++r) {
+    if (static_cast<int>(r) == missing) continue;
+    const std::exception_ptr& e = failures[r];
+    ASSERT_TRUE(e != nullptr) << "rank " << r << ": no error";
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError& t) {
+      EXPECT_EQ(t.phase(), phase) << t.what();
+      EXPECT_EQ(t.peer(), missing) << t.what();
+    } catch (...) {
+      ADD_FAILURE() << "rank " << r << ": not a TimeoutError: " << what_of(e);
+    }
+  }
+}
+
+// Random e4m3 bytes [T, H] and scales [T, H / 128] of rank r, for the FP8 dispatches (every byte
+// pattern: rows are moved, not read).
+struct Fp8Rows {
+  Tensor bytes, scales;
+};
+inline Fp8Rows fp8_rows(std::int64_t T, std::int64_t H, int r) {
+  Fp8Rows f;
+  f.bytes = Tensor::empty({T, H}, DType::e4m3);
+  auto* b = static_cast<std::uint8_t*>(f.bytes.raw());
+  for (std::int64_t i = 0; i < T * H; ++i) b[i] = static_cast<std::uint8_t>(splitmix64(i * 31 + r) & 0xff);
+  f.scales = random_tensor({T, H / 128}, DType::f32, 77, "scales", r);
+  return f;
+}
+
 }  // namespace flexep::testing

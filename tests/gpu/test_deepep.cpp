@@ -404,19 +404,6 @@ TEST_P(DeepEpMultiGpu, BudgetDispatchAndCombineReplayInACudaGraph) {
 
 // ---- FP8 dispatch ------------------------------------------------------------------------------------------
 
-// Random e4m3 bytes [T, H] and scales [T, H / 128] of rank r (every byte pattern: rows are moved, not read).
-struct Fp8Rows {
-  Tensor bytes, scales;
-};
-Fp8Rows fp8_rows(std::int64_t T, std::int64_t H, int r) {
-  Fp8Rows f;
-  f.bytes = Tensor::empty({T, H}, DType::e4m3);
-  auto* b = static_cast<std::uint8_t*>(f.bytes.raw());
-  for (std::int64_t i = 0; i < T * H; ++i) b[i] = static_cast<std::uint8_t>(splitmix64(i * 31 + r) & 0xff);
-  f.scales = random_tensor({T, H / 128}, DType::f32, 77, "scales", r);
-  return f;
-}
-
 // dispatch_fp8 moves e4m3 rows and their scales exactly as bf16 rows move: the host backend, given
 // the same bytes as bf16 containers ([T, H/2]) and the scales as f32 rows, places them in the same
 // rows, in both layouts and in budget mode; the slots, lists and counts are the bf16 dispatch's, and
@@ -693,19 +680,7 @@ TEST_P(DeepEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
       },
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
-  for (int r = 0; r < R; ++r) {
-    if (r == 1) continue;
-    const std::exception_ptr& e = failures[static_cast<std::size_t>(r)];
-    ASSERT_TRUE(e != nullptr) << "rank " << r << ": no error";
-    try {
-      std::rethrow_exception(e);
-    } catch (const TimeoutError& t) {
-      EXPECT_EQ(t.phase(), "deepep combine:rows") << t.what();
-      EXPECT_EQ(t.peer(), 1) << t.what();
-    } catch (...) {
-      ADD_FAILURE() << "not a TimeoutError: " << what_of(e);
-    }
-  }
+  expect_timeouts(failures, 1, "deepep combine:rows");
 }
 
 }  // namespace flexep::testing

@@ -417,15 +417,13 @@ TEST_P(HybridEpMultiGpu, Fp8DispatchMovesRowsAndScalesLikeBf16) {
         config("fp8 hot E=4R k=2 H=7168", 4, 2, 7168, {300, 200, 0, 17}, RoutingKind::hot)}) {
     SCOPED_TRACE(base.name);
     const int E = base.experts_per_rank * R;
-    const std::int64_t H = base.hidden, S = H / 128;
+    const std::int64_t H = base.hidden;
     // Per rank: random e4m3 bytes and scales, the routing of make_inputs.
     std::vector<Tensor> bytes(static_cast<std::size_t>(R)), scales(bytes);
     for (int r = 0; r < R; ++r) {
-      const std::int64_t T = base.tokens[static_cast<std::size_t>(r)];
-      bytes[r] = Tensor::empty({T, H}, DType::e4m3);
-      for (std::int64_t i = 0; i < T * H; ++i)
-        static_cast<std::uint8_t*>(bytes[r].raw())[i] = static_cast<std::uint8_t>(splitmix64(i * 31 + r) & 0xff);
-      scales[r] = random_tensor({T, S}, DType::f32, 77, "scales", r);
+      Fp8Rows f = fp8_rows(base.tokens[static_cast<std::size_t>(r)], H, r);
+      bytes[static_cast<std::size_t>(r)] = f.bytes;
+      scales[static_cast<std::size_t>(r)] = f.scales;
     }
     // Host references: rows as bf16 containers, scales as f32 rows, and the bf16 run for combine.
     struct Want {
