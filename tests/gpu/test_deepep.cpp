@@ -623,6 +623,85 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
     EXPECT_TRUE(contains(what_of(too_many[static_cast<std::size_t>(r)]), "rank 0 failed its checks"));
 }
 
+// An argument error found on one rank in combine or a backward reaches every rank as an
+// ArgumentError naming that argument (the failing rank still takes part, sending nothing, and its
+// peers' receive kernels see why); the dispatcher stays usable.
+TEST_P(DeepEpMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  const std::int64_t T = 6, H = 8;
+  std::vector<std::exception_ptr> combine(static_cast<std::size_t>(R)), grads(combine), rows(combine), handle(combine),
+      expert_major(combine);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions o;
+        o.hidden = H;
+        o.max_tokens_per_rank = T;
+        o.max_topk = 2;
+        o.timeout_seconds = 20;
+        o.stream = g.stream;
+        auto d = make_deepep_dispatcher(g.comm, E, o);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        const DeviceInputs in = device_inputs(g, E, T, H, 2);
+        DispatchOptions rm;
+        rm.layout = DispatchLayout::rank_major;
+        const DispatchResult res = d->dispatch(in.view(), rm);
+        const std::int64_t N = res.tokens.size(0);
+        const Device dev = Device::cuda(g.device);
+        auto attempt = [&](std::exception_ptr& into, const std::function<void()>& call) {
+          try {
+            call();
+          } catch (...) {
+            into = std::current_exception();
+          }
+        };
+        const int last = g.size - 1;
+        attempt(combine[r], [&] {  // the last rank's expert_out has one row too many
+          const Tensor bad = Tensor::zeros({N + 1, H}, DType::bf16, dev);
+          d->combine(res.handle, g.rank == last ? TensorView(bad) : TensorView(res.tokens));
+        });
+        attempt(grads[r], [&] {  // rank 0's weight gradients have a column too few
+          const Tensor gw = Tensor::zeros({N, g.rank == 0 ? 1 : 2}, DType::f32, dev);
+          d->dispatch_backward(res.handle, res.tokens, gw);
+        });
+        attempt(rows[r], [&] {  // the last rank's grad_out is bf16 of the wrong width
+          const Tensor go = Tensor::zeros({T, g.rank == last ? H + 8 : H}, DType::bf16, dev);
+          d->combine_backward(res.handle, go);
+        });
+        attempt(handle[r], [&] { d->combine(g.rank == 0 ? Handle() : res.handle, res.tokens); });
+        attempt(expert_major[r], [&] {  // the expert-major layout's combine, the last rank's rows f32
+          const DispatchResult em = d->dispatch(in.view(), DispatchOptions{});
+          const Tensor bad = Tensor::zeros({em.tokens.size(0), H}, DType::f32, dev);
+          d->combine(em.handle, g.rank == last ? TensorView(bad) : TensorView(em.tokens));
+        });
+        const Tensor ok = d->combine(res.handle, res.tokens);  // still usable, the same handle
+        d->check_errors();
+        EXPECT_EQ(ok.size(0), T);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  const int last = R - 1;
+  auto names = [](const char* arg) { return argument_is(arg, [](const std::string&) { return true; }); };
+  EXPECT_TRUE(all_threw<ArgumentError>(combine, names("expert_out")));
+  EXPECT_TRUE(all_threw<ArgumentError>(grads, names("grad_token_probs")));
+  EXPECT_TRUE(all_threw<ArgumentError>(rows, names("grad_out")));
+  EXPECT_TRUE(all_threw<ArgumentError>(handle, names("handle")));
+  EXPECT_TRUE(all_threw<ArgumentError>(expert_major, names("expert_out")));
+  for (int r = 0; r < R; ++r) {
+    if (r != last) {
+      EXPECT_TRUE(contains(what_of(combine[static_cast<std::size_t>(r)]),
+                           "rank " + std::to_string(last) + " failed its checks in deepep combine:rows"))
+          << what_of(combine[static_cast<std::size_t>(r)]);
+    }
+    if (r != 0) {
+      EXPECT_TRUE(contains(what_of(grads[static_cast<std::size_t>(r)]),
+                           "rank 0 failed its checks in deepep dispatch_backward:rows"))
+          << what_of(grads[static_cast<std::size_t>(r)]);
+    }
+  }
+}
+
 TEST_P(DeepEpMultiGpu, BadOptionsOnOneRankStopEveryRank) {
   if (!require_ranks()) return;
   const int R = gpu_ranks();

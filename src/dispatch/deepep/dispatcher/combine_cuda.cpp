@@ -38,6 +38,7 @@ void Dispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, const 
 
   ReduceCall r;
   r.flags = own_flags();
+  r.rank = rank();
   r.ranks = world_size();
   r.kind = kind;
   r.k = static_cast<int>(h.topk);
@@ -79,12 +80,70 @@ Tensor Dispatcher::sum_entries(const DeepEpHandle& h, const TensorView& entries,
   return rows;
 }
 
+void Dispatcher::stop_together(Kind kind, Phase phase, FailedArg why) {
+  const cudaStream_t s = stream();
+  if (kind == kCombineBackward) {  // the rows' way: a send kernel with nothing to send, then the receive kernel
+    SendRowsCall c;
+    c.peers = sym_.peer_table();
+    c.rank = rank();
+    c.ranks = world_size();
+    c.local_experts = local_experts();
+    c.row_bytes = 16;
+    c.win = win_;
+    c.op = ops_ + kind;
+    c.kind = kind;
+    c.failed_arg = static_cast<int>(why);
+    launch_send_rows(c, 1, s);
+    ReceiveCall r;
+    r.flags = own_flags();
+    r.rank = rank();
+    r.ranks = world_size();
+    r.kind = kind;
+    r.op = ops_ + kind;
+    r.status = status_;
+    r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
+    r.phase = phase;
+    launch_receive(r, s);
+    return;
+  }
+  SendPartialsCall c;  // the way back: nothing to send, nothing to sum
+  c.peers = sym_.peer_table();
+  c.rank = rank();
+  c.ranks = world_size();
+  c.hidden = 8;
+  c.win = win_;
+  c.op = ops_ + kind;
+  c.kind = kind;
+  c.failed_arg = static_cast<int>(why);
+  launch_send_partials(c, 1, s);
+  ReduceCall r;
+  r.flags = own_flags();
+  r.rank = rank();
+  r.ranks = world_size();
+  r.kind = kind;
+  r.op = ops_ + kind;
+  r.status = status_;
+  r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
+  r.phase = phase;
+  r.window = window();
+  r.win = win_;
+  r.hidden = 8;
+  launch_reduce(r, 1, s);
+}
+
 Tensor Dispatcher::combine(const Handle& handle, const TensorView& expert_out) {
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
-  const DeepEpHandle& h = own_handle(handle);
-  check_rows(expert_out, h.rows, h, "expert_out");
+  const DeepEpHandle* hp = nullptr;
+  try {
+    hp = &own_handle(handle);
+    check_rows(expert_out, hp->rows, *hp, "expert_out");
+  } catch (const Error&) {
+    stop_together(kCombine, Phase::combine_partials, failed_arg_of(std::current_exception()));
+    throw;
+  }
+  const DeepEpHandle& h = *hp;
   Tensor out = Tensor::empty({h.tokens, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
   const bool expert_major = h.layout == DispatchLayout::expert_major;
   const Tensor rows = expert_major ? sum_entries(h, expert_out, TensorView(), nullptr) : Tensor();
@@ -99,13 +158,21 @@ DispatchGrads Dispatcher::dispatch_backward(const Handle& handle, const TensorVi
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
-  const DeepEpHandle& h = own_handle(handle);
   const Device dev = Device::cuda(comm_->device());
-  check_rows(grad_tokens, h.rows, h, "grad_tokens");
+  const DeepEpHandle* hp = nullptr;
+  try {
+    hp = &own_handle(handle);
+    check_rows(grad_tokens, hp->rows, *hp, "grad_tokens");
+    // rank_major: the gradient of recv_topk_weights [N, k]; expert_major: of token_probs [M]
+    check_handle_tensor(grad_token_probs, hp->rows, hp->layout == DispatchLayout::expert_major ? -1 : hp->topk,
+                        hp->prob_dtype, "grad_token_probs");
+    check::device(grad_token_probs, dev, "grad_token_probs");
+  } catch (const Error&) {
+    stop_together(kDispatchBackward, Phase::dispatch_backward_partials, failed_arg_of(std::current_exception()));
+    throw;
+  }
+  const DeepEpHandle& h = *hp;
   const bool expert_major = h.layout == DispatchLayout::expert_major;
-  // rank_major: the gradient of recv_topk_weights [N, k]; expert_major: of token_probs [M]
-  check_handle_tensor(grad_token_probs, h.rows, expert_major ? -1 : h.topk, h.prob_dtype, "grad_token_probs");
-  check::device(grad_token_probs, dev, "grad_token_probs");
   DispatchGrads g;
   g.hidden = Tensor::empty({h.tokens, h.hidden}, DType::bf16, dev);
   g.weights = Tensor::empty({h.tokens, h.topk}, DType::f32, dev);

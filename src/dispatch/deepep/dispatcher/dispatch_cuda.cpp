@@ -419,6 +419,7 @@ void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, con
 
   ReceiveCall r = listing ? *listing : ReceiveCall{};
   r.flags = own_flags();
+  r.rank = rank();
   r.ranks = world_size();
   r.kind = kind;
   r.op = ops_ + kind;
@@ -436,8 +437,15 @@ Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
-  const DeepEpHandle& h = own_handle(handle);
-  check_rows(grad_out, h.tokens, h, "grad_out");
+  const DeepEpHandle* hp = nullptr;
+  try {
+    hp = &own_handle(handle);
+    check_rows(grad_out, hp->tokens, *hp, "grad_out");
+  } catch (const Error&) {
+    stop_together(kCombineBackward, Phase::combine_backward_rows, failed_arg_of(std::current_exception()));
+    throw;
+  }
+  const DeepEpHandle& h = *hp;
   move_rows(h, bf16_rows(grad_out), nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows,
             nullptr);
   if (h.budget) zero_tail(h, win_.grad, 2 * h.hidden, false, 0);

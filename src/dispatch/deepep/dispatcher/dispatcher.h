@@ -125,6 +125,13 @@ class Dispatcher final : public DeepEpDispatcher {
   // The error every rank raises for an aborted budget-mode call, from the count exchange's words;
   // returns without raising when this rank's own failure was raised already.
   void raise_abort();
+  // A combine or backward that a peer stopped (its own checks failed): the error every other rank
+  // raises, naming that rank and its argument. The dispatcher stays usable.
+  [[noreturn]] void raise_peer_failure(const Status& st, const std::string& op);
+  static FailedArg failed_arg_of(const std::exception_ptr& e);
+  // This rank's checks failed in combine, a backward (kind): it still takes part, sending nothing
+  // and telling every peer why, so that every rank stops together; then the caller raises.
+  void stop_together(Kind kind, Phase phase, FailedArg why);
   // A dispatch's per-call device tensors. Blocking mode allocates them; budget mode takes views of
   // buffers the dispatcher owns (allocated at creation), so that a captured CUDA graph allocates
   // nothing it keeps: a budget dispatch's handle is valid until the next budget dispatch.

@@ -97,7 +97,7 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
   snapshot_ = reinterpret_cast<long long*>(local_ + sizeof(OpControl) * kKinds + sizeof(Status));
   SymmetricBufferSpec spec;
   spec.window_bytes = win_.bytes;
-  spec.flag_bytes = align16(static_cast<unsigned long long>(kKinds) * R * sizeof(unsigned));
+  spec.flag_bytes = align16(static_cast<unsigned long long>(flag_words(R)) * sizeof(unsigned));
   spec.lsa_barriers = 1;
   try {
     sym_.init(spec);
@@ -198,6 +198,10 @@ void Dispatcher::check(cudaStream_t s, const std::string& op) {
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(s));
   Status st;
   FLEXEP_CUDA_CHECK(cudaMemcpy(&st, status_, sizeof st, cudaMemcpyDeviceToHost));
+  if (st.code == static_cast<int>(hybridep::StatusCode::abort) && st.phase != static_cast<int>(Phase::dispatch_counts)) {
+    FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));  // an argument error: the dispatcher stays usable
+    raise_peer_failure(st, op);
+  }
   if (st.code == static_cast<int>(hybridep::StatusCode::abort)) {
     try {
       errors_.check(s, op);  // this rank's own bad id (budget mode) is the error it raises
@@ -219,6 +223,40 @@ void Dispatcher::check(cudaStream_t s, const std::string& op) {
                                       " s for rank ", st.peer, "'s rows (DeepEpOptions::timeout_seconds)"));
   throw Error(detail::concat("rank ", comm_->rank(), ": deepep ", op, " failed on the device (status ", st.code,
                              ", phase ", phase_name(st.phase), ", rank ", st.peer, ")"));
+}
+
+namespace {
+const char* failed_arg_name(FailedArg a) {
+  switch (a) {
+    case FailedArg::handle: return "handle";
+    case FailedArg::expert_out: return "expert_out";
+    case FailedArg::grad_tokens: return "grad_tokens";
+    case FailedArg::grad_token_probs: return "grad_token_probs";
+    case FailedArg::grad_out: return "grad_out";
+    default: return "";
+  }
+}
+}  // namespace
+
+FailedArg Dispatcher::failed_arg_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const ArgumentError& a) {
+    for (FailedArg f : {FailedArg::handle, FailedArg::expert_out, FailedArg::grad_tokens, FailedArg::grad_token_probs,
+                        FailedArg::grad_out})
+      if (a.argument() == failed_arg_name(f)) return f;
+  } catch (...) {
+  }
+  return FailedArg::other;
+}
+
+void Dispatcher::raise_peer_failure(const Status& st, const std::string& op) {
+  const std::string who = detail::concat("rank ", st.peer, " failed its checks in ", phase_name(st.phase),
+                                         ", so this collective call stops on every rank: see the error raised on rank ",
+                                         st.peer, " (found by ", op, " on rank ", comm_->rank(), ")");
+  const char* arg = failed_arg_name(static_cast<FailedArg>(st.value));
+  if (*arg != '\0') throw ArgumentError(arg, who);
+  throw Error("flexep: " + who);
 }
 
 void Dispatcher::raise_abort() {

@@ -31,6 +31,20 @@ enum Kind : int {
   kKinds = 7
 };
 
+// The flag buffer of every rank: flags [kKinds * R], then the abort words [kKinds * R] (the epoch of
+// a call that failed its checks on that source) and their arguments [kKinds * R] (FailedArg).
+inline constexpr int flag_words(int ranks) { return 3 * kKinds * ranks; }
+__host__ __device__ inline constexpr int abort_word(int kind, int ranks, int source) {
+  return kKinds * ranks + kind * ranks + source;
+}
+__host__ __device__ inline constexpr int abort_arg_word(int kind, int ranks, int source) {
+  return 2 * kKinds * ranks + kind * ranks + source;
+}
+
+// The argument whose check failed on a rank in combine or a backward, as its peers learn it.
+enum class FailedArg : int { none = 0, handle = 1, expert_out = 2, grad_tokens = 3, grad_token_probs = 4, grad_out = 5,
+                             other = 6 };
+
 // A call's layout on the device, int64 words (a tensor of the handle): written by the host in
 // blocking mode, by the count-exchange kernel in budget mode; the kernels read it from there.
 namespace layout_word {
@@ -131,6 +145,7 @@ struct SendRowsCall {
   WindowLayout win{};
   OpControl* op = nullptr;
   int kind = kDispatch;
+  int failed_arg = 0;  // FailedArg: this rank's checks failed, nothing is sent, the peers learn why
 };
 void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream);
 
@@ -145,7 +160,7 @@ void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream);
 // lists lie end to end from 0, and the entries past them up to `capacity` are -1.
 struct ReceiveCall {
   const unsigned* flags = nullptr;  // this rank's flag buffer
-  int ranks = 0, kind = kDispatch;
+  int rank = 0, ranks = 0, kind = kDispatch;
   const OpControl* op = nullptr;
   Status* status = nullptr;
   unsigned long long timeout_ns = 0;
@@ -161,7 +176,7 @@ struct ReceiveCall {
   // Budget mode with the drop policy: the pairs sent here (the count exchange's words in this rank's
   // window, P per source) less those kept are added to *dropped.
   const long long* exchanged = nullptr;
-  int words = 0, rank = 0;
+  int words = 0;
   unsigned long long* dropped = nullptr;
   int* expert_rows = nullptr;             // null: only wait
   const float* weights = nullptr;         // this rank's recv_topk_weights (window); with probs
@@ -184,15 +199,18 @@ struct SendPartialsCall {
   WindowLayout win{};
   OpControl* op = nullptr;
   int kind = kCombine;
+  int failed_arg = 0;  // FailedArg: this rank's checks failed, nothing is sent, the peers learn why
 };
 void launch_send_partials(const SendPartialsCall& c, int ctas, cudaStream_t stream);
 
 // The source: waits for every rank's flag of `kind`, then out[t] = the sum over ranks d, ascending,
 // of part[d][t] where dest_row[d * T + t] >= 0, in fp32, rounded to bf16 once; with grad_w,
 // grad_w[t * k + j] = part_w[owner][t][j] for the slots whose owner kept the token, else 0.
+// A source whose checks failed (abort words) makes the receiver report Status abort with the
+// phase, that rank and its FailedArg (as `value`) and write nothing.
 struct ReduceCall {
   const unsigned* flags = nullptr;
-  int ranks = 0, kind = kCombine, k = 0, local_experts = 0;
+  int rank = 0, ranks = 0, kind = kCombine, k = 0, local_experts = 0;
   const OpControl* op = nullptr;
   Status* status = nullptr;
   unsigned long long timeout_ns = 0;

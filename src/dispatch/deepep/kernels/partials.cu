@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCal
       for (int j = lane; j < c.k; j += 32)
         reinterpret_cast<float*>(win + c.win.part_w)[at * c.k + j] = c.grad_w[i * c.k + j];
   }
-  publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank);
+  publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank, c.failed_arg);
 }
 
 // Every CTA acquires all flags, then a thread per kRowUnroll (token, 8 columns) items, their loads
@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceCall c) {
   for (int s = static_cast<int>(threadIdx.x); s < c.ranks; s += blockDim.x)
     ok = ok && wait_flag_at_least(c.flags + c.kind * c.ranks + s, epoch, w, s);
   if (!__syncthreads_and(ok)) return;
+  if (stopped_by_peer(c.flags, c.kind, c.rank, c.ranks, epoch, c.status, c.phase)) return;
   const std::int64_t vectors = c.hidden / 8;
   const std::int64_t items = c.tokens * vectors;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;

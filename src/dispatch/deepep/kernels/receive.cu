@@ -5,6 +5,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "dispatch/deepep/device/copy_row.cuh"
+#include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
 #include "flexep/cuda/runtime.h"
@@ -34,7 +35,8 @@ __device__ inline bool wait_sources(const unsigned* flags, int ranks, int kind, 
 
 // One CTA: it spins until the sources arrive (simulated ranks share one GPU).
 __global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
-  wait_sources(c.flags, c.ranks, c.kind, c.op, c.status, c.timeout_ns, c.phase);
+  if (!wait_sources(c.flags, c.ranks, c.kind, c.op, c.status, c.timeout_ns, c.phase)) return;
+  stopped_by_peer(c.flags, c.kind, c.rank, c.ranks, ld_volatile(&c.op->epoch), c.status, c.phase);
 }
 
 // After receive_kernel on the same stream, so the rows are here; one CTA per local expert. A timed

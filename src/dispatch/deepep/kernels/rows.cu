@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c)
       if (lane == 0) reinterpret_cast<int*>(win + c.win.src)[row] = static_cast<int>(t);
     }
   }
-  publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank);
+  publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank, c.failed_arg);
 }
 
 }  // namespace
