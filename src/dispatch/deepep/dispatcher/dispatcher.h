@@ -15,6 +15,7 @@
 #include "dispatch/common/call_signature.h"
 #include "dispatch/common/device_deadline.h"
 #include "dispatch/deepep/kernels/kernels.h"
+#include "dispatch/deepep/kernels/low_latency.h"
 #include "flexep/comm/communicator.h"
 #include "flexep/comm/symmetric_buffer.h"
 #include "flexep/core/rank_major.h"

@@ -8,7 +8,7 @@
 
 #include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/device/publish.cuh"
-#include "dispatch/deepep/kernels/kernels.h"
+#include "dispatch/deepep/kernels/low_latency.h"
 #include "dispatch/hybridep/device/flag.cuh"
 #include "flexep/cuda/runtime.h"
 
