@@ -145,6 +145,17 @@ void expect_equal(const std::vector<RankMajorOutputs>& want, const std::vector<R
   }
 }
 
+// The options of the error tests' small calls: H, at most T tokens, top-2, a 20 s deadline.
+DeepEpOptions small_options(std::int64_t H, std::int64_t T, cudaStream_t stream) {
+  DeepEpOptions o;
+  o.hidden = H;
+  o.max_tokens_per_rank = T;
+  o.max_topk = 2;
+  o.timeout_seconds = 20;
+  o.stream = stream;
+  return o;
+}
+
 void check_configs(const std::vector<Config>& configs, int R = gpu_ranks()) {
   std::vector<std::vector<RankMajorOutputs>> want;
   for (const Config& c : configs) want.push_back(run_host_rank_major(c, R));
@@ -515,13 +526,7 @@ TEST_P(DeepEpMultiGpu, Fp8FormatMismatchAndBadScalesAreNamed) {
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
-        DeepEpOptions o;
-        o.hidden = H;
-        o.max_tokens_per_rank = T;
-        o.max_topk = 2;
-        o.timeout_seconds = 20;
-        o.stream = g.stream;
-        auto d = make_deepep_dispatcher(g.comm, E, o);
+        auto d = make_deepep_dispatcher(g.comm, E, small_options(H, T, g.stream));
         const std::size_t r = static_cast<std::size_t>(g.rank);
         const Fp8Rows f = fp8_rows(T, H, g.rank);
         const Tensor x8 = cuda::to_device(f.bytes, g.device, g.stream);
@@ -635,13 +640,7 @@ TEST_P(DeepEpMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
-        DeepEpOptions o;
-        o.hidden = H;
-        o.max_tokens_per_rank = T;
-        o.max_topk = 2;
-        o.timeout_seconds = 20;
-        o.stream = g.stream;
-        auto d = make_deepep_dispatcher(g.comm, E, o);
+        auto d = make_deepep_dispatcher(g.comm, E, small_options(H, T, g.stream));
         const std::size_t r = static_cast<std::size_t>(g.rank);
         const DeviceInputs in = device_inputs(g, E, T, H, 2);
         DispatchOptions rm;

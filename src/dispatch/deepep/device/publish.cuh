@@ -31,27 +31,20 @@ __device__ inline void publish_to_peers(const hybridep::OpSession& session, cons
   if (threadIdx.x == 0) session.finish();
 }
 
-// After every source's flag of `kind` was acquired at `epoch` (every thread of the CTA): whether a
-// source other than `self` failed its own checks in this call; then thread 0 reports Status abort
-// with the phase, that rank and its FailedArg (as the value), and the caller writes nothing.
-__device__ inline int failed_peer(const unsigned* flags, int kind, int ranks, unsigned epoch, int self, int* arg);
+// After every source's flag of `kind` was acquired at `epoch`, by every thread of the CTA: whether a
+// source other than `self` failed its own checks in this call (its abort word holds the epoch). Each
+// thread looks at its share of the sources and reports Status abort with the phase, the rank and its
+// FailedArg (as the value; the first report wins); the caller then writes nothing.
 __device__ inline bool stopped_by_peer(const unsigned* flags, int kind, int self, int ranks, unsigned epoch,
                                        hybridep::Status* status, hybridep::Phase phase) {
-  int arg = 0;
-  const int bad = threadIdx.x == 0 ? failed_peer(flags, kind, ranks, epoch, self, &arg) : -1;
-  if (bad >= 0) hybridep::report_status(status, hybridep::StatusCode::abort, phase, bad, arg, 0);
-  return __syncthreads_or(bad >= 0) != 0;
-}
-
-// After every source's flag of `kind` was acquired at `epoch`: the first source other than `self`
-// whose call failed its own checks, or -1; *arg its FailedArg.
-__device__ inline int failed_peer(const unsigned* flags, int kind, int ranks, unsigned epoch, int self, int* arg) {
-  for (int s = 0; s < ranks; ++s) {
+  bool stopped = false;
+  for (int s = static_cast<int>(threadIdx.x); s < ranks; s += blockDim.x) {
     if (s == self || __ldcg(flags + abort_word(kind, ranks, s)) != epoch) continue;
-    *arg = static_cast<int>(__ldcg(flags + abort_arg_word(kind, ranks, s)));
-    return s;
+    hybridep::report_status(status, hybridep::StatusCode::abort, phase, s, __ldcg(flags + abort_arg_word(kind, ranks, s)),
+                            0);
+    stopped = true;
   }
-  return -1;
+  return __syncthreads_or(stopped) != 0;
 }
 
 }  // namespace flexep::deepep

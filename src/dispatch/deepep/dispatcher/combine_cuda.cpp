@@ -18,11 +18,8 @@ void Dispatcher::check_rows(const TensorView& t, std::int64_t rows, const DeepEp
 void Dispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, const TensorView& grad_w,
                                  const TensorView& out, const TensorView& out_w, Kind kind, Phase phase) {
   const cudaStream_t s = stream();
-  const int ctas = options_.sms > 0 ? options_.sms : 20;
-  SendPartialsCall c;
-  c.peers = sym_.peer_table();
-  c.rank = rank();
-  c.ranks = world_size();
+  const int ctas = send_ctas();
+  SendPartialsCall c = partials_sender(kind);
   c.k = static_cast<int>(h.topk);
   c.rows = h.recv_rows;
   c.hidden = h.hidden;
@@ -31,24 +28,10 @@ void Dispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, const 
   c.y = rows.data;
   c.grad_w = grad_w.defined() ? grad_w.ptr<float>() : nullptr;
   c.src = h.recv_src.data<std::int32_t>();
-  c.win = win_;
-  c.op = ops_ + kind;
-  c.kind = kind;
   launch_send_partials(c, ctas, s);
 
-  ReduceCall r;
-  r.flags = own_flags();
-  r.rank = rank();
-  r.ranks = world_size();
-  r.kind = kind;
+  ReduceCall r = partials_reducer(kind, phase);
   r.k = static_cast<int>(h.topk);
-  r.local_experts = local_experts();
-  r.op = ops_ + kind;
-  r.status = status_;
-  r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
-  r.phase = phase;
-  r.window = window();
-  r.win = win_;
   r.tokens = h.tokens;
   r.hidden = h.hidden;
   r.max_tokens = options_.max_tokens_per_rank;
@@ -80,53 +63,50 @@ Tensor Dispatcher::sum_entries(const DeepEpHandle& h, const TensorView& entries,
   return rows;
 }
 
-void Dispatcher::stop_together(Kind kind, Phase phase, FailedArg why) {
-  const cudaStream_t s = stream();
-  if (kind == kCombineBackward) {  // the rows' way: a send kernel with nothing to send, then the receive kernel
-    SendRowsCall c;
-    c.peers = sym_.peer_table();
-    c.rank = rank();
-    c.ranks = world_size();
-    c.local_experts = local_experts();
-    c.row_bytes = 16;
-    c.win = win_;
-    c.op = ops_ + kind;
-    c.kind = kind;
-    c.failed_arg = static_cast<int>(why);
-    launch_send_rows(c, 1, s);
-    ReceiveCall r;
-    r.flags = own_flags();
-    r.rank = rank();
-    r.ranks = world_size();
-    r.kind = kind;
-    r.op = ops_ + kind;
-    r.status = status_;
-    r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
-    r.phase = phase;
-    launch_receive(r, s);
-    return;
-  }
-  SendPartialsCall c;  // the way back: nothing to send, nothing to sum
+SendPartialsCall Dispatcher::partials_sender(Kind kind) const {
+  SendPartialsCall c;
   c.peers = sym_.peer_table();
   c.rank = rank();
   c.ranks = world_size();
-  c.hidden = 8;
   c.win = win_;
   c.op = ops_ + kind;
   c.kind = kind;
-  c.failed_arg = static_cast<int>(why);
-  launch_send_partials(c, 1, s);
+  return c;
+}
+
+ReduceCall Dispatcher::partials_reducer(Kind kind, Phase phase) const {
   ReduceCall r;
   r.flags = own_flags();
   r.rank = rank();
   r.ranks = world_size();
   r.kind = kind;
+  r.local_experts = local_experts();
   r.op = ops_ + kind;
   r.status = status_;
   r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
   r.phase = phase;
   r.window = window();
   r.win = win_;
+  return r;
+}
+
+void Dispatcher::stop_together(Kind kind, Phase phase, FailedArg why) {
+  // Nothing to send and nothing to receive: the kernels only take part in the flags, the sender's
+  // carrying why this rank stopped.
+  const cudaStream_t s = stream();
+  if (kind == kCombineBackward) {  // the rows' way
+    SendRowsCall c = rows_sender(kind);
+    c.row_bytes = 16;
+    c.failed_arg = static_cast<int>(why);
+    launch_send_rows(c, 1, s);
+    launch_receive(rows_receiver(kind, phase, nullptr), s);
+    return;
+  }
+  SendPartialsCall c = partials_sender(kind);  // the way back
+  c.hidden = 8;
+  c.failed_arg = static_cast<int>(why);
+  launch_send_partials(c, 1, s);
+  ReduceCall r = partials_reducer(kind, phase);
   r.hidden = 8;
   launch_reduce(r, 1, s);
 }

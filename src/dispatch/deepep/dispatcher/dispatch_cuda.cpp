@@ -389,19 +389,14 @@ void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, lo
   t.row_bytes = row_bytes;
   t.k = static_cast<int>(h.topk);
   t.scale_cols = scale_cols;
-  launch_tail(t, options_.sms > 0 ? options_.sms : 20, stream());
+  launch_tail(t, send_ctas(), stream());
 }
 
 void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, const Tensor* slot_expert,
                            const TensorView& weights, unsigned long long rows_at, Kind kind, Phase phase,
                            const ReceiveCall* listing) {
   const cudaStream_t s = stream();
-  const int L = local_experts();
-  SendRowsCall c;
-  c.peers = sym_.peer_table();
-  c.rank = rank();
-  c.ranks = world_size();
-  c.local_experts = L;
+  SendRowsCall c = rows_sender(kind);
   c.k = static_cast<int>(h.topk);
   c.tokens = h.tokens;
   c.row_bytes = payload.row_bytes;
@@ -412,11 +407,28 @@ void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, con
   c.weights = slot_expert && h.tokens > 0 ? weights.ptr<float>() : nullptr;  // none when a failed rank sends nothing
   c.dest_row = h.dest_row.data<std::int32_t>();
   c.rows_at = rows_at;
+  launch_send_rows(c, send_ctas(), s);
+
+  ReceiveCall r = rows_receiver(kind, phase, listing);
+  r.idx = reinterpret_cast<const int*>(window() + win_.idx);
+  r.k = static_cast<int>(h.topk);
+  r.rows = h.recv_rows;
+  launch_receive(r, s);
+}
+
+SendRowsCall Dispatcher::rows_sender(Kind kind) const {
+  SendRowsCall c;
+  c.peers = sym_.peer_table();
+  c.rank = rank();
+  c.ranks = world_size();
+  c.local_experts = local_experts();
   c.win = win_;
   c.op = ops_ + kind;
   c.kind = kind;
-  launch_send_rows(c, options_.sms > 0 ? options_.sms : 20, s);
+  return c;
+}
 
+ReceiveCall Dispatcher::rows_receiver(Kind kind, Phase phase, const ReceiveCall* listing) const {
   ReceiveCall r = listing ? *listing : ReceiveCall{};
   r.flags = own_flags();
   r.rank = rank();
@@ -426,11 +438,8 @@ void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, con
   r.status = status_;
   r.timeout_ns = device_timeout_ns(options_.timeout_seconds);
   r.phase = phase;
-  r.idx = reinterpret_cast<const int*>(window() + win_.idx);
-  r.k = static_cast<int>(h.topk);
-  r.local_experts = L;
-  r.rows = h.recv_rows;
-  launch_receive(r, s);
+  r.local_experts = local_experts();
+  return r;
 }
 
 Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {

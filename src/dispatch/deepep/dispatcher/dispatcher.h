@@ -142,7 +142,15 @@ class Dispatcher final : public DeepEpDispatcher {
   static DType scratch_dtype(Scratch which);
   void allocate_budget_buffers();
   void allocate_low_latency_buffers();
-  int low_latency_ctas() const { return options_.sms > 0 ? options_.sms : 20; }
+  // CTAs of the send kernels and of the low-latency kernels: DeepEpOptions::sms, DeepEP's 20 by default.
+  int send_ctas() const { return options_.sms > 0 ? options_.sms : 20; }
+  int low_latency_ctas() const { return send_ctas(); }
+  // The calls of the two ways rows travel, with what every call of a kind shares (this rank, its
+  // peers and window, the kind's operation state, the deadline); the callers add the rows.
+  SendRowsCall rows_sender(Kind kind) const;
+  ReceiveCall rows_receiver(Kind kind, Phase phase, const ReceiveCall* listing) const;
+  SendPartialsCall partials_sender(Kind kind) const;
+  ReduceCall partials_reducer(Kind kind, Phase phase) const;
   // K of the low-latency routes and of ll_back: at most 32 slots per token (a warp's lanes).
   int ll_slots() const { return max_topk_ < kMaxLowLatencyTopk ? max_topk_ : kMaxLowLatencyTopk; }
   const LowLatencyHandle& own_low_latency_handle(const Handle& handle) const;
