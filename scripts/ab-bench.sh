@@ -11,7 +11,7 @@
 #   scripts/ab-bench.sh run "<flexep bench arguments>" ["<more bench arguments>" ...]
 #     AB_ROUNDS (default 2), AB_OUT (default $OUT/ab or ab-out), AB_JOBS (build jobs per variant),
 #     AB_TESTS (a gtest filter run on every variant after the benches, e.g. 'Kernels/HybridEpOneRank.*')
-# Each run prints its hybridep and alltoall time records (phase, timing, SMs, median us) per variant
+# Each run prints its deepep, hybridep and alltoall time records (phase, timing, SMs, median us) per variant
 # and round; the JSON of every run (with its commit) and the logs go to AB_OUT (the JSON also as
 # AB_OUT/bench-json.tgz).
 set -uo pipefail
@@ -73,7 +73,7 @@ run() {
         fi
         echo "$v round $round: $args"
         # case routing backend phase timing SMs min median ...: the backend, phase, timing, SMs and median
-        awk '$3 ~ /^(hybridep|alltoall|nccl-alltoall)$/ && $6 ~ /^[0-9]+$|^-$/ {
+        awk '$3 ~ /^(deepep|hybridep|alltoall|nccl-alltoall)$/ && $6 ~ /^[0-9]+$|^-$/ {
                printf "  %s %s %s %s: %s\n", $3, $4, $5, $6, $8 }' "$log"
       done
     done

@@ -2,53 +2,97 @@
 // (token, rank), and the source's fixed-order fp32 sum over the ranks.
 #include <cuda_bf16.h>
 
-#include "dispatch/deepep/device/copy_row.cuh"
+#include "dispatch/deepep/device/bulk_copy.cuh"
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
+#include "dispatch/hybridep/kernels/launch.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::deepep {
 
 using hybridep::ld_volatile;
 using hybridep::OpSession;
+using hybridep::SmemBudget;
 using hybridep::wait_flag_at_least;
 using hybridep::WaitContext;
 
 namespace {
 
-constexpr int kThreads = 1024;       // 32 warps per SM, each with kRowUnroll loads in flight
-constexpr int kReduceThreads = 512;  // its kRowUnroll x 8 fp32 sums need more than 64 registers
+constexpr int kReduceThreads = 512;  // 16 warps; kReduceUnroll x 8 fp32 sums need more than 64 registers
+constexpr int kReduceUnroll = 8;     // 64 KB of loads in flight per SM
 
-// One warp per received row.
-__global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCall c) {
+// Each warp's ring moves its share of the received rows back by bulk copies
+// (device/bulk_copy.cuh); beside each row its lanes store the weight gradients.
+__global__ void __launch_bounds__(kMaxCopyWarps * 32)
+    send_partials_kernel(const __grid_constant__ SendPartialsCall c, const CopyRingLayout l) {
+  extern __shared__ __align__(128) unsigned char smem[];
   const OpSession session(c.op);
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
-  const std::int64_t vectors = c.hidden / 8;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; i < c.rows;
-       i += warps) {
-    const int src = __ldcg(c.src + i);
-    if (src < 0) continue;  // a budget's tail
-    const long long* source_begin = c.layout + layout_word::source_begin(c.ranks);
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  WarpCopyRing ring(smem, l, warp, lane);
+  const long long row_bytes = c.hidden * 2;
+  const long long* source_begin = c.layout + layout_word::source_begin(c.ranks);
+  // Row i's source rank and the place of its token there.
+  const auto place = [&](std::int64_t i, int* s) {
+    *s = 0;
+    while (*s + 1 < c.ranks && source_begin[*s + 1] <= i) ++*s;
+    return static_cast<std::int64_t>(c.rank) * c.max_tokens + __ldcg(c.src + i);
+  };
+  const auto where = [&](std::int64_t i) -> RowRoute {
+    if (__ldcg(c.src + i) < 0) return {nullptr, nullptr};  // a budget's tail
     int s = 0;
-    while (s + 1 < c.ranks && source_begin[s + 1] <= i) ++s;
-    const std::int64_t t = src;
-    const std::int64_t at = static_cast<std::int64_t>(c.rank) * c.max_tokens + t;
-    char* win = c.peers.window[s];
-    const uint4* from = static_cast<const uint4*>(c.y) + i * vectors;
-    uint4* to = reinterpret_cast<uint4*>(win + c.win.part) + at * vectors;
-    copy_row<RowSource::l2>(from, to, vectors, lane);  // the rows may be this rank's window (recv_x)
-    if (c.grad_w != nullptr)
-      for (int j = lane; j < c.k; j += 32)
-        reinterpret_cast<float*>(win + c.win.part_w)[at * c.k + j] = c.grad_w[i * c.k + j];
-  }
+    const std::int64_t at = place(i, &s);
+    return {static_cast<const char*>(c.y) + i * row_bytes, c.peers.window[s] + c.win.part + at * row_bytes};
+  };
+  const auto beside = [&](const Piece& q) {
+    if (!q.first || c.grad_w == nullptr) return;
+    int s = 0;
+    const std::int64_t at = place(q.item, &s);
+    for (int j = lane; j < c.k; j += 32)
+      reinterpret_cast<float*>(c.peers.window[s] + c.win.part_w)[at * c.k + j] = c.grad_w[q.item * c.k + j];
+  };
+  ring.copy(RowPieces<decltype(where)>(where, static_cast<std::int64_t>(blockIdx.x) * l.warps + warp,
+                                       static_cast<std::int64_t>(gridDim.x) * l.warps, c.rows, row_bytes, l.piece_bytes),
+            beside);
   publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank, c.failed_arg);
 }
 
-// Every CTA acquires all flags, then a thread per kRowUnroll (token, 8 columns) items, their loads
-// issued together.
-__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceCall c) {
+// out[v0 + 32 u] (u < kReduceUnroll) of one token: the sum of its ranks' rows in ascending rank
+// order (the host backend's order of additions), in fp32, rounded once. kFull: all kReduceUnroll
+// vectors exist, so that the loads carry no branch and issue together.
+template <bool kFull>
+__device__ __forceinline__ void reduce_vectors(const ReduceCall& c, const uint4* part, std::int64_t t,
+                                               std::int64_t vectors, std::int64_t v0, uint4* out) {
+  float acc[kReduceUnroll][8] = {};
+  for (int d = 0; d < c.ranks; ++d) {
+    if (c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] < 0) continue;  // the same in the whole warp
+    const uint4* row = part + (static_cast<std::int64_t>(d) * c.max_tokens + t) * vectors;
+    uint4 raw[kReduceUnroll];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u)
+      if (kFull || v0 + 32 * u < vectors) raw[u] = __ldcg(row + v0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (!kFull && v0 + 32 * u >= vectors) continue;
+      const auto* h = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[u][i] += __bfloat162float(h[i]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kReduceUnroll; ++u) {
+    if (!kFull && v0 + 32 * u >= vectors) break;
+    uint4 packed;
+    auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[u][i]);
+    out[v0 + 32 * u] = packed;
+  }
+}
+
+// Every CTA acquires all flags, then a warp per token, its lanes over the row's 16-byte vectors
+// (no division per vector), kReduceUnroll loads in flight per lane.
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_constant__ ReduceCall c) {
   const unsigned epoch = ld_volatile(&c.op->epoch);
   const WaitContext w{c.status, c.timeout_ns, c.phase};
   bool ok = true;
@@ -57,41 +101,21 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceCall c) {
   if (!__syncthreads_and(ok)) return;
   if (stopped_by_peer(c.flags, c.kind, c.rank, c.ranks, epoch, c.status, c.phase)) return;
   const std::int64_t vectors = c.hidden / 8;
-  const std::int64_t items = c.tokens * vectors;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const auto* part = reinterpret_cast<const uint4*>(c.window + c.win.part);
-  for (std::int64_t q0 = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q0 < items;
-       q0 += stride * kRowUnroll) {
-    float acc[kRowUnroll][8] = {};
-    for (int d = 0; d < c.ranks; ++d) {  // ascending rank: the host backend's order of additions
-      uint4 raw[kRowUnroll];
-      bool have[kRowUnroll];
-#pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
-        const std::int64_t q = q0 + u * stride, t = q / vectors, v = q - t * vectors;
-        have[u] = q < items && c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] >= 0;
-        if (have[u]) raw[u] = __ldcg(part + (static_cast<std::int64_t>(d) * c.max_tokens + t) * vectors + v);
-      }
-#pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
-        if (!have[u]) continue;
-        const auto* h = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] += __bfloat162float(h[i]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
-      const std::int64_t q = q0 + u * stride;
-      if (q >= items) break;
-      uint4 packed;
-      auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[u][i]);
-      static_cast<uint4*>(c.out)[q] = packed;
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < c.tokens;
+       t += warps) {
+    uint4* out = static_cast<uint4*>(c.out) + t * vectors;
+    for (std::int64_t v0 = lane; v0 < vectors; v0 += 32 * kReduceUnroll) {
+      if (v0 + 32 * (kReduceUnroll - 1) < vectors)
+        reduce_vectors<true>(c, part, t, vectors, v0, out);
+      else
+        reduce_vectors<false>(c, part, t, vectors, v0, out);
     }
   }
   if (c.grad_w == nullptr) return;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   const auto* part_w = reinterpret_cast<const float*>(c.window + c.win.part_w);
   for (std::int64_t q = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < c.tokens * c.k;
        q += stride) {
@@ -107,10 +131,15 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceCall c) {
   }
 }
 
+SmemBudget send_partials_smem;
+
 }  // namespace
 
+void prepare_send_partials() { hybridep::raise_smem_limit(send_partials_kernel); }
+
 void launch_send_partials(const SendPartialsCall& c, int ctas, cudaStream_t stream) {
-  send_partials_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
+  const CopyRingLayout l = copy_ring_for(c.hidden * 2, send_partials_smem.get(send_partials_kernel));
+  send_partials_kernel<<<ctas < 1 ? 1 : ctas, l.warps * 32, l.bytes(), stream>>>(c, l);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep send_partials_kernel");
 }
 
