@@ -1,22 +1,22 @@
-// Rows moved by the TMA engine: global -> shared -> global, one warp's ring of stages, lane 0
-// issuing every bulk copy while the warp steps along so that its lanes can store a row's small
-// fields (slots, weights, scales) beside it.
+// Rows copied through shared memory: lane 0 of a warp bulk-loads pieces of rows (TMA) into the
+// warp's ring of stages, and the warp's lanes store each stage to its destination with 16-byte
+// stores.
 //
-// Why: a row copied through the registers moves ~35 GB/s per SM (a warp per row, four 16-byte loads
-// in flight per lane); the SM's store path takes ~62 GB/s and one thread's bulk loads ~46-51 GB/s
-// (`flexep bench sm-copy`), so a few warps each keeping whole rows in flight through shared memory
-// reach the store limit without spending registers or issue slots on the bytes.
+// Why this split: a row copied through the registers (a warp per row, 16-byte loads then stores)
+// moves ~35 GB/s per SM, and so does a copy that both loads and stores with the bulk-copy unit
+// (measured: the unit's loads and stores share one rate). The unit's loads alone reach ~100 GB/s
+// per SM and the lanes' stores ~62 GB/s (`flexep bench sm-copy`), so each takes the path where it
+// is fastest and the loads cost no registers.
 //
-// The ring of warp w: `stages` stages of `stage_bytes` and one mbarrier per stage (count 1). Piece
-// j of the warp's sequence uses stage j % stages; its bulk load completes phase j / stages of the
-// stage's barrier. The loads run stages - 1 pieces ahead of the stores; before a stage is
-// refilled, lane 0 waits (cp.async.bulk.wait_group.read 1) until the store issued from it one
-// step earlier has read it, so the newest store may still be reading its own stage.
+// The ring of warp w: `stages` stages of `stage_bytes` and two mbarriers per stage: full (count 1:
+// lane 0's arrive with the bytes its bulk load brings) and empty (count 32: every lane arrives
+// once it has read the stage, so the refill is an ordinary release/acquire that racecheck checks).
+// Piece j of the warp's sequence uses stage j % stages; its load completes phase j / stages of
+// full, its readers phase j / stages of empty. Loads run `stages` pieces ahead of the stores.
 //
-// Memory order: the bytes never pass through the generic proxy here. Before its first load the
-// issuing thread fences the proxies (the source may be rows another kernel or a peer wrote with
-// ordinary stores, acquired by an earlier kernel); after its last store it waits for the writes to
-// complete and fences again, so that the sender's flag release (publish_to_peers) covers them.
+// Memory order: before its first load the issuing thread fences the proxies (the source may be rows
+// another kernel or a peer wrote with ordinary stores, acquired by an earlier kernel). The stores
+// are ordinary stores, ordered before the sender's flag by publish_to_peers.
 #pragma once
 
 #include <cstddef>
@@ -37,7 +37,7 @@ struct CopyRingLayout {
     return static_cast<std::size_t>(warps) * stages * stage_bytes;
   }
   __host__ __device__ std::size_t bytes() const {
-    return data_bytes() + static_cast<std::size_t>(warps) * stages * sizeof(std::uint64_t);
+    return data_bytes() + static_cast<std::size_t>(warps) * stages * 2 * sizeof(std::uint64_t);
   }
 };
 
@@ -55,9 +55,11 @@ inline CopyRingLayout fit_copy_ring(long long row_bytes, int max_warps, int max_
   return l;
 }
 
-// The deepep copy kernels' rings: up to 8 warps (issuing threads) of 3 stages; 14 KB rows (H 7168
-// bf16) give 5 warps, 210 KB.
+// The deepep copy kernels' rings: up to 8 warps of 3 stages; 14 KB rows (H 7168 bf16) give 5 warps,
+// 210 KB. Beside them kFieldWarps warps store the rows' small fields (slots, weights, scales), a
+// lane per row so that their loads overlap.
 inline constexpr int kMaxCopyWarps = 8;
+inline constexpr int kFieldWarps = 4;
 inline constexpr int kCopyStages = 3;
 inline CopyRingLayout copy_ring_for(long long row_bytes, std::size_t budget) {
   return fit_copy_ring(row_bytes, kMaxCopyWarps, kCopyStages, budget);
@@ -120,48 +122,45 @@ class WarpCopyRing {
   // Every lane of warp `warp`; the barriers are ready for the whole warp when it returns.
   __device__ WarpCopyRing(unsigned char* smem, const CopyRingLayout& l, int warp, int lane)
       : data_(smem + static_cast<std::size_t>(warp) * l.stages * l.stage_bytes),
-        full_(reinterpret_cast<std::uint64_t*>(smem + l.data_bytes()) + static_cast<std::size_t>(warp) * l.stages),
+        full_(reinterpret_cast<std::uint64_t*>(smem + l.data_bytes()) + static_cast<std::size_t>(warp) * 2 * l.stages),
+        empty_(full_ + l.stages),
         stages_(l.stages),
         stage_bytes_(l.stage_bytes),
         lane_(lane) {
     if (lane_ == 0) {
-      for (int s = 0; s < stages_; ++s) hybridep::tma::mbar_init(full_ + s, 1);
+      for (int s = 0; s < stages_; ++s) {
+        hybridep::tma::mbar_init(full_ + s, 1);
+        hybridep::tma::mbar_init(empty_ + s, 32);
+      }
       hybridep::tma::fence_mbar_init();
     }
     __syncwarp();
   }
 
-  // Copies every piece `cursor` yields, in order; beside(piece) runs on every lane once the piece's
-  // store is issued (the piece's bytes are in flight, not yet written). Ends with every write of
-  // this warp complete and fenced for a release.
-  template <class Cursor, class Beside>
-  __device__ void copy(Cursor loads, Beside beside) {
+  // Copies every piece `cursor` yields, in order.
+  template <class Cursor>
+  __device__ void copy(Cursor loads) {
     Cursor stores = loads;
     if (lane_ == 0) hybridep::tma::fence_proxy_global();
     Piece p{}, q{};
     unsigned loaded = 0, stored = 0;
-    while (loaded + 1 < static_cast<unsigned>(stages_) && loads(p)) load(loaded++, p);
+    while (loaded < static_cast<unsigned>(stages_) && loads(p)) load(loaded++, p);
     while (stores(q)) {
-      hybridep::tma::mbar_wait(full_ + slot(stored), (stored / stages_) & 1u);
-      if (lane_ == 0) {
-        hybridep::tma::store_async(q.to, stage(stored), q.bytes);
-        hybridep::tma::commit();
-      }
-      beside(q);
-      ++stored;
-      if (loads(p)) {
-        if (lane_ == 0) hybridep::tma::wait_groups_read<1>();  // the stage's previous store has read it
+      const unsigned use = stored / static_cast<unsigned>(stages_);
+      hybridep::tma::mbar_wait(full_ + slot(stored), use & 1u);
+      store_stage(stage(stored), q.to, q.bytes / 16);
+      hybridep::tma::mbar_arrive(empty_ + slot(stored));
+      if (loads(p)) {  // into the stage just read
+        if (lane_ == 0) hybridep::tma::mbar_wait(empty_ + slot(stored), use & 1u);
         load(loaded++, p);
       }
+      ++stored;
     }
-    if (lane_ == 0) {
-      hybridep::tma::wait_groups<0>();
-      hybridep::tma::fence_proxy_global();
-    }
-    __syncwarp();
   }
 
  private:
+  static constexpr int kUnroll = 4;  // 16-byte shared loads per lane before their stores
+
   __device__ int slot(unsigned j) const { return static_cast<int>(j % static_cast<unsigned>(stages_)); }
   __device__ unsigned char* stage(unsigned j) const { return data_ + static_cast<std::size_t>(slot(j)) * stage_bytes_; }
   __device__ void load(unsigned j, const Piece& p) const {
@@ -170,9 +169,23 @@ class WarpCopyRing {
     hybridep::tma::mbar_arrive_expect_tx(bar, p.bytes);
     hybridep::tma::load_async(stage(j), p.from, p.bytes, bar);
   }
+  __device__ void store_stage(const unsigned char* stage, char* to, unsigned vectors) const {
+    const auto* from = reinterpret_cast<const uint4*>(stage);
+    auto* dst = reinterpret_cast<uint4*>(to);
+    unsigned v = static_cast<unsigned>(lane_);
+    for (; v + 32 * (kUnroll - 1) < vectors; v += 32 * kUnroll) {
+      uint4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) r[u] = from[v + 32 * u];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) dst[v + 32 * u] = r[u];
+    }
+    for (; v < vectors; v += 32) dst[v] = from[v];
+  }
 
   unsigned char* data_;
   std::uint64_t* full_;
+  std::uint64_t* empty_;
   int stages_;
   unsigned stage_bytes_;
   int lane_;
