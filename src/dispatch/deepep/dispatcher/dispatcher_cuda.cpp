@@ -83,8 +83,6 @@ Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, cons
   win_ = window_layout(R, num_experts, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank,
                        options.low_latency_max_tokens, ll_slots());
   cuda::DeviceGuard guard(comm_->device());
-  prepare_send_rows();
-  prepare_send_partials();
   // The operation state starts at epoch 0 like the flags; zeroed (and the device synchronised)
   // before the window's barrier, so that no peer's kernel can wait on this rank's zeroing.
   const std::size_t snapshot_words = static_cast<std::size_t>(R) * exchange_word::words(num_experts, R);

@@ -127,11 +127,6 @@ struct RankRowsCall {
 };
 void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream);
 
-// Raise the shared-memory limit of the bulk-copy kernels (device/bulk_copy.cuh) on the current
-// device: once per dispatcher, never during a capture.
-void prepare_send_rows();
-void prepare_send_partials();
-
 // Sender: row t goes to dest_row[d * T + t] of rank d's window at `rows_at` (and, with slots, its
 // k slots as d's local ids, their weights, and t; with scales, its scales). Then one flag per
 // destination: flags[kind * R + me].

@@ -2,67 +2,47 @@
 // (token, rank), and the source's fixed-order fp32 sum over the ranks.
 #include <cuda_bf16.h>
 
-#include "dispatch/deepep/device/bulk_copy.cuh"
+#include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
-#include "dispatch/hybridep/kernels/launch.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::deepep {
 
 using hybridep::ld_volatile;
 using hybridep::OpSession;
-using hybridep::SmemBudget;
 using hybridep::wait_flag_at_least;
 using hybridep::WaitContext;
 
 namespace {
 
+constexpr int kThreads = 1024;       // 32 warps per SM, each with kRowUnroll loads in flight
 constexpr int kReduceThreads = 512;  // 16 warps; kReduceUnroll x 8 fp32 sums need more than 64 registers
 constexpr int kReduceUnroll = 8;     // 64 KB of loads in flight per SM
 
-// Row i's source rank (the rows lie in source order), and where the row goes there: this rank's
-// part, at the row's source token.
-__device__ __forceinline__ int source_of(const SendPartialsCall& c, std::int64_t i) {
-  const long long* source_begin = c.layout + layout_word::source_begin(c.ranks);
-  int s = 0;
-  while (s + 1 < c.ranks && source_begin[s + 1] <= i) ++s;
-  return s;
-}
-__device__ __forceinline__ std::int64_t part_slot(const SendPartialsCall& c, int t) {
-  return static_cast<std::int64_t>(c.rank) * c.max_tokens + t;
-}
-
-// The first l.warps warps copy the received rows back through their rings (device/bulk_copy.cuh);
-// the kFieldWarps warps after them store, a lane per row, the weight gradients. (The lambda takes
-// only the call: a captured local would be copied into the cursors and live on the stack.)
-__global__ void __launch_bounds__((kMaxCopyWarps + kFieldWarps) * 32)
-    send_partials_kernel(const __grid_constant__ SendPartialsCall c, const CopyRingLayout l) {
-  extern __shared__ __align__(128) unsigned char smem[];
+// One warp per received row.
+__global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCall c) {
   const OpSession session(c.op);
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  if (warp < l.warps) {
-    const auto where = [&c](std::int64_t i) -> RowRoute {
-      const int t = __ldcg(c.src + i);
-      if (t < 0) return {nullptr, nullptr};  // a budget's tail
-      const long long row_bytes = c.hidden * 2;
-      return {static_cast<const char*>(c.y) + i * row_bytes,
-              c.peers.window[source_of(c, i)] + c.win.part + part_slot(c, t) * row_bytes};
-    };
-    WarpCopyRing(smem, l, warp, lane)
-        .copy(RowPieces<decltype(where)>(where, static_cast<std::int64_t>(blockIdx.x) * l.warps + warp,
-                                         static_cast<std::int64_t>(gridDim.x) * l.warps, c.rows, c.hidden * 2,
-                                         l.piece_bytes));
-  } else if (c.grad_w != nullptr) {
-    const int field_threads = kFieldWarps * 32;
-    for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * field_threads + threadIdx.x - l.warps * 32;
-         i < c.rows; i += static_cast<std::int64_t>(gridDim.x) * field_threads) {
-      const int t = __ldcg(c.src + i);
-      if (t < 0) continue;
-      float* to = reinterpret_cast<float*>(c.peers.window[source_of(c, i)] + c.win.part_w) + part_slot(c, t) * c.k;
-      for (int j = 0; j < c.k; ++j) to[j] = c.grad_w[i * c.k + j];
-    }
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  const std::int64_t vectors = c.hidden / 8;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; i < c.rows;
+       i += warps) {
+    const int src = __ldcg(c.src + i);
+    if (src < 0) continue;  // a budget's tail
+    const long long* source_begin = c.layout + layout_word::source_begin(c.ranks);
+    int s = 0;
+    while (s + 1 < c.ranks && source_begin[s + 1] <= i) ++s;
+    const std::int64_t t = src;
+    const std::int64_t at = static_cast<std::int64_t>(c.rank) * c.max_tokens + t;
+    char* win = c.peers.window[s];
+    const uint4* from = static_cast<const uint4*>(c.y) + i * vectors;
+    uint4* to = reinterpret_cast<uint4*>(win + c.win.part) + at * vectors;
+    copy_row<RowSource::l2>(from, to, vectors, lane);  // the rows may be this rank's window (recv_x)
+    if (c.grad_w != nullptr)
+      for (int j = lane; j < c.k; j += 32)
+        reinterpret_cast<float*>(win + c.win.part_w)[at * c.k + j] = c.grad_w[i * c.k + j];
   }
   publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank, c.failed_arg);
 }
@@ -141,15 +121,10 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_con
   }
 }
 
-SmemBudget send_partials_smem;
-
 }  // namespace
 
-void prepare_send_partials() { hybridep::raise_smem_limit(send_partials_kernel); }
-
 void launch_send_partials(const SendPartialsCall& c, int ctas, cudaStream_t stream) {
-  const CopyRingLayout l = copy_ring_for(c.hidden * 2, send_partials_smem.get(send_partials_kernel));
-  send_partials_kernel<<<ctas < 1 ? 1 : ctas, (l.warps + kFieldWarps) * 32, l.bytes(), stream>>>(c, l);
+  send_partials_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep send_partials_kernel");
 }
 

@@ -3,21 +3,19 @@
 // dispatch/common/count_routes.h).
 #include <cub/block/block_scan.cuh>
 
-#include "dispatch/deepep/device/bulk_copy.cuh"
 #include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
-#include "dispatch/hybridep/kernels/launch.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::deepep {
 
 using hybridep::OpSession;
-using hybridep::SmemBudget;
 
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kSendThreads = 1024;  // 32 warps per SM, each with kRowUnroll loads in flight
 
 __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
   using Scan = cub::BlockScan<int, kThreads>;
@@ -39,64 +37,42 @@ __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
   }
 }
 
-// The first l.warps warps copy the (destination, token) pairs' rows through their rings
-// (device/bulk_copy.cuh); the kFieldWarps warps after them store, a lane per pair, the slots (as
-// d's local ids), the weights, the source token and the FP8 scales.
-__global__ void __launch_bounds__((kMaxCopyWarps + kFieldWarps) * 32)
-    send_rows_kernel(const __grid_constant__ SendRowsCall c, const CopyRingLayout l) {
-  extern __shared__ __align__(128) unsigned char smem[];
+// One warp per (destination, token) pair; the row in 16-byte vectors (then its FP8 scales), the slots
+// by lanes 0..k-1.
+__global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c) {
   const OpSession session(c.op);
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kSendThreads / 32);
+  const std::int64_t vectors = c.row_bytes / 16;
   const std::int64_t pairs = static_cast<std::int64_t>(c.ranks) * c.tokens;
-  if (warp < l.warps) {
-    const auto where = [&](std::int64_t p) -> RowRoute {
-      const int row = c.dest_row[p];
-      if (row < 0) return {nullptr, nullptr};
-      const int d = static_cast<int>(p / c.tokens);
-      const std::int64_t t = p - static_cast<std::int64_t>(d) * c.tokens;
-      return {static_cast<const char*>(c.x) + t * c.row_bytes, c.peers.window[d] + c.rows_at + row * c.row_bytes};
-    };
-    WarpCopyRing(smem, l, warp, lane)
-        .copy(RowPieces<decltype(where)>(where, static_cast<std::int64_t>(blockIdx.x) * l.warps + warp,
-                                         static_cast<std::int64_t>(gridDim.x) * l.warps, pairs, c.row_bytes,
-                                         l.piece_bytes));
-  } else if (c.scales != nullptr || c.slot_expert != nullptr) {
-    const int field_threads = kFieldWarps * 32;
-    for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * field_threads + threadIdx.x - l.warps * 32; p < pairs;
-         p += static_cast<std::int64_t>(gridDim.x) * field_threads) {
-      const std::int64_t row = c.dest_row[p];
-      if (row < 0) continue;
-      const int d = static_cast<int>(p / c.tokens);
-      const std::int64_t t = p - static_cast<std::int64_t>(d) * c.tokens;
-      char* win = c.peers.window[d];
-      if (c.scales != nullptr) {
-        const float* from = c.scales + t * c.scale_cols;
-        float* to = reinterpret_cast<float*>(win + c.win.scales) + row * c.scale_cols;
-        int j = 0;
-        for (; j + 7 < c.scale_cols; j += 8) {
-          float v[8];
-#pragma unroll
-          for (int u = 0; u < 8; ++u) v[u] = __ldg(from + j + u);
-#pragma unroll
-          for (int u = 0; u < 8; ++u) to[j + u] = v[u];
-        }
-        for (; j < c.scale_cols; ++j) to[j] = __ldg(from + j);
+  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * (kSendThreads / 32) + threadIdx.x / 32; p < pairs;
+       p += warps) {
+    const int row = c.dest_row[p];
+    if (row < 0) continue;
+    const int d = static_cast<int>(p / c.tokens);
+    const std::int64_t t = p - static_cast<std::int64_t>(d) * c.tokens;
+    char* win = c.peers.window[d];
+    const uint4* from = static_cast<const uint4*>(c.x) + t * vectors;
+    uint4* to = reinterpret_cast<uint4*>(win + c.rows_at) + static_cast<std::int64_t>(row) * vectors;
+    copy_row<RowSource::nc>(from, to, vectors, lane);
+    if (c.scales != nullptr)
+      copy_row<RowSource::nc>(c.scales + t * c.scale_cols,
+                              reinterpret_cast<float*>(win + c.win.scales) + static_cast<std::int64_t>(row) * c.scale_cols,
+                              c.scale_cols, lane);
+    if (c.slot_expert != nullptr) {
+      for (int j = lane; j < c.k; j += 32) {
+        const int e = c.slot_expert[t * c.k + j];
+        const bool here = e >= 0 && e / c.local_experts == d;
+        reinterpret_cast<int*>(win + c.win.idx)[static_cast<std::int64_t>(row) * c.k + j] =
+            here ? e - d * c.local_experts : -1;
+        reinterpret_cast<float*>(win + c.win.w)[static_cast<std::int64_t>(row) * c.k + j] =
+            here ? c.weights[t * c.k + j] : 0.0f;
       }
-      if (c.slot_expert != nullptr) {
-        for (int j = 0; j < c.k; ++j) {
-          const int e = c.slot_expert[t * c.k + j];
-          const bool here = e >= 0 && e / c.local_experts == d;
-          reinterpret_cast<int*>(win + c.win.idx)[row * c.k + j] = here ? e - d * c.local_experts : -1;
-          reinterpret_cast<float*>(win + c.win.w)[row * c.k + j] = here ? c.weights[t * c.k + j] : 0.0f;
-        }
-        reinterpret_cast<int*>(win + c.win.src)[row] = static_cast<int>(t);
-      }
+      if (lane == 0) reinterpret_cast<int*>(win + c.win.src)[row] = static_cast<int>(t);
     }
   }
   publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank, c.failed_arg);
 }
-
-SmemBudget send_rows_smem;
 
 }  // namespace
 
@@ -106,11 +82,8 @@ void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream) {
   FLEXEP_CUDA_CHECK_LAUNCH("deepep rank_rows_kernel");
 }
 
-void prepare_send_rows() { hybridep::raise_smem_limit(send_rows_kernel); }
-
 void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream) {
-  const CopyRingLayout l = copy_ring_for(c.row_bytes, send_rows_smem.get(send_rows_kernel));
-  send_rows_kernel<<<ctas < 1 ? 1 : ctas, (l.warps + kFieldWarps) * 32, l.bytes(), stream>>>(c, l);
+  send_rows_kernel<<<ctas < 1 ? 1 : ctas, kSendThreads, 0, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep send_rows_kernel");
 }
 
