@@ -219,6 +219,39 @@ TEST_P(DeepEpMultiGpu, ExpertMajorMatchesHost) {
   check_against_host(configs, run_deepep_expert_major);
 }
 
+// The expert-major layout in budget mode: every rank-major row received, the budget counting
+// expert-major entries as the host's plan does (the tail -1 / zero, prob 0); with the drop policy a
+// prefix of each receiver's entries is kept and the dropped pairs are the host's (last_dropped).
+TEST_P(DeepEpMultiGpu, ExpertMajorBudgetModeMatchesHost) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  std::vector<Config> configs = {
+      config("expert-major budget exact uniform k2 H64", 2, 2, 64, tokens_for(R, {40, 23})),
+      config("expert-major budget roomy zipf k8 H7168 pad 16", 8, 8, 7168, tokens_for(R, {120, 0}), RoutingKind::zipf,
+             16),
+      config("expert-major budget exact hot k1 H8", 2, 1, 8, tokens_for(R, {31, 9}), RoutingKind::hot),
+      config("expert-major budget drop uniform k4 H256 pad 4", 4, 4, 256, tokens_for(R, {60, 45}),
+             RoutingKind::uniform, 4),
+      config("expert-major budget drop zipf k8 H7168 T0", 8, 8, 7168, tokens_for(R, {0, 90}), RoutingKind::zipf),
+      config("expert-major budget drop hot k2 H128 pad 8", 2, 2, 128, tokens_for(R, {40, 40}), RoutingKind::hot, 8),
+  };
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    configs[i].mode = DispatchMode::budget;
+    configs[i].budget_fraction = i < 3 ? (i % 2 ? 1.5 : 1.0) : 0.5;
+    if (i >= 3) configs[i].overflow = OverflowPolicy::drop;
+  }
+  check_against_host(configs, [](GpuRank& g, const Config& c) {
+    auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
+    auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
+    auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+    auto dropped = [&](const DispatchResult&) { return d->last_dropped(); };  // on the device until asked
+    Outputs out =
+        run_sequence(*d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
+    d->check_errors();  // budget mode raises device errors only here
+    return out;
+  });
+}
+
 TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
   if (!require_ranks()) return;
   const int R = gpu_ranks();
@@ -273,7 +306,8 @@ TEST_P(DeepEpMultiGpu, BudgetModeMatchesHost) {
 TEST_P(DeepEpMultiGpu, BudgetErrorsAreRaisedOnEveryRankAtTheNextCheck) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;
-  std::vector<std::exception_ptr> overflow(static_cast<std::size_t>(R)), bad_id(overflow), stale(overflow);
+  std::vector<std::exception_ptr> overflow(static_cast<std::size_t>(R)), entries_overflow(overflow), bad_id(overflow),
+      stale(overflow);
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
@@ -294,6 +328,15 @@ TEST_P(DeepEpMultiGpu, BudgetErrorsAreRaisedOnEveryRankAtTheNextCheck) {
           d->check_errors();
         } catch (...) {
           overflow[r] = std::current_exception();
+        }
+        DispatchOptions em = b;  // the expert-major budget counts entries: 16 R tokens x top-2 need more than 8
+        em.layout = DispatchLayout::expert_major;
+        em.budget_rows = 8;
+        d->dispatch(device_inputs(g, E, 16, 8, 2).view(), em);
+        try {
+          d->check_errors();
+        } catch (...) {
+          entries_overflow[r] = std::current_exception();
         }
         b.budget_rows = 16 * R;
         TopK tk = synthetic_topk(16, 2, E, RoutingSpec{}, 3, g.rank);
@@ -320,6 +363,8 @@ TEST_P(DeepEpMultiGpu, BudgetErrorsAreRaisedOnEveryRankAtTheNextCheck) {
   for (int r = 0; r < R; ++r) {
     EXPECT_TRUE(contains(what_of(overflow[static_cast<std::size_t>(r)]), "dispatch overflow: rank"))
         << what_of(overflow[static_cast<std::size_t>(r)]);
+    EXPECT_TRUE(contains(what_of(entries_overflow[static_cast<std::size_t>(r)]), "expert-major rows"))
+        << what_of(entries_overflow[static_cast<std::size_t>(r)]);
     EXPECT_TRUE(stale[static_cast<std::size_t>(r)] == nullptr) << what_of(stale[static_cast<std::size_t>(r)]);
   }
   EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [](const std::string&) { return true; })));
@@ -580,7 +625,7 @@ TEST_P(DeepEpMultiGpu, Fp8FormatMismatchAndBadScalesAreNamed) {
 TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;
-  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), budget(bad_id), too_many(bad_id);
+  std::vector<std::exception_ptr> bad_id(static_cast<std::size_t>(R)), layout(bad_id), too_many(bad_id);
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
@@ -601,13 +646,12 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
         } catch (...) {
           bad_id[r] = std::current_exception();
         }
-        try {
-          DispatchOptions b;  // budget mode writes the rank-major layout only
-          b.mode = DispatchMode::budget;
-          b.budget_rows = 12;
+        try {  // rank 0 asks for the expert-major layout, the others for the rank-major one
+          DispatchOptions b = rm;
+          if (g.rank == 0) b.layout = DispatchLayout::expert_major;
           d->dispatch(device_inputs(g, E, 6, 8, 2).view(), b);
         } catch (...) {
-          budget[r] = std::current_exception();
+          layout[r] = std::current_exception();
         }
         try {  // rank 0 has more tokens than the buffers hold
           d->dispatch(device_inputs(g, E, g.rank == 0 ? 7 : 6, 8, 2).view(), rm);
@@ -620,8 +664,8 @@ TEST_P(DeepEpMultiGpu, ErrorsAreRaisedOnEveryRank) {
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
   EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [](const std::string&) { return true; })));
-  EXPECT_TRUE(all_threw<ArgumentError>(budget, argument_is("options.mode", [](const std::string& w) {
-    return contains(w, "options.layout = rank_major");
+  EXPECT_TRUE(all_threw<ArgumentError>(layout, argument_is("options.layout", [](const std::string& w) {
+    return contains(w, "expert_major");
   })));
   EXPECT_TRUE(all_threw<ArgumentError>(too_many, argument_is("hidden", [](const std::string&) { return true; })));
   for (int r = 1; r < R; ++r)

@@ -49,6 +49,7 @@ Tensor Dispatcher::sum_entries(const DeepEpHandle& h, const TensorView& entries,
   SumRowsCall c;
   c.entries = entries.data;
   c.row_order = h.row_order.data<std::int32_t>();
+  c.layout = h.budget ? reinterpret_cast<const long long*>(h.call_layout.raw()) : nullptr;
   c.rows = h.recv_rows;
   c.hidden = h.hidden;
   c.k = static_cast<int>(h.topk);

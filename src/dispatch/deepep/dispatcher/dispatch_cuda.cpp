@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "dispatch/common/call_signature.h"
+#include "flexep/core/plan.h"
 #include "dispatch/common/count_routes.h"
 #include "dispatch/deepep/dispatcher/dispatcher.h"
 #include "flexep/core/checks.h"
@@ -30,11 +31,6 @@ struct Routing {
 Routing check_input(const DispatchInput& in, const TensorView& scales, bool fp8, const DispatchOptions& opt,
                     int ranks, int experts, int device, std::int64_t hidden, std::int64_t max_tokens, int max_topk,
                     std::int64_t capacity) {
-  if (opt.mode == DispatchMode::budget) {
-    FLEXEP_CHECK_ARG(opt.layout == DispatchLayout::rank_major, "options.mode",
-                     "is budget with the expert_major layout, which the deepep backend does not offer yet; allowed: "
-                     "budget with options.layout = rank_major, or blocking");
-  }
   FLEXEP_CHECK_ARG(!in.multihot(), "routing_map",
                    "the deepep backend takes the top-k form (indices, weights), as DeepEP's dispatch does");
   const Device dev = Device::cuda(device);
@@ -68,7 +64,7 @@ Routing check_input(const DispatchInput& in, const TensorView& scales, bool fp8,
   check::dtype(in.weights, {DType::f32}, "weights");
   check::device(in.weights, dev, "weights");
   validate(call_signature::plan_params(opt, ranks, experts));
-  if (opt.mode == DispatchMode::budget)
+  if (opt.mode == DispatchMode::budget && opt.layout == DispatchLayout::rank_major)
     FLEXEP_CHECK_ARG(opt.budget_rows <= capacity, "options.budget_rows", opt.budget_rows,
                      " rows exceed the receive window's ", capacity, " (DeepEpOptions::max_recv_rows)");
   return r;
@@ -172,7 +168,7 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   rr.layout = reinterpret_cast<const long long*>(lay.words.raw());
   rr.tokens = rt.tokens;
   rr.ranks = R;
-  rr.budget = budget && options.overflow == OverflowPolicy::drop ? options.budget_rows : -1;
+  rr.budget = budget && !expert_major && options.overflow == OverflowPolicy::drop ? options.budget_rows : -1;
   rr.dest_row = h->dest_row.data<std::int32_t>();
   launch_rank_rows(rr, s);
 
@@ -186,7 +182,8 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     listing.layout = rr.layout;
     listing.pad = options.pad_multiple;
     listing.capacity = lay.entries;
-    if (options.overflow == OverflowPolicy::drop) {
+    listing.lengths_known = expert_major;  // with the drops, by the notify kernel
+    if (options.overflow == OverflowPolicy::drop && !expert_major) {
       listing.exchanged = reinterpret_cast<const long long*>(window() + win_.counts);
       listing.words = exchange_word::words(E, R);
       listing.rank = rank();
@@ -250,6 +247,7 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
   std::vector<long long> words(static_cast<std::size_t>(exchange_word::words(E, R)), 0);
   call_signature::encode_words(mine, words.data());
   words[exchange_word::fp8] = mine.fp8 ? 1 : 0;
+  words[exchange_word::layout] = mine.layout == DispatchLayout::expert_major ? 1 : 0;
   if (!local)
     std::copy(counts_host.data<std::int64_t>(), counts_host.data<std::int64_t>() + E + R,
               words.begin() + exchange_word::header);
@@ -288,11 +286,15 @@ Dispatcher::Gathered Dispatcher::read_gathered(const long long* all) const {
   const std::int64_t P = exchange_word::words(E, R);
   Gathered g;
   g.rows.resize(static_cast<std::size_t>(R * R));
+  g.pairs.resize(static_cast<std::size_t>(R) * static_cast<std::size_t>(E));
   g.pairs_here.assign(static_cast<std::size_t>(L), 0);
   for (int src = 0; src < R; ++src) {
     const long long* p = all + src * P;
     g.headers.push_back(call_signature::decode_words(p));
     g.headers.back().fp8 = p[exchange_word::fp8] != 0;
+    g.headers.back().layout = p[exchange_word::layout] != 0 ? DispatchLayout::expert_major : DispatchLayout::rank_major;
+    std::copy(p + exchange_word::header, p + exchange_word::header + E,
+              g.pairs.begin() + static_cast<std::ptrdiff_t>(src) * E);
     for (int le = 0; le < L; ++le)
       g.pairs_here[static_cast<std::size_t>(le)] += p[exchange_word::header + me * L + le];
     for (int d = 0; d < R; ++d) g.rows[static_cast<std::size_t>(src * R + d)] = p[exchange_word::header + E + d];
@@ -304,11 +306,17 @@ std::vector<RankMajorLayout> Dispatcher::agree(const Gathered& g, const Dispatch
   if (auto err = call_signature::peer_failure(g.headers, rank(), describe_violation)) std::rethrow_exception(err);
   if (auto err = call_signature::compare_headers(g.headers)) std::rethrow_exception(err);
   // Throws the budget overflow; then every rank checks every receiver's window: all raise alike.
-  std::vector<RankMajorLayout> layouts =
-      rank_major_layouts(g.rows, call_signature::plan_params(options, world_size(), experts_));
+  // The expert-major layout's budget counts entries: every rank-major row is received (the window
+  // bounds them), and the expert-major plan of every receiver raises its overflow.
+  const PlanParams params = call_signature::plan_params(options, world_size(), experts_);
+  const bool entries_budget = options.mode == DispatchMode::budget && options.layout == DispatchLayout::expert_major;
+  PlanParams rows_params = params;
+  if (entries_budget) rows_params.budget_rows.reset();
+  std::vector<RankMajorLayout> layouts = rank_major_layouts(g.rows, rows_params);
   for (std::size_t d = 0; d < layouts.size(); ++d)
     FLEXEP_CHECK(layouts[d].out_rows <= capacity_rows_, "deepep dispatch: rank ", d, " receives ", layouts[d].out_rows,
                  " rows, more than the ", capacity_rows_, " its receive buffer holds (DeepEpOptions::max_recv_rows)");
+  if (entries_budget) DispatchPlan::build(g.pairs, params);
   return layouts;
 }
 
@@ -316,9 +324,12 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
                                                                   const Tensor& counts, const DispatchOptions& options,
                                                                   int k, bool failed) {
   const int R = world_size(), L = local_experts();
+  const bool expert_major = options.layout == DispatchLayout::expert_major;
   CallLayout out;  // a rank whose checks failed (its options may be the reason) receives nothing
-  out.recv_rows = failed ? 0 : options.budget_rows;
-  out.entries = failed ? 0 : expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple);
+  out.recv_rows = failed ? 0 : (expert_major ? capacity_rows_ : options.budget_rows);
+  out.entries = failed ? 0
+                       : (expert_major ? options.budget_rows
+                                       : expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple));
   out.words = scratch(true, Scratch::layout, layout_word::words(R, L), false);
   NotifyCall c;
   c.peers = sym_.peer_table();
@@ -327,6 +338,7 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   c.experts = experts_;
   call_signature::encode_words(mine, c.header);
   c.header[exchange_word::fp8] = mine.fp8 ? 1 : 0;
+  c.header[exchange_word::layout] = mine.layout == DispatchLayout::expert_major ? 1 : 0;
   c.errors = errors_.record();
   c.counts = counts.defined() ? reinterpret_cast<const long long*>(counts.raw()) : nullptr;
   c.words = exchange_word::words(experts_, R);
@@ -337,6 +349,11 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   c.budget = out.recv_rows;
   c.capacity = capacity_rows_;
   c.drop = options.overflow == OverflowPolicy::drop;
+  c.expert_major = expert_major;
+  c.entries_budget = options.budget_rows;
+  c.pad = options.pad_multiple;
+  c.local_experts = L;
+  c.tokens_per_expert = reinterpret_cast<long long*>(scratch(true, Scratch::tokens_per_expert, L, false).raw());
   c.dropped = reinterpret_cast<long long*>(dropped_.raw());
   c.layout = reinterpret_cast<long long*>(out.words.raw());
   c.snapshot = snapshot_;
@@ -384,6 +401,7 @@ void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, lo
   t.rows_at = rows_at;
   t.win = win_;
   t.slots = slots;
+  t.zero_rows = h.layout == DispatchLayout::rank_major;
   t.layout = reinterpret_cast<const long long*>(h.call_layout.raw());
   t.rows = h.recv_rows;
   t.row_bytes = row_bytes;
@@ -457,7 +475,7 @@ Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad
   const DeepEpHandle& h = *hp;
   move_rows(h, bf16_rows(grad_out), nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows,
             nullptr);
-  if (h.budget) zero_tail(h, win_.grad, 2 * h.hidden, false, 0);
+  if (h.budget && h.layout == DispatchLayout::rank_major) zero_tail(h, win_.grad, 2 * h.hidden, false, 0);
   const Device dev = Device::cuda(comm_->device());
   Tensor out;
   if (h.layout == DispatchLayout::expert_major) {

@@ -100,8 +100,10 @@ class Dispatcher final : public DeepEpDispatcher {
   // The count exchange's outcome on this rank: the layout words on the device, and the sizes.
   struct CallLayout {
     Tensor words;                                // layout_word
-    std::int64_t recv_rows = 0;                  // N: recv_x's rows (the budget in budget mode)
-    std::int64_t entries = 0;                    // expert_rows' length (budget: its capacity)
+    std::int64_t recv_rows = 0;                  // N: recv_x's rows (budget: the budget, or the window's
+                                                 // rows for the expert-major layout)
+    std::int64_t entries = 0;                    // expert_rows' length (budget: its capacity, or the
+                                                 // budget for the expert-major layout)
     std::vector<std::int64_t> tokens_per_expert;  // blocking mode
   };
   // Blocking mode: one host all-gather; every error of the call is raised here, on every rank.
@@ -111,17 +113,19 @@ class Dispatcher final : public DeepEpDispatcher {
   CallLayout exchange_on_device(const call_signature::CallSignature& mine, const Tensor& counts,
                                 const DispatchOptions& options, int k, bool failed);
   // The count exchange's words of every rank, read: the signatures, rows[s * R + d] from source s
-  // to receiver d, and the pairs for this rank's experts.
+  // to receiver d, pairs[s * E + e] from source s for global expert e, and the pairs for this
+  // rank's experts.
   struct Gathered {
     std::vector<call_signature::CallSignature> headers;
-    std::vector<std::int64_t> rows, pairs_here;
+    std::vector<std::int64_t> rows, pairs, pairs_here;
   };
   Gathered read_gathered(const long long* all) const;
   // The rules every rank applies to the gathered words, blocking mode's and budget mode's decoding
   // alike: a peer's failure, a mismatch, a receiver over the budget or over its window raise the
   // same error on every rank; else every receiver's layout.
   std::vector<RankMajorLayout> agree(const Gathered& g, const DispatchOptions& options) const;
-  // Budget mode: the window region's rows past the received ones zeroed (and their slots cleared).
+  // Budget mode: the window region's rows past the received ones zeroed (not for the expert-major
+  // layout, which reads none of them) and their slots cleared.
   void zero_tail(const DeepEpHandle& h, unsigned long long rows_at, long long row_bytes, bool slots, int scale_cols);
   // The error every rank raises for an aborted budget-mode call, from the count exchange's words;
   // returns without raising when this rank's own failure was raised already.

@@ -276,7 +276,7 @@ void Dispatcher::raise_abort() {
   o.budget_rows = g.headers[0].budget_rows;
   o.pad_multiple = g.headers[0].pad_multiple;
   o.overflow = g.headers[0].overflow;
-  o.layout = DispatchLayout::rank_major;
+  o.layout = g.headers[0].layout;
   agree(g, o);
   throw_error("rank ", me, ": a budget-mode deepep dispatch aborted on the device for a reason its count exchange "
               "does not show (internal error)");

@@ -57,11 +57,12 @@ inline constexpr int list_len(int ranks, int local) { return list_begin(ranks) +
 inline constexpr int words(int ranks, int local) { return list_len(ranks, local) + local; }
 }  // namespace layout_word
 
-// The count exchange's words of one rank: [call signature (kWords) | fp8 | pairs per expert [E] |
-// rows per destination rank [R]].
+// The count exchange's words of one rank: [call signature (kWords) | fp8 | layout | pairs per expert
+// [E] | rows per destination rank [R]].
 namespace exchange_word {
 constexpr int fp8 = call_signature::kWords;  // 1: the rows travel as e4m3 with their scales (dispatch_fp8)
-constexpr int header = fp8 + 1;              // the words before the counts
+constexpr int layout = fp8 + 1;              // 1: the expert-major layout (DispatchOptions::layout)
+constexpr int header = layout + 1;           // the words before the counts
 inline constexpr int words(int experts, int ranks) { return header + experts + ranks; }
 }  // namespace exchange_word
 
@@ -95,6 +96,11 @@ struct WindowLayout {
 // configurations that differ, or a receiver over the budget set layout[abort] on every rank; the
 // words are then kept in `snapshot` and the status says abort, so that the host decodes the exact
 // error at its next check.
+// The expert-major layout: `budget` is the window (every rank-major row is received; more is an
+// error whatever the policy) and `entries_budget` bounds the expert-major entries, padded lists end
+// to end (docs/semantics.md, "Dispatch"): over it, an error on every rank, or with the drop policy a
+// prefix of each receiver's entries kept. This rank's list lengths go to tokens_per_expert and its
+// dropped pairs to *dropped.
 struct NotifyCall {
   SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, experts = 0;
@@ -108,6 +114,10 @@ struct NotifyCall {
   unsigned long long timeout_ns = 0;
   long long budget = 0, capacity = 0;  // the budget; the window's rows
   bool drop = false;                   // overflow policy drop: receivers keep their first `budget` rows
+  bool expert_major = false;
+  long long entries_budget = 0, pad = 1;  // expert-major: the budget of entries, DispatchOptions::pad_multiple
+  int local_experts = 0;
+  long long* tokens_per_expert = nullptr;  // [L] (expert-major)
   long long* layout = nullptr;         // layout_word
   long long* snapshot = nullptr;       // [R * P]
   long long* dropped = nullptr;        // zeroed here; the receive kernels add this rank's dropped pairs
@@ -156,8 +166,10 @@ void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream);
 // padding), slot_pos[r * k + j] = p, and row_order[r * k + n] = p for the row's n-th expert in
 // ascending local id (so row_order lists a row's entries in expert-major order). slot_pos and
 // row_order are -1 on entry. Budget mode (tokens_per_expert set): the rows are the `received` of
-// the layout, each list's length is counted here first (padded, into tokens_per_expert), the
-// lists lie end to end from 0, and the entries past them up to `capacity` are -1.
+// the layout, each list's length is counted here first (padded, into tokens_per_expert) unless
+// `lengths_known` (the notify kernel wrote them: the expert-major layout), the lists lie end to end
+// from 0, and the entries past them up to `capacity` are -1 (probs 0). A list keeps its first
+// `length` rows: the rest are the drop policy's dropped pairs (their slot_pos stays -1).
 struct ReceiveCall {
   const unsigned* flags = nullptr;  // this rank's flag buffer
   int rank = 0, ranks = 0, kind = kDispatch;
@@ -171,6 +183,7 @@ struct ReceiveCall {
   const long long* list_begin = nullptr;  // [L] (blocking)
   const long long* list_len = nullptr;    // [L] (blocking)
   long long* tokens_per_expert = nullptr; // [L] (budget)
+  bool lengths_known = false;             // budget, expert-major
   const long long* layout = nullptr;      // layout_word (budget: received, abort)
   long long pad = 1, capacity = 0;        // budget
   // Budget mode with the drop policy: the pairs sent here (the count exchange's words in this rank's
@@ -233,13 +246,15 @@ void launch_gather_rows(const void* rows, const int* index, std::int64_t entries
 void launch_gather_scales(const float* scales, const int* index, std::int64_t entries, int scale_cols, float* out,
                           cudaStream_t stream);
 
-// Budget mode's tail of a window region: rows [layout[received], rows) zero, and with slots their
-// ids -1, weights 0 and source tokens -1 (and with scale_cols their scales 0). One warp per row.
+// Budget mode's tail of a window region: rows [layout[received], rows) zero (unless !zero_rows: the
+// expert-major layout reads no row past the received ones), and with slots their ids -1, weights 0
+// and source tokens -1 (and with scale_cols their scales 0). One warp per row.
 struct TailCall {
   char* window = nullptr;
   unsigned long long rows_at = 0;  // WindowLayout::x or ::grad
   WindowLayout win{};
   bool slots = false;
+  bool zero_rows = true;
   const long long* layout = nullptr;
   std::int64_t rows = 0;
   long long row_bytes = 0;
@@ -250,9 +265,11 @@ void launch_tail(const TailCall& c, int ctas, cudaStream_t stream);
 // Level 1 of the combine (docs/semantics.md, "Combine"): out[r] = the sum of entries[row_order[r *
 // k + n]] over n in order (ascending local expert) until -1, in fp32, rounded to bf16 once. With
 // grad_probs, also grad_w[r * k + j] = grad_probs[slot_pos[r * k + j]] (0 where -1). One warp per row.
+// With a budget call's layout, rows at or past layout[received] are left alone (never read).
 struct SumRowsCall {
   const void* entries = nullptr;  // [M, H] bf16
   const int* row_order = nullptr;  // [rows * k]
+  const long long* layout = nullptr;  // budget: layout_word
   std::int64_t rows = 0, hidden = 0;
   int k = 0;
   void* out = nullptr;               // [rows, H] bf16

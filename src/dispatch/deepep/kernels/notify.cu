@@ -1,5 +1,7 @@
 // Budget mode's count exchange (DeepEP's notify): every rank's words to every rank through the
 // windows, then the call's layout derived on the device, so that no host sync sits in a dispatch.
+#include <cub/block/block_scan.cuh>
+
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
@@ -23,7 +25,7 @@ constexpr int kThreads = 256;
 __device__ inline bool same_config(const long long* a, const long long* b) {
   constexpr int fields[] = {word::experts,      word::multihot,    word::hidden,   word::topk,
                             word::mode,         word::pad_multiple, word::budget_rows, word::overflow,
-                            exchange_word::fp8};
+                            exchange_word::fp8, exchange_word::layout};
   for (int f : fields)
     if (a[f] != b[f]) return false;
   return true;
@@ -64,6 +66,13 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
   }
   const long long* all = reinterpret_cast<const long long*>(c.peers.window[c.rank] + c.win.counts);
   auto rows = [&](int s, int d) { return __ldcg(all + static_cast<long long>(s) * P + exchange_word::header + E + d); };
+  // Pairs for global expert e from every source.
+  auto pairs = [&](int e) {
+    long long n = 0;
+    for (int s = 0; s < R; ++s) n += __ldcg(all + static_cast<long long>(s) * P + exchange_word::header + e);
+    return n;
+  };
+  auto padded = [&](long long n) { return (n + c.pad - 1) / c.pad * c.pad; };
   // 3. Agreement, budget, layout (thread 0 decides; the others derive row_begin).
   __shared__ int bad;
   if (threadIdx.x == 0) {
@@ -75,7 +84,13 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     for (int d = 0; d < R && bad < 0; ++d) {
       long long n = 0;
       for (int s = 0; s < R; ++s) n += rows(s, d);
-      if (!c.drop && (n > c.budget || n > c.capacity)) bad = d;  // drop: at most the budget is kept
+      if (c.expert_major ? n > c.capacity : !c.drop && (n > c.budget || n > c.capacity)) bad = d;
+    }
+    // The expert-major entries of every receiver against their budget (drop: a prefix is kept).
+    for (int d = 0; d < R && bad < 0 && c.expert_major && !c.drop; ++d) {
+      long long entries = 0;
+      for (int e = 0; e < c.local_experts; ++e) entries += padded(pairs(d * c.local_experts + e));
+      if (entries > c.entries_budget) bad = d;
     }
     long long at = 0;  // the rows kept here are a prefix of the (source, token) order: at most the budget
     for (int s = 0; s < R; ++s) {
@@ -92,6 +107,28 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     long long at = 0;
     for (int s = 0; s < c.rank; ++s) at += rows(s, d);
     c.layout[layout_word::row_begin + d] = bad < 0 ? at : 0;
+  }
+  if (c.expert_major) {
+    // This rank's lists, as DispatchPlan::build lays them out: expert e begins after the padded
+    // lists of every pair before it, keeps the pairs below the budget and pads up to it at most.
+    using Scan = cub::BlockScan<long long, kThreads>;
+    __shared__ typename Scan::TempStorage scan;
+    long long carry = 0, dropped = 0;
+    for (int base = 0; base < c.local_experts; base += kThreads) {
+      const int e = base + static_cast<int>(threadIdx.x);
+      const long long real = e < c.local_experts && bad < 0 ? pairs(c.rank * c.local_experts + e) : 0;
+      long long begin = 0, total = 0;
+      Scan(scan).ExclusiveSum(padded(real), begin, total);
+      begin += carry;
+      carry += total;
+      const long long room = c.entries_budget - begin;
+      const long long kept = room < 0 ? 0 : (room < real ? room : real);
+      const long long len = padded(kept) < room ? padded(kept) : (room < 0 ? 0 : room);
+      if (e < c.local_experts) c.tokens_per_expert[e] = len;
+      dropped += real - kept;
+      __syncthreads();  // the scan storage is reused
+    }
+    if (dropped != 0) atomicAdd(reinterpret_cast<unsigned long long*>(c.dropped), static_cast<unsigned long long>(dropped));
   }
   if (bad < 0) return;
   // 4. An abort: the words stay for the host, which decodes the error every rank raises alike.

@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
         }
       int before = 0, total = 0;
       Scan(scan).ExclusiveSum(f, before, total);
-      if (f) {
+      if (f && n + before < len) {  // past len: a pair the drop policy dropped
         const long long p = begin + n + before;
         out[n + before] = static_cast<int>(row);
         if (c.probs != nullptr) {
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
       n += total;
       __syncthreads();
     }
-    for (long long i = n + threadIdx.x; i < len; i += blockDim.x) {
+    for (long long i = (n < len ? n : len) + threadIdx.x; i < len; i += blockDim.x) {
       out[i] = -1;
       if (c.probs != nullptr) c.probs[begin + i] = 0.0f;
     }
@@ -89,7 +89,10 @@ __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
   if (!budget || blockIdx.x != 0) return;
   long long total = 0;  // every list is written above; the tail up to the capacity is padding
   for (int q = 0; q < c.local_experts; ++q) total += __ldcg(c.tokens_per_expert + q);
-  for (long long i = total + threadIdx.x; i < c.capacity; i += blockDim.x) c.expert_rows[i] = -1;
+  for (long long i = total + threadIdx.x; i < c.capacity; i += blockDim.x) {
+    c.expert_rows[i] = -1;
+    if (c.probs != nullptr) c.probs[i] = 0.0f;
+  }
 }
 
 // Budget mode, before list_kernel: each local expert's padded list length. One CTA per expert.
@@ -126,8 +129,10 @@ __global__ void __launch_bounds__(kThreads) tail_kernel(TailCall c) {
   const std::int64_t vectors = c.row_bytes / 16;
   for (std::int64_t r = from + static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; r < c.rows;
        r += warps) {
-    zero_row(reinterpret_cast<uint4*>(c.window + c.rows_at) + r * vectors, vectors, lane);
-    zero_row(reinterpret_cast<float*>(c.window + c.win.scales) + r * c.scale_cols, c.scale_cols, lane);
+    if (c.zero_rows) {
+      zero_row(reinterpret_cast<uint4*>(c.window + c.rows_at) + r * vectors, vectors, lane);
+      zero_row(reinterpret_cast<float*>(c.window + c.win.scales) + r * c.scale_cols, c.scale_cols, lane);
+    }
     if (!c.slots) continue;
     for (int j = lane; j < c.k; j += 32) {
       reinterpret_cast<int*>(c.window + c.win.idx)[r * c.k + j] = -1;
@@ -144,7 +149,7 @@ void launch_receive(const ReceiveCall& c, cudaStream_t stream) {
   FLEXEP_CUDA_CHECK_LAUNCH("deepep receive_kernel");
   if (c.expert_rows == nullptr || c.local_experts == 0) return;
   const int ctas = c.local_experts < 65535 ? c.local_experts : 65535;
-  if (c.tokens_per_expert != nullptr) {
+  if (c.tokens_per_expert != nullptr && !c.lengths_known) {
     count_lists_kernel<<<ctas, kThreads, 0, stream>>>(c);
     FLEXEP_CUDA_CHECK_LAUNCH("deepep count_lists_kernel");
   }
