@@ -770,39 +770,56 @@ TEST_P(DeepEpMultiGpu, BadOptionsOnOneRankStopEveryRank) {
         << what_of(failures[static_cast<std::size_t>(r)]);
 }
 
-TEST_P(DeepEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
+// A rank that stops before a call: every other rank raises a TimeoutError naming that call's phase
+// and the stopped rank within the deadline (3 s): budget mode's count exchange (raised by the next
+// check_errors()), combine, dispatch_backward, combine_backward.
+TEST_P(DeepEpMultiGpu, MissingPeerInEachPhaseTimesOutNamingPhaseAndPeer) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;
-  std::atomic<int> finished{0};
-  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
-  const auto errors = run_gpu_ranks(
-      R,
-      [&](GpuRank& g) {
-        DeepEpOptions o;
-        o.hidden = 8;
-        o.max_tokens_per_rank = 16;
-        o.max_topk = 1;
-        o.timeout_seconds = 3;
-        auto d = make_deepep_dispatcher(g.comm, E, o);
-        DispatchOptions rm;
-        rm.layout = DispatchLayout::rank_major;
-        DispatchResult res = d->dispatch(device_inputs(g, E, 16, 8, 1).view(), rm);
-        if (g.rank == 1) {  // silent until the others gave up
-          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-          while (finished.load() < g.size - 1 && std::chrono::steady_clock::now() < until)
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-          return;
-        }
-        try {
-          d->combine(res.handle, res.tokens);
-        } catch (...) {
-          failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
-        }
-        ++finished;
-      },
-      test_comm_options());
-  ASSERT_TRUE(all_ok(errors));
-  expect_timeouts(failures, 1, "deepep combine:rows");
+  const char* phases[] = {"deepep dispatch:count-exchange", "deepep combine:rows", "deepep dispatch_backward:rows",
+                          "deepep combine_backward:rows"};
+  for (int call = 0; call < 4; ++call) {
+    SCOPED_TRACE(phases[call]);
+    std::atomic<int> finished{0};
+    std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
+    const auto errors = run_gpu_ranks(
+        R,
+        [&](GpuRank& g) {
+          DeepEpOptions o = small_options(8, 16, g.stream);
+          o.timeout_seconds = 3;
+          auto d = make_deepep_dispatcher(g.comm, E, o);
+          const DeviceInputs in = device_inputs(g, E, 16, 8, 1);
+          DispatchOptions rm;
+          rm.layout = DispatchLayout::rank_major;
+          const auto stop = [&] {  // silent until the others gave up
+            const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+            while (finished.load() < g.size - 1 && std::chrono::steady_clock::now() < until)
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          };
+          try {
+            if (call == 0) {
+              if (g.rank == 1) return stop();
+              DispatchOptions b = rm;
+              b.mode = DispatchMode::budget;
+              b.budget_rows = 16 * g.size;
+              d->dispatch(in.view(), b);
+              d->check_errors();
+            } else {
+              DispatchResult res = d->dispatch(in.view(), rm);
+              if (g.rank == 1) return stop();
+              if (call == 1) d->combine(res.handle, res.tokens);
+              if (call == 2) d->dispatch_backward(res.handle, res.tokens, res.topk_weights);
+              if (call == 3) d->combine_backward(res.handle, in.hidden);
+            }
+          } catch (...) {
+            failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
+          }
+          ++finished;
+        },
+        test_comm_options());
+    ASSERT_TRUE(all_ok(errors));
+    expect_timeouts(failures, 1, phases[call]);
+  }
 }
 
 }  // namespace flexep::testing

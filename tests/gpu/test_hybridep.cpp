@@ -853,8 +853,9 @@ TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
 
 // ---- a rank that stops participating ---------------------------------------------------------------------
 
-// Rank 1 skips `skipped_call` (0: the second dispatch, 1: a combine); the others must fail with a
-// TimeoutError naming `phase` and rank 1 within the 3 s device deadline (plus slack).
+// Rank 1 skips `skipped_call` (0: the second dispatch, 1: a combine, 2: a dispatch_backward, 3: a
+// combine_backward); the others must fail with a TimeoutError naming `phase` and rank 1 within the
+// 3 s device deadline (plus slack).
 void check_missing_peer(int skipped_call, const std::string& phase) {
   const int R = gpu_ranks(), E = 2 * R;
   std::atomic<int> finished{0};
@@ -875,13 +876,12 @@ void check_missing_peer(int skipped_call, const std::string& phase) {
         }
         const auto start = std::chrono::steady_clock::now();
         try {
-          if (skipped_call == 0) {
-            d->dispatch(in.view(), {});
-          } else {
-            const Tensor x = random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank);
-            const Tensor rows = cuda::to_device(x, g.device, g.stream);
-            d->combine(res.handle, rows);
-          }
+          const Tensor x = random_tensor({res.tokens.size(0), 8}, DType::bf16, 2, "x", g.rank);
+          const Tensor rows = cuda::to_device(x, g.device, g.stream);
+          if (skipped_call == 0) d->dispatch(in.view(), {});
+          if (skipped_call == 1) d->combine(res.handle, rows);
+          if (skipped_call == 2) d->dispatch_backward(res.handle, rows, res.token_probs);
+          if (skipped_call == 3) d->combine_backward(res.handle, in.hidden);
         } catch (...) {
           failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
         }
@@ -919,6 +919,12 @@ TEST_P(HybridEpMultiGpu, MissingPeerInDispatchTimesOutNamingPhaseAndPeer) {
 TEST_P(HybridEpMultiGpu, MissingPeerInCombineTimesOutNamingPhaseAndPeer) {
   if (!require_ranks()) return;
   check_missing_peer(1, "combine:partials");
+}
+
+TEST_P(HybridEpMultiGpu, MissingPeerInTheBackwardsTimesOutNamingPhaseAndPeer) {
+  if (!require_ranks()) return;
+  check_missing_peer(2, "dispatch_backward:partials");
+  check_missing_peer(3, "combine_backward:rows");
 }
 
 // ---- one rank on one GPU ----------------------------------------------------------------------------
