@@ -39,6 +39,8 @@ void Dispatcher::move_back(const DeepEpHandle& h, const TensorView& rows, const 
   r.slot_expert = h.slot_expert.data<std::int32_t>();
   r.out = out.data;
   r.grad_w = out_w.defined() ? static_cast<float*>(out_w.data) : nullptr;
+  r.own_rows = c.y;
+  r.own_grad_w = c.grad_w;
   launch_reduce(r, ctas, s);
 }
 

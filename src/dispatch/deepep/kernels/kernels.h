@@ -200,7 +200,8 @@ struct ReceiveCall {
 void launch_receive(const ReceiveCall& c, cudaStream_t stream);
 
 // Sender of the way back: received row i (from source s, token src[i]) goes to rank s's window at
-// part[me][t] (and its k weight gradients to part_w[me][t]); then one flag per source.
+// part[me][t] (and its k weight gradients to part_w[me][t]); then one flag per source. Rows from
+// this rank itself stay where they are: the reduce reads them there (one copy less per local row).
 struct SendPartialsCall {
   SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, k = 0;
@@ -218,7 +219,8 @@ void launch_send_partials(const SendPartialsCall& c, int ctas, cudaStream_t stre
 
 // The source: waits for every rank's flag of `kind`, then out[t] = the sum over ranks d, ascending,
 // of part[d][t] where dest_row[d * T + t] >= 0, in fp32, rounded to bf16 once; with grad_w,
-// grad_w[t * k + j] = part_w[owner][t][j] for the slots whose owner kept the token, else 0.
+// grad_w[t * k + j] = part_w[owner][t][j] for the slots whose owner kept the token, else 0. For d =
+// this rank the row is own_rows[dest_row[d * T + t]] (and own_grad_w's), the sender's input.
 // A source whose checks failed (abort words) makes the receiver report Status abort with the
 // phase, that rank and its FailedArg (as `value`) and write nothing.
 struct ReduceCall {
@@ -235,6 +237,8 @@ struct ReduceCall {
   const int* slot_expert = nullptr;  // [T * k]
   void* out = nullptr;               // [T, H] bf16
   float* grad_w = nullptr;           // [T, k] or null
+  const void* own_rows = nullptr;     // [N, H] bf16: the rows this rank sent back (SendPartialsCall::y)
+  const float* own_grad_w = nullptr;  // [N, k]: their weight gradients (with grad_w)
 };
 void launch_reduce(const ReduceCall& c, int ctas, cudaStream_t stream);
 

@@ -21,7 +21,7 @@ constexpr int kThreads = 1024;       // 32 warps per SM, each with kRowUnroll lo
 constexpr int kReduceThreads = 512;  // 16 warps; kReduceUnroll x 8 fp32 sums need more than 64 registers
 constexpr int kReduceUnroll = 8;     // 64 KB of loads in flight per SM
 
-// One warp per received row.
+// One warp per received row from another rank.
 __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCall c) {
   const OpSession session(c.op);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -34,6 +34,7 @@ __global__ void __launch_bounds__(kThreads) send_partials_kernel(SendPartialsCal
     const long long* source_begin = c.layout + layout_word::source_begin(c.ranks);
     int s = 0;
     while (s + 1 < c.ranks && source_begin[s + 1] <= i) ++s;
+    if (s == c.rank) continue;  // this rank's own tokens: the reduce reads them where they are
     const std::int64_t t = src;
     const std::int64_t at = static_cast<std::int64_t>(c.rank) * c.max_tokens + t;
     char* win = c.peers.window[s];
@@ -55,8 +56,10 @@ __device__ __forceinline__ void reduce_vectors(const ReduceCall& c, const uint4*
                                                std::int64_t vectors, std::int64_t v0, uint4* out) {
   float acc[kReduceUnroll][8] = {};
   for (int d = 0; d < c.ranks; ++d) {
-    if (c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] < 0) continue;  // the same in the whole warp
-    const uint4* row = part + (static_cast<std::int64_t>(d) * c.max_tokens + t) * vectors;
+    const int r = c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t];  // the same in the whole warp
+    if (r < 0) continue;
+    const uint4* row = d == c.rank ? static_cast<const uint4*>(c.own_rows) + static_cast<std::int64_t>(r) * vectors
+                                   : part + (static_cast<std::int64_t>(d) * c.max_tokens + t) * vectors;
     uint4 raw[kReduceUnroll];
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u)
@@ -114,8 +117,10 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_con
     float g = 0.0f;
     if (e >= 0) {
       const int d = e / c.local_experts;
-      if (c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t] >= 0)
-        g = __ldcg(part_w + (static_cast<std::int64_t>(d) * c.max_tokens + t) * c.k + j);
+      const int r = c.dest_row[static_cast<std::int64_t>(d) * c.tokens + t];
+      if (r >= 0)
+        g = d == c.rank ? __ldcg(c.own_grad_w + static_cast<std::int64_t>(r) * c.k + j)
+                        : __ldcg(part_w + (static_cast<std::int64_t>(d) * c.max_tokens + t) * c.k + j);
     }
     c.grad_w[q] = g;
   }
