@@ -73,8 +73,19 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     return n;
   };
   auto padded = [&](long long n) { return (n + c.pad - 1) / c.pad * c.pad; };
-  // 3. Agreement, budget, layout (thread 0 decides; the others derive row_begin).
-  __shared__ int bad;
+  // 3. Agreement, budget, layout (thread 0 decides; the others derive row_begin). First, spread over
+  // the threads, the expert-major entries of every receiver against their budget (drop: a prefix is
+  // kept, never an error): the lowest receiver over it.
+  __shared__ int bad, over;
+  if (threadIdx.x == 0) over = R;
+  __syncthreads();
+  if (c.expert_major && !c.drop)
+    for (int d = static_cast<int>(threadIdx.x); d < R; d += blockDim.x) {
+      long long entries = 0;
+      for (int e = 0; e < c.local_experts; ++e) entries += padded(pairs(d * c.local_experts + e));
+      if (entries > c.entries_budget) atomicMin(&over, d);
+    }
+  __syncthreads();
   if (threadIdx.x == 0) {
     bad = -1;
     for (int s = 0; s < R && bad < 0; ++s) {
@@ -86,12 +97,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
       for (int s = 0; s < R; ++s) n += rows(s, d);
       if (c.expert_major ? n > c.capacity : !c.drop && (n > c.budget || n > c.capacity)) bad = d;
     }
-    // The expert-major entries of every receiver against their budget (drop: a prefix is kept).
-    for (int d = 0; d < R && bad < 0 && c.expert_major && !c.drop; ++d) {
-      long long entries = 0;
-      for (int e = 0; e < c.local_experts; ++e) entries += padded(pairs(d * c.local_experts + e));
-      if (entries > c.entries_budget) bad = d;
-    }
+    if (bad < 0 && over < R) bad = over;
     long long at = 0;  // the rows kept here are a prefix of the (source, token) order: at most the budget
     for (int s = 0; s < R; ++s) {
       c.layout[layout_word::source_begin(R) + s] = bad < 0 ? min(at, c.budget) : 0;
