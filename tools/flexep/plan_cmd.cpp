@@ -12,6 +12,7 @@
 
 #include "cli_checks.h"
 #include "commands.h"
+#include "progress.h"
 #include "flexep/core/plan.h"
 #include "flexep/core/synthetic_routing.h"
 
@@ -23,9 +24,13 @@ struct PlanArgs {
   long long tokens = 4096, pad_multiple = 1, budget = -1;
   std::string routing = "uniform";
   double zipf_s = 1.2;
-  bool drop = false, json = false;
+  bool drop = false, json = false, quiet = false;
   long long seed = 1;
 };
+
+// Above this many routed slots (ranks x tokens x top-k; ~1 s on one core) the routing shows its
+// progress on stderr, one step per source rank.
+constexpr double kProgressSlots = 5e7;
 
 void run(const PlanArgs& a) {
   RoutingSpec spec;
@@ -67,13 +72,20 @@ void run(const PlanArgs& a) {
     std::atomic<int> next{0};
     std::vector<std::thread> pool;
     std::exception_ptr failure;
-    std::mutex failure_lock;
+    std::mutex lock;  // the failure and the progress line
+    const bool show = !a.quiet && static_cast<double>(a.ranks) * static_cast<double>(a.tokens) * a.topk > kProgressSlots;
+    Progress progress(a.ranks, "plan: routing");
+    int done = 0;
     for (unsigned w = 0; w < workers; ++w)
       pool.emplace_back([&] {
         try {
-          for (int s = next++; s < a.ranks; s = next++) one_source(s);
+          for (int s = next++; s < a.ranks; s = next++) {
+            one_source(s);
+            const std::lock_guard<std::mutex> hold(lock);
+            if (show) progress.update(++done, fmt::format("source ranks ({} tokens each)", a.tokens));
+          }
         } catch (...) {
-          const std::lock_guard<std::mutex> lock(failure_lock);
+          const std::lock_guard<std::mutex> hold(lock);
           failure = std::current_exception();
         }
       });
@@ -139,6 +151,7 @@ void add_plan_command(CLI::App& app) {
   cmd->add_flag("--drop", a->drop, "Drop rows over the budget instead of failing");
   cmd->add_option("--seed", a->seed, "Routing seed");
   cmd->add_flag("--json", a->json, "Print JSON");
+  cmd->add_flag("--quiet", a->quiet, "No progress output (shown on stderr for long plans)");
   cmd->callback([a] { run(*a); });
 }
 
