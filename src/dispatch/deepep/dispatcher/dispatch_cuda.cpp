@@ -190,6 +190,7 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
       listing.dropped = reinterpret_cast<unsigned long long*>(dropped_.raw());
     }
   } else {
+    listing.capacity = lay.entries;
     listing.list_begin = rr.layout + layout_word::list_begin(R);
     listing.list_len = rr.layout + layout_word::list_len(R, L);
     result.tokens_per_expert = Tensor::from_vector(lay.tokens_per_expert, {L});

@@ -185,7 +185,8 @@ struct ReceiveCall {
   long long* tokens_per_expert = nullptr; // [L] (budget)
   bool lengths_known = false;             // budget, expert-major
   const long long* layout = nullptr;      // layout_word (budget: received, abort)
-  long long pad = 1, capacity = 0;        // budget
+  long long pad = 1;                      // budget
+  long long capacity = 0;                 // expert_rows' entries (budget: its capacity)
   // Budget mode with the drop policy: the pairs sent here (the count exchange's words in this rank's
   // window, P per source) less those kept are added to *dropped.
   const long long* exchanged = nullptr;

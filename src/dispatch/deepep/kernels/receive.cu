@@ -39,10 +39,18 @@ __global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
   stopped_by_peer(c.flags, c.kind, c.rank, c.ranks, ld_volatile(&c.op->epoch), c.status, c.phase);
 }
 
-// After receive_kernel on the same stream, so the rows are here; one CTA per local expert. A timed
-// out wait lists nothing (the call raises).
+// After receive_kernel on the same stream, so the rows are here; one CTA per local expert. After a
+// timed out wait every entry up to `capacity` is -1 (the call raises; the gather behind it then
+// writes zero rows instead of following stale or uninitialised indices).
 __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
-  if (hybridep::ld_volatile(&c.status->code) == static_cast<int>(hybridep::StatusCode::timeout)) return;
+  if (hybridep::ld_volatile(&c.status->code) == static_cast<int>(hybridep::StatusCode::timeout)) {
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < c.capacity;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+      c.expert_rows[i] = -1;
+      if (c.probs != nullptr) c.probs[i] = 0.0f;
+    }
+    return;
+  }
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
   const bool budget = c.tokens_per_expert != nullptr;
