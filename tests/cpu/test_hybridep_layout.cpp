@@ -128,6 +128,47 @@ TEST(HybridEpLayout, ReceiverLayoutIsThePlan) {
   EXPECT_GT(cases, 100);
 }
 
+// cut_group, group by group from a running sum of the padded groups (as deepep's notify kernel
+// uses it, with a block scan for the sum), gives DispatchPlan::build's kept pairs, tokens_per_expert
+// and drops under the drop policy and within the budget.
+TEST(HybridEpLayout, CutGroupIsThePlansBudgetCut) {
+  int cases = 0;
+  for (int R : {1, 2, 3})
+    for (int L : {1, 3, 8, 32})
+      for (std::int64_t pad : {1, 4, 16})
+        for (double fraction : {0.0, 0.3, 0.7, 1.0, 1.5}) {
+          const int E = R * L;
+          const auto counts = random_counts(R, E, 7000 + R * 100 + L * 10 + pad, 40);
+          PlanParams p;
+          p.ranks = R;
+          p.experts = E;
+          p.pad_multiple = pad;
+          std::int64_t most = 0;
+          for (const auto& lay : DispatchPlan::build(counts, p).ranks) most = std::max(most, lay.required_rows);
+          p.budget_rows = static_cast<std::int64_t>(static_cast<double>(most) * fraction) / pad * pad;
+          p.overflow = OverflowPolicy::drop;
+          const DispatchPlan plan = DispatchPlan::build(counts, p);
+          const CountMatrix cm{&counts, E};
+          SCOPED_TRACE("R=" + std::to_string(R) + " L=" + std::to_string(L) + " pad=" + std::to_string(pad) +
+                       " budget=" + std::to_string(*p.budget_rows));
+          for (int d = 0; d < R; ++d) {
+            const RankLayout& lay = plan.ranks[static_cast<std::size_t>(d)];
+            long long begin = 0, dropped = 0;
+            for (int le = 0; le < L; ++le) {
+              const long long real = group_pairs(cm, d * L + le, R);
+              const GroupCut cut = cut_group(begin, real, *p.budget_rows, pad);
+              EXPECT_EQ(cut.kept, lay.kept_rows[static_cast<std::size_t>(le)]) << "expert " << le;
+              EXPECT_EQ(cut.len, lay.tokens_per_expert[static_cast<std::size_t>(le)]) << "expert " << le;
+              dropped += real - cut.kept;
+              begin += round_up(real, pad);
+            }
+            EXPECT_EQ(dropped, lay.dropped);
+          }
+          ++cases;
+        }
+  EXPECT_EQ(cases, 3 * 4 * 3 * 5);
+}
+
 // The kernels' owner of an expert (OwnerOf: a multiply-high instead of a division) is e / L for
 // every expert id and every experts-per-rank count the kernels accept.
 TEST(HybridEpLayout, OwnerOfIsTheDivisionForEveryExpertCount) {

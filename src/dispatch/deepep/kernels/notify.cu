@@ -6,6 +6,7 @@
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
 #include "dispatch/hybridep/device/status.cuh"
+#include "dispatch/hybridep/kernels/layout_math.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::deepep {
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     for (int s = 0; s < R; ++s) n += __ldcg(all + static_cast<long long>(s) * P + exchange_word::header + e);
     return n;
   };
-  auto padded = [&](long long n) { return (n + c.pad - 1) / c.pad * c.pad; };
+  auto padded = [&](long long n) { return hybridep::round_up(n, c.pad); };
   // 3. Agreement, budget, layout (thread 0 decides; the others derive row_begin). First, spread over
   // the threads, the expert-major entries of every receiver against their budget (drop: a prefix is
   // kept, never an error): the lowest receiver over it.
@@ -115,8 +116,8 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     c.layout[layout_word::row_begin + d] = bad < 0 ? at : 0;
   }
   if (c.expert_major) {
-    // This rank's lists, as DispatchPlan::build lays them out: expert e begins after the padded
-    // lists of every pair before it, keeps the pairs below the budget and pads up to it at most.
+    // This rank's lists, as DispatchPlan::build lays them out (hybridep's cut_group, checked against
+    // it on the CPU): expert e begins after the padded lists of every pair before it.
     using Scan = cub::BlockScan<long long, kThreads>;
     __shared__ typename Scan::TempStorage scan;
     long long carry = 0, dropped = 0;
@@ -127,11 +128,9 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
       Scan(scan).ExclusiveSum(padded(real), begin, total);
       begin += carry;
       carry += total;
-      const long long room = c.entries_budget - begin;
-      const long long kept = room < 0 ? 0 : (room < real ? room : real);
-      const long long len = padded(kept) < room ? padded(kept) : (room < 0 ? 0 : room);
-      if (e < c.local_experts) c.tokens_per_expert[e] = len;
-      dropped += real - kept;
+      const hybridep::GroupCut cut = hybridep::cut_group(begin, real, c.entries_budget, c.pad);
+      if (e < c.local_experts) c.tokens_per_expert[e] = cut.len;
+      dropped += real - cut.kept;
       __syncthreads();  // the scan storage is reused
     }
     if (dropped != 0) atomicAdd(reinterpret_cast<unsigned long long*>(c.dropped), static_cast<unsigned long long>(dropped));

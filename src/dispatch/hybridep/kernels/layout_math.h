@@ -87,6 +87,20 @@ struct ReceiverTotals {
   bool overflow = false;   // budget exceeded under the error policy: the call must fail
 };
 
+// The budget's cut of one expert group (the drop policy of DispatchPlan::build): the group begins at
+// `begin` (after the padded groups of every pair before it) and holds `real` pairs; it keeps those
+// below the budget, and its padded length (tokens_per_expert) reaches the budget at most. Within the
+// budget it keeps every pair: {real, round_up(real, pad)}.
+struct GroupCut {
+  long long kept = 0, len = 0;
+};
+FLEXEP_HD GroupCut cut_group(long long begin, long long real, long long budget, long long pad) {
+  GroupCut g;
+  g.kept = clamp_ll(budget - begin, 0, real);
+  g.len = clamp_ll(budget - begin, 0, round_up(g.kept, pad));
+  return g;
+}
+
 // Pairs of global expert e from all sources: its group's rows before padding and the budget.
 template <class Counts>
 FLEXEP_HD long long group_pairs(const Counts& counts, int e, int ranks) {
@@ -120,7 +134,7 @@ FLEXEP_HD ReceiverTotals receiver_layout(const Counts& counts, int receiver, con
     } else {
       // Keep the deterministic prefix of rows below the budget.
       for (int le = 0; le < L; ++le) {
-        const long long k = clamp_ll(p.budget - begin[le], 0, kept[le]);
+        const long long k = cut_group(begin[le], kept[le], p.budget, p.pad_multiple).kept;
         tot.dropped += kept[le] - k;
         kept[le] = k;
       }
