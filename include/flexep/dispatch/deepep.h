@@ -37,14 +37,17 @@
 // (the tail zero, its slots -1), tokens_per_expert stays on the device, and no call waits for the
 // GPU, so a dispatch + combine can be captured in a CUDA graph; an argument error, a configuration
 // mismatch or a budget overflow is raised on every rank by the next check_errors() (or blocking call).
+// Budget mode of the expert_major layout: budget_rows counts expert-major entries (the tokens
+// output), every rank-major row is received (max_recv_rows bounds them), the drop policy keeps the
+// host plan's prefix of each receiver's entries; it allocates its outputs per call, so it is not yet
+// safe to capture in a CUDA graph.
 //
 // Low-latency mode (DeepEP's LL): low_latency_dispatch writes the masked expert-major layout
 // [E_local, R * T_ll, H] with per-expert counts, low_latency_combine each token's weighted sum;
 // one kernel each, no host sync, bitwise the CPU oracle (core/low_latency.h).
 //
-// Built now: blocking mode of both layouts, budget mode of the rank-major layout, low-latency
-// mode, top-k form, bf16 or e4m3 rows (dispatch_fp8), f32 weights. Not yet: the expert-major layout
-// in budget mode.
+// Built now: blocking and budget mode of both layouts, low-latency mode, top-k form, bf16 or e4m3
+// rows (dispatch_fp8), f32 weights.
 #pragma once
 
 #include <cstdint>
@@ -108,7 +111,8 @@ class DeepEpDispatcher : public TokenDispatcher {
   virtual void check_errors() = 0;
   // Waits and returns the pairs the last dispatch dropped on this rank as receiver: a budget-mode
   // dispatch with the drop policy keeps each receiver's first budget_rows rows of the (source rank,
-  // source token) order (DispatchResult::dropped of a budget call stays 0: nothing waits there).
+  // source token) order, or for the expert-major layout the host plan's entries below the budget
+  // (DispatchResult::dropped of a budget call stays 0: nothing waits there).
   virtual std::int64_t last_dropped() = 0;
 };
 
