@@ -12,8 +12,8 @@
 #     AB_ROUNDS (default 2), AB_OUT (default $OUT/ab or ab-out), AB_JOBS (build jobs per variant),
 #     AB_TESTS (a gtest filter run on every variant after the benches, e.g. 'Kernels/HybridEpOneRank.*')
 # Each run prints its deepep, hybridep and alltoall time records (phase, timing, SMs, median us) per variant
-# and round; the JSON of every run (with its commit) and the logs go to AB_OUT (the JSON also as
-# AB_OUT/bench-json.tgz).
+# and round; the JSON of every run (with its commit) and the logs go to AB_OUT; on the device ($OUT
+# set) they come back as two archives, AB_OUT/bench-json.tgz and AB_OUT/logs.tgz.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="$root/.ab"
@@ -88,8 +88,13 @@ run() {
       [ $rc = 0 ] || status=$rc
     done
   fi
-  # The device tool returns a few files only: the JSON of every run as one archive.
+  # The device tool returns a few files only (at most eight): the JSON of every run as one archive,
+  # and under $OUT everything else (builds' logs, bench and test logs) as a second one.
   tar -C "$out/bench" -czf "$out/bench-json.tgz" . 2>/dev/null || true
+  if [ -n "${OUT:-}" ]; then
+    (cd "$out" && tar -czf logs.tgz --exclude=bench-json.tgz --exclude=logs.tgz . 2>/dev/null &&
+       find . -mindepth 1 -maxdepth 1 ! -name bench-json.tgz ! -name logs.tgz -exec rm -rf {} +)
+  fi
   return $status
 }
 
