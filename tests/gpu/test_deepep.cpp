@@ -198,8 +198,13 @@ Outputs run_deepep_expert_major(GpuRank& g, const Config& c) {
   auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
   auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
   auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
-  auto dropped = [](const DispatchResult& r) { return r.dropped; };
-  return run_sequence(*d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
+  auto dropped = [&](const DispatchResult& r) {  // budget mode: on the device until asked
+    return c.mode == DispatchMode::budget ? d->last_dropped() : r.dropped;
+  };
+  Outputs out =
+      run_sequence(*d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
+  d->check_errors();  // budget mode raises device errors only here
+  return out;
 }
 
 // The expert-major layout: the rank-major rows gathered into the experts' lists on the receiver,
@@ -240,16 +245,7 @@ TEST_P(DeepEpMultiGpu, ExpertMajorBudgetModeMatchesHost) {
     configs[i].budget_fraction = i < 3 ? (i % 2 ? 1.5 : 1.0) : 0.5;
     if (i >= 3) configs[i].overflow = OverflowPolicy::drop;
   }
-  check_against_host(configs, [](GpuRank& g, const Config& c) {
-    auto d = make_deepep_dispatcher(g.comm, c.experts_per_rank * g.size, options_for(c, g.size));
-    auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
-    auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
-    auto dropped = [&](const DispatchResult&) { return d->last_dropped(); };  // on the device until asked
-    Outputs out =
-        run_sequence(*d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
-    d->check_errors();  // budget mode raises device errors only here
-    return out;
-  });
+  check_against_host(configs, run_deepep_expert_major);
 }
 
 TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {

@@ -13,10 +13,10 @@
 #include <algorithm>
 
 #include "dispatch/common/call_signature.h"
-#include "flexep/core/plan.h"
 #include "dispatch/common/count_routes.h"
 #include "dispatch/deepep/dispatcher/dispatcher.h"
 #include "flexep/core/checks.h"
+#include "flexep/core/plan.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::deepep {
@@ -271,8 +271,10 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
   out.recv_rows = lay.out_rows;
   out.tokens_per_expert.resize(static_cast<std::size_t>(L));
   for (int le = 0; le < L; ++le) {
+    std::int64_t here = 0;  // pairs for this rank's expert le from every source
+    for (int src = 0; src < R; ++src) here += g.pairs[static_cast<std::size_t>(src) * E + me * L + le];
     const std::int64_t pad = options.pad_multiple;
-    const std::int64_t n = (g.pairs_here[static_cast<std::size_t>(le)] + pad - 1) / pad * pad;
+    const std::int64_t n = (here + pad - 1) / pad * pad;
     out.tokens_per_expert[static_cast<std::size_t>(le)] = n;
     w[static_cast<std::size_t>(layout_word::list_begin(R) + le)] = out.entries;
     w[static_cast<std::size_t>(layout_word::list_len(R, L) + le)] = n;
@@ -283,12 +285,11 @@ Dispatcher::CallLayout Dispatcher::exchange_on_host(const call_signature::CallSi
 }
 
 Dispatcher::Gathered Dispatcher::read_gathered(const long long* all) const {
-  const int R = world_size(), E = experts_, L = local_experts(), me = rank();
+  const int R = world_size(), E = experts_;
   const std::int64_t P = exchange_word::words(E, R);
   Gathered g;
   g.rows.resize(static_cast<std::size_t>(R * R));
   g.pairs.resize(static_cast<std::size_t>(R) * static_cast<std::size_t>(E));
-  g.pairs_here.assign(static_cast<std::size_t>(L), 0);
   for (int src = 0; src < R; ++src) {
     const long long* p = all + src * P;
     g.headers.push_back(call_signature::decode_words(p));
@@ -296,8 +297,6 @@ Dispatcher::Gathered Dispatcher::read_gathered(const long long* all) const {
     g.headers.back().layout = p[exchange_word::layout] != 0 ? DispatchLayout::expert_major : DispatchLayout::rank_major;
     std::copy(p + exchange_word::header, p + exchange_word::header + E,
               g.pairs.begin() + static_cast<std::ptrdiff_t>(src) * E);
-    for (int le = 0; le < L; ++le)
-      g.pairs_here[static_cast<std::size_t>(le)] += p[exchange_word::header + me * L + le];
     for (int d = 0; d < R; ++d) g.rows[static_cast<std::size_t>(src * R + d)] = p[exchange_word::header + E + d];
   }
   return g;

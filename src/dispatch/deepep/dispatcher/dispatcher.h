@@ -113,11 +113,10 @@ class Dispatcher final : public DeepEpDispatcher {
   CallLayout exchange_on_device(const call_signature::CallSignature& mine, const Tensor& counts,
                                 const DispatchOptions& options, int k, bool failed);
   // The count exchange's words of every rank, read: the signatures, rows[s * R + d] from source s
-  // to receiver d, pairs[s * E + e] from source s for global expert e, and the pairs for this
-  // rank's experts.
+  // to receiver d, and pairs[s * E + e] from source s for global expert e.
   struct Gathered {
     std::vector<call_signature::CallSignature> headers;
-    std::vector<std::int64_t> rows, pairs, pairs_here;
+    std::vector<std::int64_t> rows, pairs;
   };
   Gathered read_gathered(const long long* all) const;
   // The rules every rank applies to the gathered words, blocking mode's and budget mode's decoding

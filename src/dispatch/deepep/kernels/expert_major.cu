@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kThreads) sum_rows_kernel(SumRowsCall c) {
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
   const std::int64_t vectors = c.hidden / 8;
   const auto* entries = static_cast<const uint4*>(c.entries);
-  const std::int64_t rows = c.layout == nullptr ? c.rows : (c.layout[layout_word::abort] ? 0 : c.layout[layout_word::received]);
+  const std::int64_t rows = c.layout == nullptr ? c.rows : received_rows(c.layout);
   for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; r < rows; r += warps) {
     const int* order = c.row_order + r * c.k;
     for (std::int64_t v = lane; v < vectors; v += 32) {

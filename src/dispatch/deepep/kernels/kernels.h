@@ -57,6 +57,13 @@ inline constexpr int list_len(int ranks, int local) { return list_begin(ranks) +
 inline constexpr int words(int ranks, int local) { return list_len(ranks, local) + local; }
 }  // namespace layout_word
 
+#if defined(__CUDACC__)
+// The rows a budget call received on this rank: none when it aborted.
+__device__ inline long long received_rows(const long long* layout) {
+  return layout[layout_word::abort] ? 0 : layout[layout_word::received];
+}
+#endif
+
 // The count exchange's words of one rank: [call signature (kWords) | fp8 | layout | pairs per expert
 // [E] | rows per destination rank [R]].
 namespace exchange_word {

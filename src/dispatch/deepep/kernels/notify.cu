@@ -67,12 +67,9 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
   }
   const long long* all = reinterpret_cast<const long long*>(c.peers.window[c.rank] + c.win.counts);
   auto rows = [&](int s, int d) { return __ldcg(all + static_cast<long long>(s) * P + exchange_word::header + E + d); };
-  // Pairs for global expert e from every source.
-  auto pairs = [&](int e) {
-    long long n = 0;
-    for (int s = 0; s < R; ++s) n += __ldcg(all + static_cast<long long>(s) * P + exchange_word::header + e);
-    return n;
-  };
+  // counts(s, e): source s's pairs for global expert e, as hybridep's layout arithmetic reads them.
+  auto counts = [&](int s, int e) { return __ldcg(all + static_cast<long long>(s) * P + exchange_word::header + e); };
+  auto pairs = [&](int e) { return hybridep::group_pairs(counts, e, R); };
   auto padded = [&](long long n) { return hybridep::round_up(n, c.pad); };
   // 3. Agreement, budget, layout (thread 0 decides; the others derive row_begin). First, spread over
   // the threads, the expert-major entries of every receiver against their budget (drop: a prefix is

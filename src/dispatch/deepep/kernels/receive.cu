@@ -39,22 +39,27 @@ __global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
   stopped_by_peer(c.flags, c.kind, c.rank, c.ranks, ld_volatile(&c.op->epoch), c.status, c.phase);
 }
 
+// Entries first, first + step, ... below the capacity: no row (-1), prob 0.
+__device__ inline void clear_entries(const ReceiveCall& c, long long first, long long step) {
+  for (long long i = first; i < c.capacity; i += step) {
+    c.expert_rows[i] = -1;
+    if (c.probs != nullptr) c.probs[i] = 0.0f;
+  }
+}
+
 // After receive_kernel on the same stream, so the rows are here; one CTA per local expert. After a
 // timed out wait every entry up to `capacity` is -1 (the call raises; the gather behind it then
 // writes zero rows instead of following stale or uninitialised indices).
 __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
   if (hybridep::ld_volatile(&c.status->code) == static_cast<int>(hybridep::StatusCode::timeout)) {
-    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < c.capacity;
-         i += static_cast<long long>(gridDim.x) * blockDim.x) {
-      c.expert_rows[i] = -1;
-      if (c.probs != nullptr) c.probs[i] = 0.0f;
-    }
+    clear_entries(c, static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
+                  static_cast<long long>(gridDim.x) * blockDim.x);
     return;
   }
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
   const bool budget = c.tokens_per_expert != nullptr;
-  const std::int64_t rows = budget ? (c.layout[layout_word::abort] ? 0 : c.layout[layout_word::received]) : c.rows;
+  const std::int64_t rows = budget ? received_rows(c.layout) : c.rows;
   for (int e = static_cast<int>(blockIdx.x); e < c.local_experts; e += gridDim.x) {
     long long begin = 0, len = 0;
     if (budget) {  // the lists end to end: expert e starts after the padded lists before it
@@ -97,10 +102,7 @@ __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
   if (!budget || blockIdx.x != 0) return;
   long long total = 0;  // every list is written above; the tail up to the capacity is padding
   for (int q = 0; q < c.local_experts; ++q) total += __ldcg(c.tokens_per_expert + q);
-  for (long long i = total + threadIdx.x; i < c.capacity; i += blockDim.x) {
-    c.expert_rows[i] = -1;
-    if (c.probs != nullptr) c.probs[i] = 0.0f;
-  }
+  clear_entries(c, total + threadIdx.x, blockDim.x);
 }
 
 // Budget mode, before list_kernel: each local expert's padded list length. One CTA per expert.
@@ -133,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) count_lists_kernel(ReceiveCall c) {
 __global__ void __launch_bounds__(kThreads) tail_kernel(TailCall c) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
-  const std::int64_t from = c.layout[layout_word::abort] ? 0 : c.layout[layout_word::received];
+  const std::int64_t from = received_rows(c.layout);
   const std::int64_t vectors = c.row_bytes / 16;
   for (std::int64_t r = from + static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; r < c.rows;
        r += warps) {
