@@ -147,6 +147,11 @@ void zero_async(const TensorView& t, cudaStream_t stream) {
   if (t.nbytes()) FLEXEP_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), stream));
 }
 
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+}
+
 int sm_count(int device) {
   static std::mutex m;
   static std::vector<int> cache;

@@ -366,92 +366,118 @@ TEST_P(DeepEpMultiGpu, BudgetErrorsAreRaisedOnEveryRankAtTheNextCheck) {
   EXPECT_TRUE(all_threw<ArgumentError>(bad_id, argument_is("indices", [](const std::string&) { return true; })));
 }
 
-// A budget-mode dispatch and its combine captured once, replayed with new inputs: no host sync
-// inside, the results of every replay those of the host backend.
+// A budget-mode dispatch and its combine captured once, replayed with new inputs, in both layouts:
+// no host sync inside, the results of every replay those of the host backend. The expert-major
+// layout's outputs are the dispatcher's own buffers, sized by an uncaptured call first; a capture
+// that would need them larger is refused by name on every rank.
 TEST_P(DeepEpMultiGpu, BudgetDispatchAndCombineReplayInACudaGraph) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), L = 4, E = L * R, k = 4;
   const std::int64_t T = 48, H = 64;
   const int replays = 3;
   Config c = config("graph", L, k, H, tokens_for(R, {T}));
-  DispatchOptions o;
-  o.layout = DispatchLayout::rank_major;
-  o.mode = DispatchMode::budget;
-  o.pad_multiple = 2;
-  o.budget_rows = R * T;  // no routing exceeds it
-  struct Want {
-    Tensor recv_x, tpe, combined;
-  };
-  std::vector<std::vector<Want>> want(replays, std::vector<Want>(static_cast<std::size_t>(R)));
-  for (int rep = 0; rep < replays; ++rep) {
-    auto world = std::make_shared<HostWorld>(R, 60.0);
-    Config cr = c;
-    cr.routing.kind = rep % 2 ? RoutingKind::zipf : RoutingKind::uniform;
-    ASSERT_TRUE(all_ok(run_ranks(R, [&](int r) {
-      auto d = make_host_dispatcher(world, r, E);
-      const Inputs in = make_inputs(cr, R, r, 700 + static_cast<std::uint64_t>(rep));
-      DispatchInput di;
-      di.hidden = in.hidden;
-      di.indices = in.indices;
-      di.weights = in.weights;
-      DispatchResult res = d->dispatch(di, o);
-      Want& w = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(r)];
-      w.recv_x = res.tokens;
-      w.tpe = res.tokens_per_expert;
-      w.combined = d->combine(res.handle, res.tokens);
-    })));
-  }
-  const auto errors = run_gpu_ranks(
-      R,
-      [&](GpuRank& g) {
-        DeepEpOptions opt;
-        opt.hidden = H;
-        opt.max_tokens_per_rank = T;
-        opt.max_topk = k;
-        opt.stream = g.stream;
-        opt.timeout_seconds = 20;
-        auto d = make_deepep_dispatcher(g.comm, E, opt);
-        const Device dev = Device::cuda(g.device);
-        const Inputs first = make_inputs(c, R, g.rank, 1);
-        const Tensor x = cuda::to_device(first.hidden, g.device, g.stream);
-        const Tensor idx = cuda::to_device(first.indices, g.device, g.stream);
-        const Tensor w = cuda::to_device(first.weights, g.device, g.stream);
-        const Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+  for (const DispatchLayout layout : {DispatchLayout::rank_major, DispatchLayout::expert_major}) {
+    const bool expert_major = layout == DispatchLayout::expert_major;
+    SCOPED_TRACE(expert_major ? "expert-major" : "rank-major");
+    DispatchOptions o;
+    o.layout = layout;
+    o.mode = DispatchMode::budget;
+    o.pad_multiple = 2;
+    o.budget_rows = expert_major ? R * T * k + L * (o.pad_multiple - 1) : R * T;  // no routing exceeds it
+    struct Want {
+      Tensor recv_x, tpe, combined;
+    };
+    std::vector<std::vector<Want>> want(replays, std::vector<Want>(static_cast<std::size_t>(R)));
+    for (int rep = 0; rep < replays; ++rep) {
+      auto world = std::make_shared<HostWorld>(R, 60.0);
+      Config cr = c;
+      cr.routing.kind = rep % 2 ? RoutingKind::zipf : RoutingKind::uniform;
+      ASSERT_TRUE(all_ok(run_ranks(R, [&](int r) {
+        auto d = make_host_dispatcher(world, r, E);
+        const Inputs in = make_inputs(cr, R, r, 700 + static_cast<std::uint64_t>(rep));
         DispatchInput di;
-        di.hidden = x;
-        di.indices = idx;
-        di.weights = w;
-        DispatchResult warm = d->dispatch(di, o);  // loads the kernels outside the capture
-        d->combine(warm.handle, warm.tokens);
-        d->check_errors();
-        DispatchResult res;
-        const cuda::CapturedGraph graph(g.stream, cudaStreamCaptureModeThreadLocal, [&] {
-          res = d->dispatch(di, o);
-          const Tensor y = d->combine(res.handle, res.tokens);
-          FLEXEP_CUDA_CHECK(cudaMemcpyAsync(out.raw(), y.raw(), y.nbytes(), cudaMemcpyDeviceToDevice, g.stream));
-        });
-        Config cr = c;
-        for (int rep = 0; rep < replays; ++rep) {
-          SCOPED_TRACE("replay " + std::to_string(rep) + ", rank " + std::to_string(g.rank));
-          cr.routing.kind = rep % 2 ? RoutingKind::zipf : RoutingKind::uniform;
-          const Inputs in = make_inputs(cr, R, g.rank, 700 + static_cast<std::uint64_t>(rep));
-          cuda::copy_async(x, in.hidden, g.stream);
-          cuda::copy_async(idx, in.indices, g.stream);
-          cuda::copy_async(w, in.weights, g.stream);
-          if (simulated_ranks() > 0) {
-            FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
-            g.comm->barrier("graph replay");
+        di.hidden = in.hidden;
+        di.indices = in.indices;
+        di.weights = in.weights;
+        DispatchResult res = d->dispatch(di, o);
+        Want& w = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(r)];
+        w.recv_x = res.tokens;
+        w.tpe = res.tokens_per_expert;
+        w.combined = d->combine(res.handle, res.tokens);
+      })));
+    }
+    std::vector<std::exception_ptr> grown(static_cast<std::size_t>(R));
+    const auto errors = run_gpu_ranks(
+        R,
+        [&](GpuRank& g) {
+          DeepEpOptions opt;
+          opt.hidden = H;
+          opt.max_tokens_per_rank = T;
+          opt.max_topk = k;
+          opt.stream = g.stream;
+          opt.timeout_seconds = 20;
+          auto d = make_deepep_dispatcher(g.comm, E, opt);
+          const Device dev = Device::cuda(g.device);
+          const Inputs first = make_inputs(c, R, g.rank, 1);
+          const Tensor x = cuda::to_device(first.hidden, g.device, g.stream);
+          const Tensor idx = cuda::to_device(first.indices, g.device, g.stream);
+          const Tensor w = cuda::to_device(first.weights, g.device, g.stream);
+          const Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+          DispatchInput di;
+          di.hidden = x;
+          di.indices = idx;
+          di.weights = w;
+          DispatchResult warm = d->dispatch(di, o);  // loads the kernels, sizes the buffers, outside the capture
+          d->combine(warm.handle, warm.tokens);
+          d->check_errors();
+          DispatchResult res;
+          {
+            const cuda::CapturedGraph graph(g.stream, cudaStreamCaptureModeThreadLocal, [&] {
+              res = d->dispatch(di, o);
+              const Tensor y = d->combine(res.handle, res.tokens);
+              FLEXEP_CUDA_CHECK(cudaMemcpyAsync(out.raw(), y.raw(), y.nbytes(), cudaMemcpyDeviceToDevice, g.stream));
+            });
+            Config cr = c;
+            for (int rep = 0; rep < replays; ++rep) {
+              SCOPED_TRACE("replay " + std::to_string(rep) + ", rank " + std::to_string(g.rank));
+              cr.routing.kind = rep % 2 ? RoutingKind::zipf : RoutingKind::uniform;
+              const Inputs in = make_inputs(cr, R, g.rank, 700 + static_cast<std::uint64_t>(rep));
+              cuda::copy_async(x, in.hidden, g.stream);
+              cuda::copy_async(idx, in.indices, g.stream);
+              cuda::copy_async(w, in.weights, g.stream);
+              if (simulated_ranks() > 0) {
+                FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+                g.comm->barrier("graph replay");
+              }
+              graph.launch(g.stream);
+              const Want& wr = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(g.rank)];
+              EXPECT_TRUE(same_bytes(wr.recv_x, cuda::to_host(res.tokens, g.stream))) << "recv_x";
+              EXPECT_TRUE(same_bytes(wr.tpe, cuda::to_host(res.tokens_per_expert, g.stream))) << "tokens_per_expert";
+              EXPECT_TRUE(same_bytes(wr.combined, cuda::to_host(out, g.stream))) << "combine";
+            }
+            d->check_errors();
           }
-          graph.launch(g.stream);
-          const Want& wr = want[static_cast<std::size_t>(rep)][static_cast<std::size_t>(g.rank)];
-          EXPECT_TRUE(same_bytes(wr.recv_x, cuda::to_host(res.tokens, g.stream))) << "recv_x";
-          EXPECT_TRUE(same_bytes(wr.tpe, cuda::to_host(res.tokens_per_expert, g.stream))) << "tokens_per_expert";
-          EXPECT_TRUE(same_bytes(wr.combined, cuda::to_host(out, g.stream))) << "combine";
-        }
-        d->check_errors();
-      },
-      test_comm_options());
-  ASSERT_TRUE(all_ok(errors));
+          if (!expert_major) return;
+          DispatchOptions larger = o;
+          larger.budget_rows = 2 * o.budget_rows;
+          try {
+            const cuda::CapturedGraph refused(g.stream, cudaStreamCaptureModeThreadLocal,
+                                              [&] { d->dispatch(di, larger); });
+          } catch (...) {
+            grown[static_cast<std::size_t>(g.rank)] = std::current_exception();
+          }
+          DispatchResult again = d->dispatch(di, larger);  // uncaptured, it grows them
+          d->combine(again.handle, again.tokens);
+          d->check_errors();
+        },
+        test_comm_options());
+    ASSERT_TRUE(all_ok(errors));
+    if (expert_major) {
+      EXPECT_TRUE(all_threw<ArgumentError>(grown, argument_is("options.budget_rows", [](const std::string& m) {
+        return contains(m, "CUDA graph capture");
+      })));
+    }
+  }
 }
 
 // ---- FP8 dispatch ------------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 // sm_copy_kernels.cu), over SM counts and copies in flight: bulk stores (one issuing thread, the
 // dispatch consumer's path), bulk loads (the producers' path; also by 2 and 4 issuing threads), 16-byte
 // stores by W warps, 16-byte loads by W warps with U in flight per lane (a combine that sums rows
-// straight from HBM), and bulk loads with warp loads at once (whether the two load paths add up). The
+// straight from HBM), bulk loads with warp loads at once (whether the two load paths add up), and
+// deepep's row copy (loads then stores by W warps) into plain memory, into an NCCL window and from
+// an L2-resident source (what limits a copy per SM). The
 // hybridep kernels move ~66 GB/s per SM (dispatch) and ~49 (combine) on 2x H200; these numbers
 // say how much of that is the path itself. Records: backend "<path>/<in flight or warps>", sms set,
 // hbm_gbps = bytes / kernel time (per SM in the note).
@@ -12,12 +14,16 @@
 
 #include "bench_cases.h"
 #include "bench_timing_cuda.h"
+#include "flexep/comm/communicator.h"
+#include "flexep/comm/symmetric_buffer.h"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
 #include "sm_copy_kernels.h"
 
 namespace flexep::tools {
 namespace {
+
+constexpr long long kL2Rows = 1024;  // 14.7 MB of 14 KB rows: well inside the 50 MB L2
 
 void run(const BenchArgs& a, BenchRun& run) {
   cuda::init();
@@ -34,8 +40,26 @@ void run(const BenchArgs& a, BenchRun& run) {
   const std::vector<int> sms_list = a.sms.empty() ? std::vector<int>{1, 8, 16, 32} : a.sms;
   const long long total_bytes = 512LL << 20;  // per probe and SM count
 
+  // The copy probes' destinations: the buffer's second half, and an NCCL window of a one-rank
+  // communicator (what deepep's rows are stored into), through ncclMemAlloc's address and through
+  // NCCL's LSA mapping of it (the address deepep's kernels take from the peer table).
+  const long long half_rows = rows / 2;
+  std::shared_ptr<Communicator> comm;
+  std::unique_ptr<SymmetricBuffer> window;
+  try {
+    int device = 0;
+    FLEXEP_CUDA_CHECK(cudaGetDevice(&device));
+    comm = Communicator::create(Communicator::new_unique_id(), 0, 1, device);
+    window = std::make_unique<SymmetricBuffer>(comm, "sm-copy window");
+    window->init({static_cast<std::size_t>(half_rows) * row_bytes, 0, 1});
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "sm-copy: no NCCL window ({}): the window probes are left out\n", e.what());
+    window.reset();
+  }
+
   auto probe = [&](const std::string& path, int variant, int sms,
-                   void (*launch)(const SmCopyParams&, int, cudaStream_t), const std::string& what) {
+                   void (*launch)(const SmCopyParams&, int, cudaStream_t), const std::string& what,
+                   unsigned char* copy_dst = nullptr, long long src_rows = 0) {
     SmCopyParams p;
     p.dst = buffer;
     p.src = buffer;
@@ -58,12 +82,15 @@ void run(const BenchArgs& a, BenchRun& run) {
       p.copies = std::max(1, p.copies - p.bulk_copies);
     }
     p.l2_only = path == "warp-load-cg";
+    if (copy_dst != nullptr) p.dst = copy_dst, p.rows = half_rows, p.src_rows = src_rows > 0 ? src_rows : half_rows;
+    if (path.rfind("warp-copy", 0) == 0) p.in_flight = variant % 100, p.warps = variant / 100;
     p.sink = sink;
     const TimeStats t = time_cuda([&] { launch(p, sms, stream); }, a.warmup, a.reps, stream);
     const double bytes = static_cast<double>(p.copies + p.bulk_copies) * sms * row_bytes;
     BenchRecord r;
     r.case_name = "sm-copy";
-    r.backend = path.rfind("warp-load", 0) == 0 ? fmt::format("{}/{}x{}", path, p.warps, p.in_flight)  // warps x in flight
+    const bool w_by_u = path.rfind("warp-load", 0) == 0 || path.rfind("warp-copy", 0) == 0;
+    r.backend = w_by_u ? fmt::format("{}/{}x{}", path, p.warps, p.in_flight)  // warps x in flight
                                     : fmt::format("{}/{}", path, variant);
     r.phase = "copy";
     r.timing = "kernel";
@@ -122,6 +149,22 @@ void run(const BenchArgs& a, BenchRun& run) {
             probe(path, 100 * w + u, sms, launch_warp_load_probe,
                   fmt::format("16-byte loads ({}) by {} warps, {} per lane in flight, summed",
                               std::string(path) == "warp-load" ? "ld.global.nc" : "ld.global.cg", w, u));
+      unsigned char* plain = buffer + half_rows * row_bytes;
+      for (int w : {8, 16})
+        for (int u : {4, 8}) {
+          const std::string shape = fmt::format("{} warps, {} 16-byte loads per lane before their stores", w, u);
+          probe("warp-copy", 100 * w + u, sms, launch_warp_copy_probe,
+                fmt::format("rows copied HBM to HBM (cudaMalloc), {}", shape), plain);
+          probe("warp-copy-l2src", 100 * w + u, sms, launch_warp_copy_probe,
+                fmt::format("rows copied from {} source rows (in L2) to HBM, {}", kL2Rows, shape), plain, kL2Rows);
+          if (!window) continue;
+          probe("warp-copy-window", 100 * w + u, sms, launch_warp_copy_probe,
+                fmt::format("rows copied into an NCCL window (ncclMemAlloc address), {}", shape),
+                static_cast<unsigned char*>(window->local()));
+          probe("warp-copy-lsa", 100 * w + u, sms, launch_warp_copy_probe,
+                fmt::format("rows copied into an NCCL window through its LSA mapping (the peer table's), {}", shape),
+                reinterpret_cast<unsigned char*>(window->peer_window(0)));
+        }
     }
   } catch (...) {
     cudaFree(buffer);
@@ -129,6 +172,7 @@ void run(const BenchArgs& a, BenchRun& run) {
     throw;
   }
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (window) window->free();
   FLEXEP_CUDA_CHECK(cudaFree(buffer));
   FLEXEP_CUDA_CHECK(cudaFree(sink));
 }

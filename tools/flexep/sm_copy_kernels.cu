@@ -182,6 +182,41 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_load_probe(const SmCopyPara
   if (acc == 1.2345f) p.sink[blockIdx.x] = acc;
 }
 
+template <int U>
+__device__ void copy_rows(const SmCopyParams& p, int warp, int lane) {
+  const int words = p.row_bytes / 16;
+  const long long src_rows = p.src_rows > 0 ? p.src_rows : p.rows;
+  for (int i = warp; i < p.copies; i += p.warps) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.src + (row_of(i) % src_rows) * p.row_bytes);
+    uint4* dst = reinterpret_cast<uint4*>(p.dst + (row_of(i) % p.rows) * p.row_bytes);
+    for (int base = lane; base < words; base += 32 * U) {
+      uint4 x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + 32 * u < words) x[u] = __ldg(src + base + 32 * u);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + 32 * u < words) dst[base + 32 * u] = x[u];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) warp_copy_probe(const SmCopyParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= p.warps) return;
+  switch (p.in_flight) {
+    case 2:
+      copy_rows<2>(p, warp, lane);
+      break;
+    case 4:
+      copy_rows<4>(p, warp, lane);
+      break;
+    default:
+      copy_rows<8>(p, warp, lane);
+      break;
+  }
+}
+
 constexpr int kRingConsumerWarps = 4;
 constexpr int kRingWarps = 1 + kRingConsumerWarps;
 constexpr int kRingWords = 7;  // 16-byte words per consumer thread: rows up to 14 KB, as the combine's
@@ -295,6 +330,11 @@ void launch_ring_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream)
                                          static_cast<int>(layout.total_bytes())));
   ring_load_probe<<<sms, kThreads, layout.total_bytes(), stream>>>(p, layout);
   FLEXEP_CUDA_CHECK_LAUNCH("sm-copy ring load probe");
+}
+void launch_warp_copy_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
+  FLEXEP_CHECK(p.warps >= 1 && p.warps <= kThreads / 32, "warp copy probe: 1 to ", kThreads / 32, " warps, got ",
+               p.warps);
+  launch(warp_copy_probe, p, sms, stream);
 }
 void launch_mixed_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream) {
   FLEXEP_CHECK(p.warps >= 1 && p.warps < kThreads / 32, "mixed load probe: 1 to ", kThreads / 32 - 1,

@@ -26,6 +26,7 @@ struct SmCopyParams {
   int pipes = 0;                       // ring load: pipelines per CTA (1 to 3)
   bool read_stages = true;             // ring load: the consumers read every stage (else only free it)
   int store_every = 0;                 // ring load: the consumers also store one row per this many (0: none)
+  long long src_rows = 0;              // warp copy: rows of the source (0: rows); few enough stay in L2
 };
 
 // Dynamic shared memory each probe needs.
@@ -45,5 +46,10 @@ void launch_mixed_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream
 // the combine writes one partial per token. Against bulk-load-issuers: what the consumers, the ring
 // handshake and the consumers' stores cost the loads.
 void launch_ring_load_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
+// deepep's row copy (device/copy_row.cuh) alone: W warps each copy whole rows from `src` (row i mod
+// src_rows) to `dst` (row i mod rows), `in_flight` 16-byte loads per lane before their stores.
+// Pointing `dst` at an NCCL window, or `src` at a few rows that stay in L2, tells whether the
+// destination's memory or the HBM loads limit a copy per SM.
+void launch_warp_copy_probe(const SmCopyParams& p, int sms, cudaStream_t stream);
 
 }  // namespace flexep::tools

@@ -93,4 +93,7 @@ void zero_async(const TensorView& t, cudaStream_t stream);
 // Streaming multiprocessors of a device (cached).
 int sm_count(int device);
 
+// Whether `s` is capturing a CUDA graph (work enqueued on it is recorded, not run).
+bool capturing(cudaStream_t s);
+
 }  // namespace flexep::cuda

@@ -11,6 +11,9 @@
 //   4. the receive kernel: every source's flag acquired, each local expert's rows listed;
 //   5. the expert-major layout only: the rows gathered into their experts' lists (no communication).
 #include <algorithm>
+#include <iterator>
+#include <utility>
+#include <vector>
 
 #include "dispatch/common/call_signature.h"
 #include "dispatch/common/count_routes.h"
@@ -104,6 +107,7 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
     rt = check_input(input, scales, fp8, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank,
                      max_topk_, capacity_rows_);
+    if (budget) reserve_budget(options, rt.k, rt.hidden, fp8);
     h->slot_expert = scratch(budget, Scratch::slot_expert, rt.tokens * rt.k, false);
     dest_flag = scratch(budget, Scratch::dest_flag, R * rt.tokens, true);
     counts = scratch(budget, Scratch::counts, E + R, true);
@@ -196,9 +200,9 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     result.tokens_per_expert = Tensor::from_vector(lay.tokens_per_expert, {L});
   }
   if (expert_major) {
-    result.token_probs = Tensor::empty({lay.entries}, DType::f32, dev);
-    h->slot_pos = Tensor::empty({N * k}, DType::i32, dev);
-    h->row_order = Tensor::empty({N * k}, DType::i32, dev);
+    result.token_probs = scratch(budget, Scratch::token_probs, lay.entries, false);
+    h->slot_pos = scratch(budget, Scratch::slot_pos, N * k, false);
+    h->row_order = scratch(budget, Scratch::row_order, N * k, false);
     FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->slot_pos.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
     FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->row_order.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
     listing.weights = reinterpret_cast<const float*>(window() + win_.w);
@@ -217,11 +221,17 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
                                       cudaMemcpyDeviceToDevice, s));
   if (expert_major) {
     // 5. Each entry's row out of the window; the window itself is rewritten by a later dispatch.
-    result.tokens = Tensor::empty({lay.entries, rt.hidden}, fp8 ? DType::e4m3 : DType::bf16, dev);
+    const DType row_dtype = fp8 ? DType::e4m3 : DType::bf16;
+    result.tokens = budget ? Tensor::wrap(TensorView(scratch(true, Scratch::entry_rows, lay.entries * payload.row_bytes / 2,
+                                                             false).raw(),
+                                                     row_dtype, {lay.entries, rt.hidden}, dev))
+                           : Tensor::empty({lay.entries, rt.hidden}, row_dtype, dev);
     launch_gather_rows(window() + win_.x, expert_rows.data<std::int32_t>(), lay.entries, payload.row_bytes,
                        result.tokens.raw(), s);
     if (fp8) {
-      *scales_out = Tensor::empty({lay.entries, S}, DType::f32, dev);
+      *scales_out = budget ? Tensor::wrap(TensorView(scratch(true, Scratch::entry_scales, lay.entries * S, false).raw(),
+                                                     DType::f32, {lay.entries, S}, dev))
+                           : Tensor::empty({lay.entries, S}, DType::f32, dev);
       launch_gather_scales(reinterpret_cast<const float*>(window() + win_.scales), expert_rows.data<std::int32_t>(),
                            lay.entries, S, scales_out->data<float>(), s);
     }
@@ -362,8 +372,19 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
 }
 
 DType Dispatcher::scratch_dtype(Scratch which) {  // counts and layout words int64, row indices int32
-  return which == Scratch::counts || which == Scratch::layout || which == Scratch::tokens_per_expert ? DType::i64
-                                                                                                     : DType::i32;
+  switch (which) {
+    case Scratch::counts:
+    case Scratch::layout:
+    case Scratch::tokens_per_expert:
+      return DType::i64;
+    case Scratch::token_probs:
+    case Scratch::entry_scales:
+      return DType::f32;
+    case Scratch::entry_rows:
+      return DType::bf16;
+    default:
+      return DType::i32;
+  }
 }
 
 Tensor Dispatcher::scratch(bool budget, Scratch which, std::int64_t n, bool zero) {
@@ -371,7 +392,8 @@ Tensor Dispatcher::scratch(bool budget, Scratch which, std::int64_t n, bool zero
   const Device dev = Device::cuda(comm_->device());
   if (!budget) return zero ? Tensor::zeros({n}, dt, dev) : Tensor::empty({n}, dt, dev);
   Tensor& buf = budget_buffers_[static_cast<std::size_t>(which)];
-  if (buf.numel() < n) buf = Tensor::empty({n}, dt, dev);  // only expert_rows grows (a pad above 128)
+  FLEXEP_CHECK(buf.numel() >= n, "deepep: budget buffer ", static_cast<int>(which), " holds ", buf.numel(),
+               " elements, the call needs ", n, " (reserve_budget was not called)");
   Tensor t = Tensor::wrap(TensorView(buf.raw(), dt, {n}, dev));
   if (zero && n > 0) FLEXEP_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, static_cast<std::size_t>(t.nbytes()), stream()));
   return t;
@@ -388,10 +410,42 @@ void Dispatcher::allocate_budget_buffers() {
                                 R * T,
                                 capacity_rows_,
                                 L,
-                                expert_rows_capacity(capacity_rows_, max_topk_, L, 128)};
+                                expert_rows_capacity(capacity_rows_, max_topk_, L, 128),
+                                0,
+                                0,
+                                0,
+                                0,
+                                0};
+  static_assert(std::size(sizes) == static_cast<std::size_t>(Scratch::kinds));
   for (int i = 0; i < static_cast<int>(Scratch::kinds); ++i)
     budget_buffers_[static_cast<std::size_t>(i)] =
         Tensor::empty({sizes[i]}, scratch_dtype(static_cast<Scratch>(i)), Device::cuda(comm_->device()));
+}
+
+void Dispatcher::reserve_budget(const DispatchOptions& options, int k, std::int64_t hidden, bool fp8) {
+  const int L = local_experts();
+  const bool expert_major = options.layout == DispatchLayout::expert_major;
+  const std::int64_t entries = expert_major ? options.budget_rows
+                                            : expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple);
+  std::vector<std::pair<Scratch, std::int64_t>> need = {{Scratch::expert_rows, entries}};
+  if (expert_major) {
+    const std::int64_t row_elements = fp8 ? hidden / 2 : hidden;  // entry_rows counts bf16 elements
+    need.insert(need.end(), {{Scratch::token_probs, entries},
+                             {Scratch::slot_pos, capacity_rows_ * max_topk_},
+                             {Scratch::row_order, capacity_rows_ * max_topk_},
+                             {Scratch::entry_rows, entries * row_elements},
+                             {Scratch::entry_scales, fp8 ? entries * (hidden / kFp8ScaleBlock) : 0}});
+  }
+  for (const auto& [which, n] : need) {
+    Tensor& buf = budget_buffers_[static_cast<std::size_t>(which)];
+    if (buf.numel() >= n) continue;
+    FLEXEP_CHECK_ARG(!cuda::capturing(stream()), "options.budget_rows",
+                     options.budget_rows, " needs larger buffers than this dispatcher holds, and they cannot grow "
+                     "inside a CUDA graph capture: make one uncaptured budget-mode dispatch with this budget, "
+                     "layout and pad_multiple first");
+    buf = Tensor();  // the old buffer goes back to the pool before the larger one is taken
+    buf = Tensor::empty({n}, scratch_dtype(which), Device::cuda(comm_->device()));
+  }
 }
 
 void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, long long row_bytes, bool slots,

@@ -137,13 +137,20 @@ class Dispatcher final : public DeepEpDispatcher {
   // and telling every peer why, so that every rank stops together; then the caller raises.
   void stop_together(Kind kind, Phase phase, FailedArg why);
   // A dispatch's per-call device tensors. Blocking mode allocates them; budget mode takes views of
-  // buffers the dispatcher owns (allocated at creation), so that a captured CUDA graph allocates
-  // nothing it keeps: a budget dispatch's handle is valid until the next budget dispatch.
+  // buffers the dispatcher owns, so that a captured CUDA graph allocates nothing it keeps: a budget
+  // dispatch's handle and outputs are valid until the next budget dispatch. Those whose size is the
+  // window's are allocated at creation; the expert-major layout's outputs (entry_rows: the rows as
+  // bf16 elements, entry_scales) and a pad above 128's lists grow with the call's budget
+  // (reserve_budget).
   enum class Scratch : int { slot_expert, dest_flag, counts, layout, dest_row, recv_src, tokens_per_expert,
-                             expert_rows, kinds };
+                             expert_rows, token_probs, slot_pos, row_order, entry_rows, entry_scales, kinds };
   Tensor scratch(bool budget, Scratch which, std::int64_t n, bool zero);
   static DType scratch_dtype(Scratch which);
   void allocate_budget_buffers();
+  // Budget mode, in the local checks: grows the buffers this call needs. Inside a CUDA graph
+  // capture a buffer cannot grow (it would become the graph's own allocation): an ArgumentError
+  // naming options.budget_rows, on every rank, as for any failed local check.
+  void reserve_budget(const DispatchOptions& options, int k, std::int64_t hidden, bool fp8);
   void allocate_low_latency_buffers();
   // CTAs of the send kernels and of the low-latency kernels: DeepEpOptions::sms, DeepEP's 20 by default.
   int send_ctas() const { return options_.sms > 0 ? options_.sms : 20; }

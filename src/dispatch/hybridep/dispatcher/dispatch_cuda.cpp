@@ -71,11 +71,6 @@ Dispatcher::Routing check_input(const DispatchInput& in, const TensorView& scale
   return r;
 }
 
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
-}
-
 }  // namespace
 
 DispatchResult Dispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
@@ -115,7 +110,7 @@ DispatchResult Dispatcher::dispatch_impl(const DispatchInput& input, const Tenso
   //    not be safe to read; the rank then sends T = 0 and a failed header).
   ++dispatch_seq_;
   DispatchCall c = describe_call(mine, rt, options, fp8, local != nullptr);
-  const bool overlap = !options_.kernel_timing && !capturing(s);
+  const bool overlap = !options_.kernel_timing && !cuda::capturing(s);
   record(ev_plan, s);
   const bool after_plan = local ? false : plan_routing(c, input, scales, rt, sms, overlap);
 
@@ -240,7 +235,7 @@ void Dispatcher::launch_exchange(DispatchCall& c, const HybridEpSms& sms, bool a
 // that the abort this rank caused does not linger in the status record (which keeps only the first
 // error) and hide a later one; a capture cannot wait, and is broken by the error anyway.
 void Dispatcher::abort_failed_call(cudaStream_t s, const std::exception_ptr& local) {
-  if (!capturing(s)) {
+  if (!cuda::capturing(s)) {
     try {
       check(s, "dispatch");
     } catch (const TimeoutError&) {
