@@ -269,6 +269,99 @@ TEST_P(DeepEpMultiGpu, RepeatedCallsGiveTheSameBits) {
   for (int i = 0; i < 3; ++i) expect_equal(want, runs[i], "call " + std::to_string(i));
 }
 
+// The buffers' life cycle: memory() as size_hint says at creation and after a resize; release()
+// frees everything, a handle from before it is stale, the next dispatch allocates again; resize()
+// to larger options, and one refused on every rank when a rank sizes its buffers differently (the
+// old buffers stay); set_num_sms checked by name. Every call's results are the host backend's.
+TEST_P(DeepEpMultiGpu, MemoryResizeReleaseAndStaleHandles) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  const Config small = config("small", 2, 2, 64, tokens_for(R, {40, 23}));
+  const Config big = config("big", 2, 2, 128, tokens_for(R, {120, 7}), RoutingKind::zipf, 2);
+  const std::vector<RankMajorOutputs> want_small = run_host_rank_major(small, R), want_big = run_host_rank_major(big, R);
+  std::vector<RankMajorOutputs> got_small(static_cast<std::size_t>(R)), got_big(got_small), got_after(got_small);
+  std::vector<std::exception_ptr> released(static_cast<std::size_t>(R)), stale(released), mismatch(released),
+      bad_sms(released);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        const auto r = static_cast<std::size_t>(g.rank);
+        auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
+        auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+        const DeepEpOptions o = options_for(small, g.size);
+        auto d = make_deepep_dispatcher(g.comm, E, o);
+        const DeepEpMemory m = d->memory(), hint = DeepEpDispatcher::size_hint(o, g.size, E);
+        EXPECT_EQ(m.window, hint.window);
+        EXPECT_EQ(m.flags, hint.flags);
+        EXPECT_EQ(m.local, hint.local);
+        // The window holds recv_x, combine_backward's rows and the rows coming back, each R x T x H bf16.
+        EXPECT_GE(m.window, 3u * static_cast<std::size_t>(R) * 40 * 64 * 2);
+
+        const Inputs in = make_inputs(small, g.size, g.rank);
+        const Tensor x = up(in.hidden), idx = up(in.indices), w = up(in.weights);
+        DispatchInput di;
+        di.hidden = x;
+        di.indices = idx;
+        di.weights = w;
+        const DispatchResult before = d->dispatch(di, rank_major(small, g.size));
+        const Tensor rows = Tensor::zeros({before.tokens.size(0), 64}, DType::bf16, Device::cuda(g.device));
+        d->release();
+        EXPECT_EQ(d->memory().total(), 0u);
+        try {
+          d->combine(before.handle, rows);
+        } catch (...) {
+          released[r] = std::current_exception();
+        }
+        got_small[r] = run_sequence(*d, in, small, g.size, g.rank, up, down);  // allocates again
+        EXPECT_EQ(d->memory().total(), hint.total());
+        try {
+          d->combine(before.handle, rows);  // every rank: each raises, after stopping together
+        } catch (...) {
+          stale[r] = std::current_exception();
+        }
+
+        const DeepEpOptions ob = options_for(big, g.size);
+        d->resize(ob);
+        EXPECT_EQ(d->memory().total(), DeepEpDispatcher::size_hint(ob, g.size, E).total());
+        EXPECT_GT(d->memory().window, m.window);
+        got_big[r] = run_sequence(*d, make_inputs(big, g.size, g.rank), big, g.size, g.rank, up, down);
+        DeepEpOptions odd = ob;
+        if (g.rank == 1) odd.hidden = 256;
+        try {
+          d->resize(odd);
+        } catch (...) {
+          mismatch[r] = std::current_exception();
+        }
+        EXPECT_EQ(d->options().hidden, 128);
+        try {
+          d->set_num_sms(5000);
+        } catch (...) {
+          bad_sms[r] = std::current_exception();
+        }
+        d->set_num_sms(3);
+        EXPECT_EQ(d->num_sms(), 3);
+        got_after[r] = run_sequence(*d, make_inputs(big, g.size, g.rank), big, g.size, g.rank, up, down);
+        d->check_errors();
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  expect_equal(want_small, got_small, "small, after release");
+  expect_equal(want_big, got_big, "big, after resize");
+  expect_equal(want_big, got_after, "big, 3 SMs, after a refused resize");
+  EXPECT_TRUE(all_threw<ArgumentError>(released, argument_is("handle", [](const std::string& m) {
+    return contains(m, "released after its dispatch");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(stale, argument_is("handle", [](const std::string& m) {
+    return contains(m, "stale") || contains(m, "failed its checks");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(mismatch, argument_is("options.hidden", [](const std::string& m) {
+    return contains(m, "rank 1 has hidden=256 but rank 0 has 128");
+  })));
+  EXPECT_TRUE(all_threw<ArgumentError>(bad_sms, argument_is("sms", [](const std::string& m) {
+    return contains(m, "5000 is outside [0, 1024]");
+  })));
+}
+
 // Budget mode: the counts cross on the device; recv_x has budget rows (the tail zero, slots -1),
 // tokens_per_expert stays on the device, expert_rows has its capacity (the tail -1); with the drop
 // policy the kept rows and the dropped pairs (last_dropped) are the host's.

@@ -50,6 +50,7 @@
 // rows (dispatch_fp8), f32 weights.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -85,8 +86,36 @@ struct LowLatencyResult {
   Handle handle;
 };
 
+// Bytes a deepep dispatcher's buffers hold on one rank.
+struct DeepEpMemory {
+  std::size_t window = 0;  // the NCCL window: recv_x and its slots, the rows coming back, the counts, LL regions
+  std::size_t flags = 0;   // the flag buffer (one flag per kind and peer, the abort words)
+  std::size_t local = 0;   // this rank's own: operation state, budget-mode buffers, low-latency outputs
+  std::size_t total() const { return window + flags + local; }
+};
+
 class DeepEpDispatcher : public TokenDispatcher {
  public:
+  // Bytes the buffers of a dispatcher with these options would hold on each of `ranks` ranks, as
+  // created (a budget-mode expert-major dispatch adds its outputs, sized by its budget).
+  static DeepEpMemory size_hint(const DeepEpOptions& options, int ranks, int num_experts);
+
+  virtual const DeepEpOptions& options() const = 0;
+  virtual DeepEpMemory memory() const = 0;  // held now (0 after release())
+  // Collective (every rank the same sizes, verified: hidden, max_tokens_per_rank, max_topk,
+  // max_recv_rows, low_latency_max_tokens): new buffers for new options. Handles and outputs of
+  // earlier dispatches become invalid (a stale handle is an ArgumentError naming `handle`). A rank
+  // whose options are rejected makes every rank raise, and the old buffers stay.
+  virtual void resize(const DeepEpOptions& options) = 0;
+  // Collective: waits for the device and every rank, then frees the buffers; handles and outputs
+  // of earlier dispatches become invalid. The next dispatch, or init(), allocates them again.
+  virtual void release() = 0;
+  virtual void init() = 0;  // collective; the factory calls it
+  // CTAs of the send, way-back and low-latency kernels (DeepEpOptions::sms; 0: DeepEP's 20), for
+  // this rank's later calls (DeepEP's Buffer.set_num_sms). Graphs keep the count they captured.
+  virtual void set_num_sms(int sms) = 0;
+  virtual int num_sms() const = 0;  // the effective count
+
   // FP8 dispatch, as DeepEP's dispatch of an (x, x_scales) pair: input.hidden [T, H] e4m3
   // (pre-quantized; H a multiple of 128) with `scales` [T, H / 128] f32; each (token, rank) row
   // and its scales travel once, like bf16 rows, in either layout and either mode. Every rank of

@@ -103,21 +103,31 @@ void Dispatcher::stop_together(Kind kind, Phase phase, FailedArg why) {
     c.failed_arg = static_cast<int>(why);
     launch_send_rows(c, 1, s);
     launch_receive(rows_receiver(kind, phase, nullptr), s);
-    return;
+  } else {
+    SendPartialsCall c = partials_sender(kind);  // the way back
+    c.hidden = 8;
+    c.failed_arg = static_cast<int>(why);
+    launch_send_partials(c, 1, s);
+    ReduceCall r = partials_reducer(kind, phase);
+    r.hidden = 8;
+    launch_reduce(r, 1, s);
   }
-  SendPartialsCall c = partials_sender(kind);  // the way back
-  c.hidden = 8;
-  c.failed_arg = static_cast<int>(why);
-  launch_send_partials(c, 1, s);
-  ReduceCall r = partials_reducer(kind, phase);
-  r.hidden = 8;
-  launch_reduce(r, 1, s);
+  // Peers that failed in this same call left their abort words here too: this rank raises its own
+  // error for the call, so their record is dropped (the next check would raise it a second time).
+  // A timeout stays: the dispatcher is unusable then. (Inside a capture nothing ran.)
+  if (cuda::capturing(s)) return;
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(s));
+  Status st;
+  FLEXEP_CUDA_CHECK(cudaMemcpy(&st, status_, sizeof st, cudaMemcpyDeviceToHost));
+  if (st.code == static_cast<int>(hybridep::StatusCode::abort) && st.phase == static_cast<int>(phase))
+    FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
 }
 
 Tensor Dispatcher::combine(const Handle& handle, const TensorView& expert_out) {
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
+  require_buffers();
   const DeepEpHandle* hp = nullptr;
   try {
     hp = &own_handle(handle);
@@ -141,6 +151,7 @@ DispatchGrads Dispatcher::dispatch_backward(const Handle& handle, const TensorVi
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
+  require_buffers();
   const Device dev = Device::cuda(comm_->device());
   const DeepEpHandle* hp = nullptr;
   try {

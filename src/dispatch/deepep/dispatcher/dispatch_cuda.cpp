@@ -95,6 +95,7 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
+  ensure_initialized();
   const int R = world_size(), E = experts_, L = local_experts();
   const Device dev = Device::cuda(comm_->device());
   const bool budget = options.mode == DispatchMode::budget;
@@ -163,6 +164,7 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   h->layout = options.layout;
   h->budget = budget;
   h->sequence = ++calls_;
+  h->generation = generation_;
   h->call_layout = lay.words;
   h->dest_row = scratch(budget, Scratch::dest_row, R * rt.tokens, false);
   if (budget) budget_sequence_ = h->sequence;
@@ -399,55 +401,6 @@ Tensor Dispatcher::scratch(bool budget, Scratch which, std::int64_t n, bool zero
   return t;
 }
 
-void Dispatcher::allocate_budget_buffers() {
-  dropped_ = Tensor::zeros({1}, DType::i64, Device::cuda(comm_->device()));
-  const int R = world_size(), L = local_experts();
-  const std::int64_t T = options_.max_tokens_per_rank;
-  const std::int64_t sizes[] = {T * max_topk_,
-                                R * T,
-                                experts_ + R,
-                                layout_word::words(R, L),
-                                R * T,
-                                capacity_rows_,
-                                L,
-                                expert_rows_capacity(capacity_rows_, max_topk_, L, 128),
-                                0,
-                                0,
-                                0,
-                                0,
-                                0};
-  static_assert(std::size(sizes) == static_cast<std::size_t>(Scratch::kinds));
-  for (int i = 0; i < static_cast<int>(Scratch::kinds); ++i)
-    budget_buffers_[static_cast<std::size_t>(i)] =
-        Tensor::empty({sizes[i]}, scratch_dtype(static_cast<Scratch>(i)), Device::cuda(comm_->device()));
-}
-
-void Dispatcher::reserve_budget(const DispatchOptions& options, int k, std::int64_t hidden, bool fp8) {
-  const int L = local_experts();
-  const bool expert_major = options.layout == DispatchLayout::expert_major;
-  const std::int64_t entries = expert_major ? options.budget_rows
-                                            : expert_rows_capacity(options.budget_rows, k, L, options.pad_multiple);
-  std::vector<std::pair<Scratch, std::int64_t>> need = {{Scratch::expert_rows, entries}};
-  if (expert_major) {
-    const std::int64_t row_elements = fp8 ? hidden / 2 : hidden;  // entry_rows counts bf16 elements
-    need.insert(need.end(), {{Scratch::token_probs, entries},
-                             {Scratch::slot_pos, capacity_rows_ * max_topk_},
-                             {Scratch::row_order, capacity_rows_ * max_topk_},
-                             {Scratch::entry_rows, entries * row_elements},
-                             {Scratch::entry_scales, fp8 ? entries * (hidden / kFp8ScaleBlock) : 0}});
-  }
-  for (const auto& [which, n] : need) {
-    Tensor& buf = budget_buffers_[static_cast<std::size_t>(which)];
-    if (buf.numel() >= n) continue;
-    FLEXEP_CHECK_ARG(!cuda::capturing(stream()), "options.budget_rows",
-                     options.budget_rows, " needs larger buffers than this dispatcher holds, and they cannot grow "
-                     "inside a CUDA graph capture: make one uncaptured budget-mode dispatch with this budget, "
-                     "layout and pad_multiple first");
-    buf = Tensor();  // the old buffer goes back to the pool before the larger one is taken
-    buf = Tensor::empty({n}, scratch_dtype(which), Device::cuda(comm_->device()));
-  }
-}
-
 void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, long long row_bytes, bool slots,
                            int scale_cols) {
   TailCall t;
@@ -518,6 +471,7 @@ Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad
   const CallScope call = open_call();
   const cudaStream_t s = call.stream;
   require_usable();
+  require_buffers();
   const DeepEpHandle* hp = nullptr;
   try {
     hp = &own_handle(handle);

@@ -1,7 +1,8 @@
 // The deepep TokenDispatcher (include/flexep/dispatch/deepep.h has the data flow). The class is
-// split over dispatcher_cuda.cpp (set-up, buffers, errors), dispatch_cuda.cpp (dispatch and
-// combine_backward, the row stores) and combine_cuda.cpp (combine and dispatch_backward, the way
-// back). Included only by *_cuda.cpp files.
+// split over dispatcher_cuda.cpp (options, handles, errors), buffers_cuda.cpp (the window and every
+// buffer: sizes, init, release, resize), dispatch_cuda.cpp (dispatch and combine_backward, the row
+// stores), combine_cuda.cpp (combine and dispatch_backward, the way back) and low_latency_cuda.cpp.
+// Included only by *_cuda.cpp files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +31,7 @@ namespace flexep::deepep {
 // rank-major ones.
 struct DeepEpHandle : HandleState {
   std::uint64_t sequence = 0;
+  std::uint64_t generation = 0;                   // the buffers it refers to (Dispatcher::generation_)
   std::int64_t recv_rows = 0;                     // N
   bool budget = false;                            // budget mode: no call of this handle waits for the GPU
   Tensor call_layout;                             // layout_word, int64 on the device
@@ -45,6 +47,7 @@ struct DeepEpHandle : HandleState {
 // dispatcher's buffers, hence only the latest low-latency handle combines).
 struct LowLatencyHandle : HandleState {
   std::uint64_t sequence = 0;
+  std::uint64_t generation = 0;
 };
 
 // The low-latency mode's per-rank device buffers (outside the window), allocated at creation.
@@ -75,6 +78,26 @@ class Dispatcher final : public DeepEpDispatcher {
   Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
   void check_errors() override;
   std::int64_t last_dropped() override;
+
+  const DeepEpOptions& options() const override { return options_; }
+  DeepEpMemory memory() const override;
+  void resize(const DeepEpOptions& options) override;
+  void release() override;
+  void init() override;
+  void set_num_sms(int sms) override;
+  int num_sms() const override { return send_ctas(); }
+
+  // What options size, on `ranks` ranks of `num_experts` experts (checked by check_options).
+  struct Sizes {
+    int max_topk = 0;
+    std::int64_t capacity_rows = 0;
+    int ll_slots = 0;
+  };
+  static Sizes sizes_of(const DeepEpOptions& options, int ranks, int num_experts);
+  static WindowLayout window_layout(const DeepEpOptions& options, int ranks, int num_experts);
+  static std::size_t state_bytes(int ranks, int num_experts);  // OpControl per kind, Status, the snapshot
+  static std::size_t budget_buffer_bytes(const DeepEpOptions& options, int ranks, int num_experts);
+  static std::size_t low_latency_buffer_bytes(const DeepEpOptions& options, int ranks, int num_experts);
 
  private:
   // What every call opens: CUDA initialised, this rank's device and the call's stream current
@@ -146,6 +169,8 @@ class Dispatcher final : public DeepEpDispatcher {
                              expert_rows, token_probs, slot_pos, row_order, entry_rows, entry_scales, kinds };
   Tensor scratch(bool budget, Scratch which, std::int64_t n, bool zero);
   static DType scratch_dtype(Scratch which);
+  static std::array<std::int64_t, static_cast<std::size_t>(Scratch::kinds)> budget_buffer_sizes(
+      const DeepEpOptions& options, int ranks, int num_experts);
   void allocate_budget_buffers();
   // Budget mode, in the local checks: grows the buffers this call needs. Inside a CUDA graph
   // capture a buffer cannot grow (it would become the graph's own allocation): an ArgumentError
@@ -165,10 +190,21 @@ class Dispatcher final : public DeepEpDispatcher {
   int ll_slots() const { return max_topk_ < kMaxLowLatencyTopk ? max_topk_ : kMaxLowLatencyTopk; }
   const LowLatencyHandle& own_low_latency_handle(const Handle& handle) const;
   cudaStream_t stream() const;
-  void check_options(int num_experts);  // sets max_topk_ and capacity_rows_
+  void check_options(int num_experts);  // options_ alone; sets max_topk_ and capacity_rows_
+  // Collective: `options` checked on every rank and their sizes compared with rank 0's; on success
+  // they become options_, else every rank raises (`phase` names the step) and options_ stays.
+  void agree_on_options(const DeepEpOptions& options, const std::string& phase);
+  // Collective: the window, the flags, the operation state and the modes' buffers for options_.
+  void allocate();
+  void ensure_initialized() {
+    if (local_ == nullptr) init();
+  }
+  // combine, the backwards: a dispatcher whose buffers were released holds no handle's rows.
+  void require_buffers() const;
   // A [rows, H] bf16 argument of combine or a backward: the handle's shape, this GPU, 16-byte aligned.
   void check_rows(const TensorView& t, std::int64_t rows, const DeepEpHandle& h, const std::string& arg) const;
   const DeepEpHandle& own_handle(const Handle& handle) const;
+  void check_generation(std::uint64_t generation) const;  // a handle from before a release or resize
   void require_usable() const;
   // Waits for `s` and raises what the kernels recorded (a timeout names the phase and the rank);
   // after a timeout the dispatcher is unusable.
@@ -207,6 +243,7 @@ class Dispatcher final : public DeepEpDispatcher {
   OpControl* ops_ = nullptr;
   Status* status_ = nullptr;
   long long* snapshot_ = nullptr;  // [R * P]: the count exchange's words of an aborted call
+  std::uint64_t generation_ = 0;  // buffers allocated or released so far
   std::array<Tensor, static_cast<std::size_t>(Scratch::kinds)> budget_buffers_;
   std::uint64_t budget_sequence_ = 0;  // the latest budget dispatch's handle
   Tensor dropped_;                     // [1] int64: the pairs the latest budget dispatch dropped here

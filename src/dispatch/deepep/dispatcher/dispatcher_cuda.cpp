@@ -1,8 +1,5 @@
 // The deepep dispatcher's set-up: the window (its layout, the flags, the operation state), the
 // stream helpers, the error check every call ends with, and the factory.
-#include <cmath>
-#include <cstring>
-
 #include "dispatch/deepep/dispatcher/dispatcher.h"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
@@ -11,39 +8,6 @@ namespace flexep {
 namespace deepep {
 
 namespace {
-
-unsigned long long align16(unsigned long long x) { return (x + 15) / 16 * 16; }
-
-WindowLayout window_layout(int ranks, int experts, std::int64_t cap, std::int64_t hidden, int k,
-                           std::int64_t max_tokens, std::int64_t ll_tokens, int ll_slots) {
-  WindowLayout w;
-  unsigned long long at = 0;
-  auto take = [&](unsigned long long bytes) {
-    const unsigned long long here = at;
-    at = align16(at + bytes);
-    return here;
-  };
-  const auto C = static_cast<unsigned long long>(cap), H = static_cast<unsigned long long>(hidden),
-             K = static_cast<unsigned long long>(k), R = static_cast<unsigned long long>(ranks),
-             T = static_cast<unsigned long long>(max_tokens);
-  w.x = take(C * H * 2);
-  w.scales = take(C * (H / kFp8ScaleBlock) * 4);
-  w.idx = take(C * K * 4);
-  w.w = take(C * K * 4);
-  w.src = take(C * 4);
-  w.grad = take(C * H * 2);
-  w.part = take(R * T * H * 2);
-  w.part_w = take(R * T * K * 4);
-  w.counts = take(R * static_cast<unsigned long long>(exchange_word::words(experts, ranks)) * 8);
-  const auto L = static_cast<unsigned long long>(experts) / R, TL = static_cast<unsigned long long>(ll_tokens);
-  w.ll_x = take(L * R * TL * H * 2);
-  w.ll_scales = take(L * R * TL * (H / kFp8ScaleBlock) * 4);
-  w.ll_info = take(L * R * TL * 4);
-  w.ll_counts = take(TL > 0 ? L * R * 4 : 0);
-  w.ll_back = take(TL * static_cast<unsigned long long>(ll_slots) * H * 2);
-  w.bytes = at > 0 ? at : 16;
-  return w;
-}
 
 std::string phase_name(int phase) {
   switch (static_cast<Phase>(phase)) {
@@ -61,52 +25,9 @@ std::string phase_name(int phase) {
 }  // namespace
 
 Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, const DeepEpOptions& options)
-    : comm_(std::move(comm)),
-      experts_(num_experts),
-      options_(options),
-      sym_(comm_, "deepep buffer"),
-      errors_(comm_->device()) {
-  // The options are checked on every rank before the collective window set-up, and a rank that
-  // rejects its own makes every rank stop (rather than leave the others waiting in the set-up).
-  std::exception_ptr local;
-  try {
-    check_options(num_experts);
-  } catch (...) {
-    local = std::current_exception();
-  }
-  const std::vector<long long> failed = comm_->all_gather_i64({local ? 1 : 0}, "deepep:create");
-  if (local) std::rethrow_exception(local);
-  for (int r = 0; r < comm_->size(); ++r)
-    FLEXEP_CHECK_ARG(failed[static_cast<std::size_t>(r)] == 0, "options", "rank ", r,
-                     " rejected its deepep options, so the set-up stops on every rank: see the error raised there");
-  const int R = comm_->size();
-  win_ = window_layout(R, num_experts, capacity_rows_, options.hidden, max_topk_, options.max_tokens_per_rank,
-                       options.low_latency_max_tokens, ll_slots());
-  cuda::DeviceGuard guard(comm_->device());
-  // The operation state starts at epoch 0 like the flags; zeroed (and the device synchronised)
-  // before the window's barrier, so that no peer's kernel can wait on this rank's zeroing.
-  const std::size_t snapshot_words = static_cast<std::size_t>(R) * exchange_word::words(num_experts, R);
-  const std::size_t local_bytes = sizeof(OpControl) * kKinds + sizeof(Status) + 8 * snapshot_words;
-  void* state = nullptr;
-  FLEXEP_CUDA_CHECK(cudaMalloc(&state, local_bytes));
-  FLEXEP_CUDA_CHECK(cudaMemset(state, 0, local_bytes));
-  FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
-  local_ = static_cast<char*>(state);
-  ops_ = reinterpret_cast<OpControl*>(local_);
-  status_ = reinterpret_cast<Status*>(local_ + sizeof(OpControl) * kKinds);
-  snapshot_ = reinterpret_cast<long long*>(local_ + sizeof(OpControl) * kKinds + sizeof(Status));
-  SymmetricBufferSpec spec;
-  spec.window_bytes = win_.bytes;
-  spec.flag_bytes = align16(static_cast<unsigned long long>(flag_words(R)) * sizeof(unsigned));
-  spec.lsa_barriers = 1;
-  try {
-    sym_.init(spec);
-  } catch (...) {
-    cudaFree(local_);
-    throw;
-  }
-  allocate_budget_buffers();
-  allocate_low_latency_buffers();
+    : comm_(std::move(comm)), experts_(num_experts), sym_(comm_, "deepep buffer"), errors_(comm_->device()) {
+  agree_on_options(options, "deepep:create");
+  allocate();
 }
 
 void Dispatcher::check_options(int num_experts) {
@@ -122,9 +43,14 @@ void Dispatcher::check_options(int num_experts) {
                    " must be a positive multiple of 8 (rows move as 16-byte vectors)");
   FLEXEP_CHECK_ARG(options_.max_tokens_per_rank >= 1, "options.max_tokens_per_rank", "must be >= 1, got ",
                    options_.max_tokens_per_rank);
-  max_topk_ = options_.max_topk > 0 ? options_.max_topk : num_experts;
+  FLEXEP_CHECK_ARG(options_.max_topk >= 0, "options.max_topk", "must be >= 0 (0: the number of experts), got ",
+                   options_.max_topk);
+  FLEXEP_CHECK_ARG(options_.max_recv_rows >= 0, "options.max_recv_rows",
+                   "must be >= 0 (0: ranks x max_tokens_per_rank), got ", options_.max_recv_rows);
+  const Sizes sizes = sizes_of(options_, R, num_experts);
+  max_topk_ = sizes.max_topk;
   FLEXEP_CHECK_ARG(max_topk_ <= num_experts, "options.max_topk", max_topk_, " exceeds the ", num_experts, " experts");
-  capacity_rows_ = options_.max_recv_rows > 0 ? options_.max_recv_rows : R * options_.max_tokens_per_rank;
+  capacity_rows_ = sizes.capacity_rows;
   FLEXEP_CHECK_ARG(capacity_rows_ <= static_cast<std::int64_t>(INT32_MAX), "options.max_recv_rows", capacity_rows_,
                    " rows exceed the 32-bit row indices of the kernels");
   FLEXEP_CHECK_ARG(options_.sms >= 0 && options_.sms <= 1024, "options.sms", options_.sms, " is outside [0, 1024]");
@@ -151,7 +77,7 @@ Dispatcher::~Dispatcher() {
   cudaGetDevice(&previous);
   cudaSetDevice(comm_->device());
   cudaDeviceSynchronize();  // no kernel may still use the operation state
-  cudaFree(local_);
+  cudaFree(local_);  // null after release()
   cudaSetDevice(previous);
 }
 
@@ -168,10 +94,21 @@ void Dispatcher::require_usable() const {
                broken_why_, "); create a new one");
 }
 
+void Dispatcher::require_buffers() const {
+  FLEXEP_CHECK_ARG(local_ != nullptr, "handle",
+                   "is stale: this deepep dispatcher's buffers were released after its dispatch (dispatch again)");
+}
+
+void Dispatcher::check_generation(std::uint64_t generation) const {
+  FLEXEP_CHECK_ARG(generation == generation_, "handle",
+                   "is stale: this deepep dispatcher's buffers were released or resized after its dispatch");
+}
+
 const DeepEpHandle& Dispatcher::own_handle(const Handle& handle) const {
   check_handle(handle);
   const auto* h = dynamic_cast<const DeepEpHandle*>(handle.get());
   FLEXEP_CHECK_ARG(h != nullptr, "handle", "claims this dispatcher as owner but is not a deepep handle");
+  check_generation(h->generation);
   FLEXEP_CHECK_ARG(!h->budget || h->sequence == budget_sequence_, "handle",
                    "is from an earlier budget-mode dispatch, whose buffers a later budget-mode dispatch of this "
                    "dispatcher reused; combine and the backwards take the latest budget-mode handle (one dispatcher "
@@ -182,13 +119,14 @@ const DeepEpHandle& Dispatcher::own_handle(const Handle& handle) const {
 void Dispatcher::check_errors() {
   const CallScope call = open_call();
   require_usable();
-  check(call.stream, "check_errors");
+  if (local_ != nullptr) check(call.stream, "check_errors");  // released: release() waited for the device
   errors_.check(call.stream, "check_errors");  // a bad id of a low-latency dispatch (this rank's)
 }
 
 std::int64_t Dispatcher::last_dropped() {
   const CallScope call = open_call();
   require_usable();
+  if (local_ == nullptr) return 0;
   check(call.stream, "last_dropped");
   return last_was_budget_ ? cuda::to_host(dropped_, call.stream).data<std::int64_t>()[0] : 0;
 }

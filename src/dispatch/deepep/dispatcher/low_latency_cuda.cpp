@@ -7,6 +7,15 @@
 
 namespace flexep::deepep {
 
+std::size_t Dispatcher::low_latency_buffer_bytes(const DeepEpOptions& o, int ranks, int num_experts) {
+  const auto T = static_cast<std::size_t>(o.low_latency_max_tokens), R = static_cast<std::size_t>(ranks),
+             L = static_cast<std::size_t>(num_experts / ranks), H = static_cast<std::size_t>(o.hidden);
+  if (T == 0) return 0;
+  // recv_x (bytes), recv_scales, recv_count, recv_src_info, layout_range, route, out: as allocated below
+  return L * R * T * 2 * H + L * R * T * (H / kFp8ScaleBlock) * 4 + L * 4 + L * R * T * 4 + L * R * 8 +
+         L * R * T * 4 + T * H * 2;
+}
+
 void Dispatcher::allocate_low_latency_buffers() {
   const std::int64_t T = options_.low_latency_max_tokens;
   if (T == 0) return;
@@ -26,6 +35,7 @@ const LowLatencyHandle& Dispatcher::own_low_latency_handle(const Handle& handle)
   const auto* h = dynamic_cast<const LowLatencyHandle*>(handle.get());
   FLEXEP_CHECK_ARG(h != nullptr, "handle", "is not a low-latency handle; low_latency_combine takes what "
                                            "low_latency_dispatch returned");
+  check_generation(h->generation);
   FLEXEP_CHECK_ARG(h->sequence == ll_sequence_, "handle",
                    "is from an earlier low_latency_dispatch, whose routes a later one of this dispatcher replaced; "
                    "low_latency_combine takes the latest low-latency handle");
@@ -36,6 +46,7 @@ LowLatencyResult Dispatcher::low_latency_dispatch(const TensorView& x, const Ten
                                                   const TensorView& scales) {
   const CallScope call = open_call();
   require_usable();
+  ensure_initialized();
   const std::int64_t TL = options_.low_latency_max_tokens;
   FLEXEP_CHECK_ARG(TL > 0, "options.low_latency_max_tokens",
                    "is 0: this deepep dispatcher has no low-latency buffers; create it with "
@@ -111,6 +122,7 @@ LowLatencyResult Dispatcher::low_latency_dispatch(const TensorView& x, const Ten
   h->local_experts = L;
   h->hidden_dtype = DType::bf16;
   h->sequence = ++ll_sequence_;
+  h->generation = generation_;
   LowLatencyResult r;
   r.recv_x = Tensor::wrap(TensorView(ll_.recv_x.raw(), fp8 ? DType::e4m3 : DType::bf16, {L, R * TL, H}, dev));
   if (fp8) r.recv_scales = ll_.recv_scales;
@@ -125,6 +137,7 @@ Tensor Dispatcher::low_latency_combine(const Handle& handle, const TensorView& e
                                        const TensorView& weights) {
   const CallScope call = open_call();
   require_usable();
+  require_buffers();
   const LowLatencyHandle& h = own_low_latency_handle(handle);
   const Device dev = Device::cuda(comm_->device());
   const int R = world_size(), L = local_experts();
