@@ -39,8 +39,10 @@
 // mismatch or a budget overflow is raised on every rank by the next check_errors() (or blocking call).
 // Budget mode of the expert_major layout: budget_rows counts expert-major entries (the tokens
 // output), every rank-major row is received (max_recv_rows bounds them), the drop policy keeps the
-// host plan's prefix of each receiver's entries; it allocates its outputs per call, so it is not yet
-// safe to capture in a CUDA graph.
+// host plan's prefix of each receiver's entries; its outputs (tokens [budget_rows, H], token_probs)
+// are the dispatcher's buffers, valid until the next budget dispatch, sized by the budget: one
+// uncaptured call with a budget before capturing calls with it (a capture cannot grow them: an
+// ArgumentError naming options.budget_rows).
 //
 // Low-latency mode (DeepEP's LL): low_latency_dispatch writes the masked expert-major layout
 // [E_local, R * T_ll, H] with per-expert counts, low_latency_combine each token's weighted sum;
