@@ -20,19 +20,25 @@ __global__ void __launch_bounds__(kThreads) count_routes_kernel(CountRoutesCall 
     for (int i = static_cast<int>(threadIdx.x); i < bins; i += blockDim.x) hist[i] = 0;
     __syncthreads();
   }
-  auto count = [&](int bin) {
+  auto count = [&](int bin, unsigned n) {
     if (in_shared)
-      atomicAdd(&hist[bin], 1u);
+      atomicAdd(&hist[bin], n);
     else if (bin < c.experts)
-      atomicAdd(reinterpret_cast<unsigned long long*>(c.expert_counts) + bin, 1ull);
+      atomicAdd(reinterpret_cast<unsigned long long*>(c.expert_counts) + bin, static_cast<unsigned long long>(n));
     else
-      atomicAdd(reinterpret_cast<unsigned long long*>(c.dest_counts) + (bin - c.experts), 1ull);
+      atomicAdd(reinterpret_cast<unsigned long long*>(c.dest_counts) + (bin - c.experts),
+                static_cast<unsigned long long>(n));
   };
+  const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < c.tokens; t += stride) {
+  // Warp-uniform: `first` is the warp's first token (blockDim is a multiple of 32).
+  for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
+       first < c.tokens; first += stride) {
+    const std::int64_t t = first + lane;
+    const bool active = t < c.tokens;
     const std::int64_t base = t * c.k;
     // Pass 1: validate. A bad id is reported and then treated as -1: it never becomes an index.
-    for (int j = 0; j < c.k; ++j) {
+    for (int j = 0; active && j < c.k; ++j) {
       const long long e = load_index(c.indices, c.indices_i64, base + j);
       bool ok = e >= 0 && e < c.experts;
       if (e != -1 && !ok) cuda::report_device_error(c.errors, cuda::DeviceArg::indices, t, j, e, c.experts);
@@ -44,16 +50,33 @@ __global__ void __launch_bounds__(kThreads) count_routes_kernel(CountRoutesCall 
       c.slot_expert[base + j] = ok ? static_cast<int>(e) : -1;
     }
     // Pass 2: count the valid pairs, and the token once per destination rank.
-    for (int j = 0; j < c.k; ++j) {
+    if (c.dest_mask == nullptr) {
+      for (int j = 0; active && j < c.k; ++j) {
+        const int e = c.slot_expert[base + j];
+        if (e < 0) continue;
+        count(e, 1);
+        const int d = e / c.local_experts;
+        int& flag = c.dest_flag[static_cast<std::int64_t>(d) * c.tokens + t];
+        if (flag == 0) {  // only this thread touches token t's flags
+          flag = 1;
+          count(c.experts + d, 1);
+        }
+      }
+      continue;
+    }
+    const std::int64_t chunk = first / 32;
+    for (int d = lane; d < c.ranks; d += 32) c.dest_mask[d * c.mask_chunks + chunk] = 0;
+    __syncwarp();
+    for (int j = 0; active && j < c.k; ++j) {
       const int e = c.slot_expert[base + j];
       if (e < 0) continue;
-      count(e);
-      const int d = e / c.local_experts;
-      int& flag = c.dest_flag[static_cast<std::int64_t>(d) * c.tokens + t];
-      if (flag == 0) {  // only this thread touches token t's flags
-        flag = 1;
-        count(c.experts + d);
-      }
+      count(e, 1);
+      atomicOr(c.dest_mask + (e / c.local_experts) * c.mask_chunks + chunk, 1u << lane);  // a repeat ORs the same bit
+    }
+    __syncwarp();
+    for (int d = lane; d < c.ranks; d += 32) {
+      const unsigned n = __popc(__ldcg(c.dest_mask + d * c.mask_chunks + chunk));
+      if (n != 0) count(c.experts + d, n);
     }
   }
   if (!in_shared) return;

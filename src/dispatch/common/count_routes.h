@@ -1,7 +1,9 @@
 // The first kernel of a top-k dispatch on the GPU backends (alltoall, deepep): the ids validated,
 // the (token, expert) pairs counted per expert, and every token counted once per destination rank.
 // One thread per token: a token's k slots are few, and one thread per token lets the repeat check
-// and the deduplication per destination run without atomics on flags.
+// and the deduplication per destination run without atomics on flags. In the mask form a warp's 32
+// tokens share one word per destination: the warp clears its words, ORs its tokens' bits in, and
+// counts each destination's tokens as the word's set bits (so a token counts once per rank).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,7 +22,10 @@ struct CountRoutesCall {
   int* slot_expert = nullptr;          // [T * k] out: the id, or -1 (none, or reported as bad)
   long long* expert_counts = nullptr;  // [E] += pairs per expert (zero on entry)
   long long* dest_counts = nullptr;    // [R] += tokens per destination rank (zero on entry)
+  // Where each token goes, in one of two forms:
   int* dest_flag = nullptr;            // [R * T] = 1 where rank d owns one of t's experts (zero on entry)
+  unsigned* dest_mask = nullptr;       // or [R, chunks]: bit l of (d, c) for token 32c + l (written whole)
+  std::int64_t mask_chunks = 0;        // ceil(T / 32)
   cuda::DeviceErrorRecord* errors = nullptr;  // ids outside [-1, E) and repeats: "indices"
 };
 

@@ -84,8 +84,9 @@ std::array<std::int64_t, static_cast<std::size_t>(Dispatcher::Scratch::kinds)> D
   const std::int64_t T = o.max_tokens_per_rank;
   // The expert-major layout's outputs and the lists of a pad above 128 grow with a call's budget
   // (reserve_budget): none at creation.
-  return {T * s.max_topk,           R * T, num_experts + R, layout_word::words(R, L), R * T, s.capacity_rows, L,
-          expert_rows_capacity(s.capacity_rows, s.max_topk, L, 128), 0, 0, 0, 0, 0};
+  const std::int64_t masks = R * mask_chunks(T);
+  return {T * s.max_topk, masks, num_experts + R, layout_word::words(R, L), R * T, s.capacity_rows, L,
+          expert_rows_capacity(s.capacity_rows, s.max_topk, L, 128), masks, 0, 0, 0, 0, 0};
 }
 
 std::size_t Dispatcher::budget_buffer_bytes(const DeepEpOptions& o, int ranks, int num_experts) {

@@ -104,13 +104,13 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   Routing rt;
   call_signature::CallSignature mine;
   auto h = std::make_shared<DeepEpHandle>();
-  Tensor dest_flag, counts, counts_host;
+  Tensor dest_mask, counts, counts_host;
   const std::exception_ptr local = call_signature::run_local_checks(mine, [&] {
     rt = check_input(input, scales, fp8, options, R, E, comm_->device(), options_.hidden, options_.max_tokens_per_rank,
                      max_topk_, capacity_rows_);
     if (budget) reserve_budget(options, rt.k, rt.hidden, fp8);
     h->slot_expert = scratch(budget, Scratch::slot_expert, rt.tokens * rt.k, false);
-    dest_flag = scratch(budget, Scratch::dest_flag, R * rt.tokens, true);
+    dest_mask = scratch(budget, Scratch::dest_mask, R * mask_chunks(rt.tokens), false);  // written whole
     counts = scratch(budget, Scratch::counts, E + R, true);
     CountRoutesCall count;
     count.indices = input.indices.data;
@@ -123,7 +123,8 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     count.slot_expert = h->slot_expert.data<std::int32_t>();
     count.expert_counts = reinterpret_cast<long long*>(counts.raw());
     count.dest_counts = count.expert_counts + E;
-    count.dest_flag = dest_flag.data<std::int32_t>();
+    count.dest_mask = reinterpret_cast<unsigned*>(dest_mask.raw());
+    count.mask_chunks = mask_chunks(rt.tokens);
     count.errors = errors_.record();
     launch_count_routes(count, s);
     if (budget) return;  // a bad id travels with the count exchange, on the device
@@ -139,12 +140,26 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     if (local) {  // this rank still takes part, with nothing to send, so that every rank stops together
       rt = Routing{0, options_.hidden, 1};
       h->slot_expert = scratch(true, Scratch::slot_expert, 0, false);
-      dest_flag = scratch(true, Scratch::dest_flag, 0, false);
+      dest_mask = scratch(true, Scratch::dest_mask, 0, false);
       counts = Tensor();
     }
-    lay = exchange_on_device(mine, counts, options, rt.k, local != nullptr);
+  }
+  // This rank's first row on each destination per chunk of 32 tokens (device/chunk_rows.cuh): the
+  // notify kernel's in budget mode, a kernel of their own after the host's layout in blocking mode.
+  const Tensor chunk_base = scratch(budget, Scratch::chunk_base, R * mask_chunks(rt.tokens), false);
+  RowPlaces places{reinterpret_cast<const unsigned*>(dest_mask.raw()), chunk_base.data<std::int32_t>(),
+                   mask_chunks(rt.tokens), -1};
+  if (budget) {
+    lay = exchange_on_device(mine, counts, options, rt.k, local != nullptr, places);
   } else {
     lay = exchange_on_host(mine, local, counts_host, options);
+    ChunkBasesCall cb;
+    cb.dest_mask = places.dest_mask;
+    cb.layout = reinterpret_cast<const long long*>(lay.words.raw());
+    cb.chunks = places.chunks;
+    cb.ranks = R;
+    cb.chunk_base = chunk_base.data<std::int32_t>();
+    launch_chunk_bases(cb, s);
   }
   const std::int64_t N = lay.recv_rows, k = rt.k;
 
@@ -169,14 +184,8 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   h->dest_row = scratch(budget, Scratch::dest_row, R * rt.tokens, false);
   if (budget) budget_sequence_ = h->sequence;
   last_was_budget_ = budget;
-  RankRowsCall rr;
-  rr.dest_flag = dest_flag.data<std::int32_t>();
-  rr.layout = reinterpret_cast<const long long*>(lay.words.raw());
-  rr.tokens = rt.tokens;
-  rr.ranks = R;
-  rr.budget = budget && !expert_major && options.overflow == OverflowPolicy::drop ? options.budget_rows : -1;
-  rr.dest_row = h->dest_row.data<std::int32_t>();
-  launch_rank_rows(rr, s);
+  places.budget = budget && !expert_major && options.overflow == OverflowPolicy::drop ? options.budget_rows : -1;
+  const auto* layout_words = reinterpret_cast<const long long*>(lay.words.raw());
 
   DispatchResult result;
   Tensor expert_rows = scratch(budget, Scratch::expert_rows, lay.entries, false);
@@ -185,10 +194,10 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   if (budget) {
     result.tokens_per_expert = scratch(true, Scratch::tokens_per_expert, L, false);
     listing.tokens_per_expert = reinterpret_cast<long long*>(result.tokens_per_expert.raw());
-    listing.layout = rr.layout;
+    listing.layout = layout_words;
     listing.pad = options.pad_multiple;
     listing.capacity = lay.entries;
-    listing.lengths_known = expert_major;  // with the drops, by the notify kernel
+    listing.lengths_known = expert_major || options.overflow != OverflowPolicy::drop;  // by the notify kernel
     if (options.overflow == OverflowPolicy::drop && !expert_major) {
       listing.exchanged = reinterpret_cast<const long long*>(window() + win_.counts);
       listing.words = exchange_word::words(E, R);
@@ -197,8 +206,8 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     }
   } else {
     listing.capacity = lay.entries;
-    listing.list_begin = rr.layout + layout_word::list_begin(R);
-    listing.list_len = rr.layout + layout_word::list_len(R, L);
+    listing.list_begin = layout_words + layout_word::list_begin(R);
+    listing.list_len = layout_words + layout_word::list_len(R, L);
     result.tokens_per_expert = Tensor::from_vector(lay.tokens_per_expert, {L});
   }
   if (expert_major) {
@@ -215,12 +224,12 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   const int S = fp8 ? static_cast<int>(rt.hidden / kFp8ScaleBlock) : 0;
   const RowPayload payload{input.hidden.data, fp8 ? rt.hidden : 2 * rt.hidden,
                            fp8 && rt.tokens > 0 ? scales.ptr<float>() : nullptr, S};
-  move_rows(*h, payload, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing);
-  if (budget) zero_tail(*h, win_.x, payload.row_bytes, true, S);
   h->recv_src = scratch(budget, Scratch::recv_src, N, false);  // kept: a later dispatch rewrites the window's copy
-  if (N > 0)
-    FLEXEP_CUDA_CHECK(cudaMemcpyAsync(h->recv_src.raw(), window() + win_.src, static_cast<std::size_t>(N) * 4,
-                                      cudaMemcpyDeviceToDevice, s));
+  listing.src = reinterpret_cast<const int*>(window() + win_.src);
+  listing.src_out = h->recv_src.data<std::int32_t>();
+  listing.src_rows = N;
+  move_rows(*h, payload, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing,
+            &places);
   if (expert_major) {
     // 5. Each entry's row out of the window; the window itself is rewritten by a later dispatch.
     const DType row_dtype = fp8 ? DType::e4m3 : DType::bf16;
@@ -334,7 +343,7 @@ std::vector<RankMajorLayout> Dispatcher::agree(const Gathered& g, const Dispatch
 
 Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::CallSignature& mine,
                                                                   const Tensor& counts, const DispatchOptions& options,
-                                                                  int k, bool failed) {
+                                                                  int k, bool failed, const RowPlaces& places) {
   const int R = world_size(), L = local_experts();
   const bool expert_major = options.layout == DispatchLayout::expert_major;
   CallLayout out;  // a rank whose checks failed (its options may be the reason) receives nothing
@@ -366,6 +375,10 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   c.pad = options.pad_multiple;
   c.local_experts = L;
   c.tokens_per_expert = reinterpret_cast<long long*>(scratch(true, Scratch::tokens_per_expert, L, false).raw());
+  c.rank_major_lengths = !expert_major && options.overflow != OverflowPolicy::drop;
+  c.dest_mask = places.dest_mask;
+  c.chunk_base = const_cast<int*>(places.chunk_base);
+  c.chunks = places.chunks;
   c.dropped = reinterpret_cast<long long*>(dropped_.raw());
   c.layout = reinterpret_cast<long long*>(out.words.raw());
   c.snapshot = snapshot_;
@@ -401,25 +414,9 @@ Tensor Dispatcher::scratch(bool budget, Scratch which, std::int64_t n, bool zero
   return t;
 }
 
-void Dispatcher::zero_tail(const DeepEpHandle& h, unsigned long long rows_at, long long row_bytes, bool slots,
-                           int scale_cols) {
-  TailCall t;
-  t.window = window();
-  t.rows_at = rows_at;
-  t.win = win_;
-  t.slots = slots;
-  t.zero_rows = h.layout == DispatchLayout::rank_major;
-  t.layout = reinterpret_cast<const long long*>(h.call_layout.raw());
-  t.rows = h.recv_rows;
-  t.row_bytes = row_bytes;
-  t.k = static_cast<int>(h.topk);
-  t.scale_cols = scale_cols;
-  launch_tail(t, send_ctas(), stream());
-}
-
 void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, const Tensor* slot_expert,
                            const TensorView& weights, unsigned long long rows_at, Kind kind, Phase phase,
-                           const ReceiveCall* listing) {
+                           const ReceiveCall* listing, const RowPlaces* places) {
   const cudaStream_t s = stream();
   SendRowsCall c = rows_sender(kind);
   c.k = static_cast<int>(h.topk);
@@ -430,8 +427,31 @@ void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, con
   c.scale_cols = payload.scale_cols;
   c.slot_expert = slot_expert ? slot_expert->data<std::int32_t>() : nullptr;
   c.weights = slot_expert && h.tokens > 0 ? weights.ptr<float>() : nullptr;  // none when a failed rank sends nothing
-  c.dest_row = h.dest_row.data<std::int32_t>();
+  if (places != nullptr) {  // a dispatch: the kernel places each row and writes h.dest_row
+    c.dest_mask = places->dest_mask;
+    c.chunk_base = places->chunk_base;
+    c.chunks = places->chunks;
+    c.budget = places->budget;
+    c.layout = reinterpret_cast<const long long*>(h.call_layout.raw());
+    c.dest_row_out = const_cast<int*>(h.dest_row.data<std::int32_t>());
+  } else {
+    c.dest_row = h.dest_row.data<std::int32_t>();
+  }
   c.rows_at = rows_at;
+  // Budget mode: the window region's rows past the received ones zeroed (not for the expert-major
+  // layout, which reads none of them) and, with slots, their slots cleared.
+  if (h.budget && (kind == kDispatch || h.layout == DispatchLayout::rank_major)) {
+    c.tail.window = window();
+    c.tail.rows_at = rows_at;
+    c.tail.win = win_;
+    c.tail.slots = slot_expert != nullptr;
+    c.tail.zero_rows = h.layout == DispatchLayout::rank_major;
+    c.tail.layout = reinterpret_cast<const long long*>(h.call_layout.raw());
+    c.tail.rows = h.recv_rows;
+    c.tail.row_bytes = payload.row_bytes;
+    c.tail.k = static_cast<int>(h.topk);
+    c.tail.scale_cols = payload.scale_cols;
+  }
   launch_send_rows(c, send_ctas(), s);
 
   ReceiveCall r = rows_receiver(kind, phase, listing);
@@ -482,8 +502,7 @@ Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad
   }
   const DeepEpHandle& h = *hp;
   move_rows(h, bf16_rows(grad_out), nullptr, TensorView(), win_.grad, kCombineBackward, Phase::combine_backward_rows,
-            nullptr);
-  if (h.budget && h.layout == DispatchLayout::rank_major) zero_tail(h, win_.grad, 2 * h.hidden, false, 0);
+            nullptr, nullptr);
   const Device dev = Device::cuda(comm_->device());
   Tensor out;
   if (h.layout == DispatchLayout::expert_major) {

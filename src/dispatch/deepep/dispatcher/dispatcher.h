@@ -132,9 +132,18 @@ class Dispatcher final : public DeepEpDispatcher {
   // Blocking mode: one host all-gather; every error of the call is raised here, on every rank.
   CallLayout exchange_on_host(const call_signature::CallSignature& mine, const std::exception_ptr& local,
                               const Tensor& counts_host, const DispatchOptions& options);
-  // Budget mode: the notify kernel; errors reach the host at the next check (check()).
+  // Where a dispatch's rows land (device/chunk_rows.cuh): the count kernel's masks and their chunk
+  // bases; `budget`: the drop policy's rank-major budget (-1: none).
+  struct RowPlaces {
+    const unsigned* dest_mask = nullptr;
+    const int* chunk_base = nullptr;
+    std::int64_t chunks = 0;
+    long long budget = -1;
+  };
+  // Budget mode: the notify kernel (which also writes the chunk bases); errors reach the host at
+  // the next check (check()).
   CallLayout exchange_on_device(const call_signature::CallSignature& mine, const Tensor& counts,
-                                const DispatchOptions& options, int k, bool failed);
+                                const DispatchOptions& options, int k, bool failed, const RowPlaces& places);
   // The count exchange's words of every rank, read: the signatures, rows[s * R + d] from source s
   // to receiver d, and pairs[s * E + e] from source s for global expert e.
   struct Gathered {
@@ -146,9 +155,6 @@ class Dispatcher final : public DeepEpDispatcher {
   // alike: a peer's failure, a mismatch, a receiver over the budget or over its window raise the
   // same error on every rank; else every receiver's layout.
   std::vector<RankMajorLayout> agree(const Gathered& g, const DispatchOptions& options) const;
-  // Budget mode: the window region's rows past the received ones zeroed (not for the expert-major
-  // layout, which reads none of them) and their slots cleared.
-  void zero_tail(const DeepEpHandle& h, unsigned long long rows_at, long long row_bytes, bool slots, int scale_cols);
   // The error every rank raises for an aborted budget-mode call, from the count exchange's words;
   // returns without raising when this rank's own failure was raised already.
   void raise_abort();
@@ -165,8 +171,8 @@ class Dispatcher final : public DeepEpDispatcher {
   // window's are allocated at creation; the expert-major layout's outputs (entry_rows: the rows as
   // bf16 elements, entry_scales) and a pad above 128's lists grow with the call's budget
   // (reserve_budget).
-  enum class Scratch : int { slot_expert, dest_flag, counts, layout, dest_row, recv_src, tokens_per_expert,
-                             expert_rows, token_probs, slot_pos, row_order, entry_rows, entry_scales, kinds };
+  enum class Scratch : int { slot_expert, dest_mask, counts, layout, dest_row, recv_src, tokens_per_expert,
+                             expert_rows, chunk_base, token_probs, slot_pos, row_order, entry_rows, entry_scales, kinds };
   Tensor scratch(bool budget, Scratch which, std::int64_t n, bool zero);
   static DType scratch_dtype(Scratch which);
   static std::array<std::int64_t, static_cast<std::size_t>(Scratch::kinds)> budget_buffer_sizes(
@@ -219,10 +225,13 @@ class Dispatcher final : public DeepEpDispatcher {
   static RowPayload bf16_rows(const TensorView& rows) { return {rows.data, 2 * rows.size(1), nullptr, 0}; }
   // Sends the payload (this rank's tokens) along the handle's dest_row into the peers' windows
   // at `rows_at` (with the slots when given), then waits for the rows coming here.
-  // `listing`: the receive kernel also lists each local expert's rows (and, for the expert-major
-  // layout, the entries' probs and places).
+  // `listing`: the receive kernels also list each local expert's rows (and, for the expert-major
+  // layout, the entries' probs and places). `places`: a dispatch, whose send kernel places each row
+  // from the masks and writes h.dest_row (else the rows follow h.dest_row). In budget mode the send
+  // kernel also clears the region's tail (TailCall).
   void move_rows(const DeepEpHandle& h, const RowPayload& payload, const Tensor* slot_expert, const TensorView& weights,
-                 unsigned long long rows_at, Kind kind, Phase phase, const ReceiveCall* listing);
+                 unsigned long long rows_at, Kind kind, Phase phase, const ReceiveCall* listing,
+                 const RowPlaces* places);
   // Level 1 of the combine for the expert-major layout: the handle's [M, H] entries -> [N, H] rows
   // (and, with grad_probs [M], their slots' gradients [N, k]).
   Tensor sum_entries(const DeepEpHandle& h, const TensorView& entries, const TensorView& grad_probs, Tensor* grad_w);

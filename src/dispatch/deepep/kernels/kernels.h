@@ -73,6 +73,9 @@ constexpr int header = layout + 1;           // the words before the counts
 inline constexpr int words(int experts, int ranks) { return header + experts + ranks; }
 }  // namespace exchange_word
 
+// The count kernel's destination masks: one word per (destination, chunk of 32 tokens).
+inline constexpr std::int64_t mask_chunks(std::int64_t tokens) { return (tokens + 31) / 32; }
+
 // FP8 rows carry one fp32 scale per this many elements (DeepEP's and hybridep's).
 constexpr int kFp8ScaleBlock = 128;
 
@@ -124,29 +127,52 @@ struct NotifyCall {
   bool expert_major = false;
   long long entries_budget = 0, pad = 1;  // expert-major: the budget of entries, DispatchOptions::pad_multiple
   int local_experts = 0;
-  long long* tokens_per_expert = nullptr;  // [L] (expert-major)
+  long long* tokens_per_expert = nullptr;  // [L]: the expert-major layout's, or the rank-major one's
+                                           // without the drop policy (the lists' padded lengths)
+  bool rank_major_lengths = false;         // rank-major, no drop: tokens_per_expert from the counts
   long long* layout = nullptr;         // layout_word
   long long* snapshot = nullptr;       // [R * P]
   long long* dropped = nullptr;        // zeroed here; the receive kernels add this rank's dropped pairs
+  // This rank's rows on every destination (device/chunk_rows.cuh), from the count kernel's masks.
+  const unsigned* dest_mask = nullptr;  // [R, chunks]
+  int* chunk_base = nullptr;            // [R, chunks]
+  std::int64_t chunks = 0;
 };
 void launch_notify(const NotifyCall& c, cudaStream_t stream);
 
-// dest_row[d * T + t] = row_begin[d] + (rank of t among the tokens with dest_flag[d * T + t]), or -1
-// (and -1 everywhere when the call aborted, and for rows at or past a budget: the drop policy). One
-// CTA per destination, a block scan: deterministic.
-struct RankRowsCall {
-  const int* dest_flag = nullptr;
-  const long long* layout = nullptr;  // layout_word: abort, row_begin
-  std::int64_t tokens = 0;
+// Blocking mode's chunk bases (device/chunk_rows.cuh) from the host's layout words: one CTA per
+// destination, a block scan. (Budget mode's notify kernel computes them itself.)
+struct ChunkBasesCall {
+  const unsigned* dest_mask = nullptr;  // [R, chunks]
+  const long long* layout = nullptr;    // layout_word: row_begin
+  std::int64_t chunks = 0;
   int ranks = 0;
-  long long budget = -1;              // budget mode: rows at or past it are dropped (-1: none)
-  int* dest_row = nullptr;
+  int* chunk_base = nullptr;            // [R, chunks]
 };
-void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream);
+void launch_chunk_bases(const ChunkBasesCall& c, cudaStream_t stream);
 
-// Sender: row t goes to dest_row[d * T + t] of rank d's window at `rows_at` (and, with slots, its
-// k slots as d's local ids, their weights, and t; with scales, its scales). Then one flag per
-// destination: flags[kind * R + me].
+// Budget mode's tail of a window region on this rank: rows [layout[received], rows) zero (unless
+// !zero_rows: the expert-major layout reads no row past the received ones), and with slots their
+// ids -1, weights 0 and source tokens -1 (and with scale_cols their scales 0). Peers write only
+// rows below `received`, so the sender kernel clears it while the rows travel.
+struct TailCall {
+  char* window = nullptr;
+  unsigned long long rows_at = 0;  // WindowLayout::x or ::grad
+  WindowLayout win{};
+  bool slots = false;
+  bool zero_rows = true;
+  const long long* layout = nullptr;
+  std::int64_t rows = 0;           // 0: no tail
+  long long row_bytes = 0;
+  int k = 0, scale_cols = 0;
+};
+
+// Sender: row t goes to its row on rank d's window at `rows_at` (and, with slots, its k slots as d's
+// local ids, their weights, and t; with scales, its scales). Then one flag per destination:
+// flags[kind * R + me]. The rows come from dest_row (combine_backward: the handle's), or for a
+// dispatch from the masks and chunk bases (device/chunk_rows.cuh), the kernel writing dest_row
+// [R * T] for the way back (-1: not sent; everywhere -1 when the call aborted; with `budget`, the
+// drop policy's rows at or past it). With a tail, it also clears this rank's tail (TailCall).
 struct SendRowsCall {
   SymmetricPeerTable peers{};
   int rank = 0, ranks = 0, local_experts = 0, k = 0;
@@ -157,7 +183,14 @@ struct SendRowsCall {
   int scale_cols = 0;                  // H / 128
   const int* slot_expert = nullptr;    // [T * k] (null: no slots travel)
   const float* weights = nullptr;      // [T * k]
-  const int* dest_row = nullptr;       // [R * T]
+  const int* dest_row = nullptr;       // [R * T], or null: from the masks
+  const unsigned* dest_mask = nullptr; // [R, chunks]
+  const int* chunk_base = nullptr;     // [R, chunks]
+  std::int64_t chunks = 0;
+  const long long* layout = nullptr;   // layout_word: abort
+  long long budget = -1;               // the drop policy's budget (-1: none)
+  int* dest_row_out = nullptr;         // [R * T]
+  TailCall tail{};
   unsigned long long rows_at = 0;      // WindowLayout::x or ::grad
   WindowLayout win{};
   OpControl* op = nullptr;
@@ -167,7 +200,8 @@ struct SendRowsCall {
 void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream);
 
 // Receiver: waits (deadline) for the flags of every source of `kind` at the epoch its sender
-// kernel closed; then, with expert_rows, CTA e lists local expert e's rows (any slot == e) in
+// kernel closed (every CTA of the listing kernels waits itself: no kernel only to wait); then,
+// with expert_rows, CTA e lists local expert e's rows (any slot == e) in
 // ascending order at list_begin[e], padded with -1 to list_len[e]. For the expert-major layout it
 // also writes, for entry p of those lists (row r, slot j): probs[p] = recv_topk_weights[r][j] (0 for
 // padding), slot_pos[r * k + j] = p, and row_order[r * k + n] = p for the row's n-th expert in
@@ -204,6 +238,11 @@ struct ReceiveCall {
   float* probs = nullptr;                 // [sum list_len] or null
   int* slot_pos = nullptr;                // [rows * k] or null
   int* row_order = nullptr;               // [rows * k] or null
+  // The received rows' source tokens copied out of the window (the handle keeps them: a later
+  // dispatch rewrites the window): src_out[i] = src[i] for i < src_rows.
+  const int* src = nullptr;
+  int* src_out = nullptr;
+  std::int64_t src_rows = 0;
 };
 void launch_receive(const ReceiveCall& c, cudaStream_t stream);
 
@@ -257,22 +296,6 @@ void launch_gather_rows(const void* rows, const int* index, std::int64_t entries
                         cudaStream_t stream);
 void launch_gather_scales(const float* scales, const int* index, std::int64_t entries, int scale_cols, float* out,
                           cudaStream_t stream);
-
-// Budget mode's tail of a window region: rows [layout[received], rows) zero (unless !zero_rows: the
-// expert-major layout reads no row past the received ones), and with slots their ids -1, weights 0
-// and source tokens -1 (and with scale_cols their scales 0). One warp per row.
-struct TailCall {
-  char* window = nullptr;
-  unsigned long long rows_at = 0;  // WindowLayout::x or ::grad
-  WindowLayout win{};
-  bool slots = false;
-  bool zero_rows = true;
-  const long long* layout = nullptr;
-  std::int64_t rows = 0;
-  long long row_bytes = 0;
-  int k = 0, scale_cols = 0;
-};
-void launch_tail(const TailCall& c, int ctas, cudaStream_t stream);
 
 // Level 1 of the combine (docs/semantics.md, "Combine"): out[r] = the sum of entries[row_order[r *
 // k + n]] over n in order (ascending local expert) until -1, in fp32, rounded to bf16 once. With

@@ -2,6 +2,7 @@
 // windows, then the call's layout derived on the device, so that no host sync sits in a dispatch.
 #include <cub/block/block_scan.cuh>
 
+#include "dispatch/deepep/device/chunk_rows.cuh"
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
@@ -112,6 +113,17 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
     for (int s = 0; s < c.rank; ++s) at += rows(s, d);
     c.layout[layout_word::row_begin + d] = bad < 0 ? at : 0;
   }
+  __syncthreads();
+  // This rank's rows on every destination, for the sender (device/chunk_rows.cuh); none on an abort.
+  if (bad < 0 && c.chunks > 0) {
+    __shared__ typename cub::BlockScan<int, kThreads>::TempStorage chunk_scan;
+    for (int d = 0; d < R; ++d)
+      chunk_bases<kThreads>(c.dest_mask + d * c.chunks, c.chunks, c.layout[layout_word::row_begin + d],
+                            c.chunk_base + d * c.chunks, chunk_scan);
+  }
+  if (c.rank_major_lengths)  // every pair sent here is received: the lists' lengths are the counts'
+    for (int e = static_cast<int>(threadIdx.x); e < c.local_experts; e += blockDim.x)
+      c.tokens_per_expert[e] = bad < 0 ? padded(pairs(c.rank * c.local_experts + e)) : 0;
   if (c.expert_major) {
     // This rank's lists, as DispatchPlan::build lays them out (hybridep's cut_group, checked against
     // it on the CPU): expert e begins after the padded lists of every pair before it.

@@ -4,7 +4,6 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
 #include "dispatch/hybridep/device/flag.cuh"
@@ -33,11 +32,17 @@ __device__ inline bool wait_sources(const unsigned* flags, int ranks, int kind, 
   return __syncthreads_and(ok) != 0;
 }
 
-// One CTA: it spins until the sources arrive (simulated ranks share one GPU).
-__global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) {
-  if (!wait_sources(c.flags, c.ranks, c.kind, c.op, c.status, c.timeout_ns, c.phase)) return;
-  stopped_by_peer(c.flags, c.kind, c.rank, c.ranks, ld_volatile(&c.op->epoch), c.status, c.phase);
+// Every source arrived (false after a timeout, now or in an earlier kernel of this call: then no
+// second deadline is waited out). CTA 0 also reports a source that stopped the call (abort words).
+__device__ inline bool sources_arrived(const ReceiveCall& c) {
+  if (ld_volatile(&c.status->code) == static_cast<int>(hybridep::StatusCode::timeout)) return false;
+  if (!wait_sources(c.flags, c.ranks, c.kind, c.op, c.status, c.timeout_ns, c.phase)) return false;
+  if (blockIdx.x == 0) stopped_by_peer(c.flags, c.kind, c.rank, c.ranks, ld_volatile(&c.op->epoch), c.status, c.phase);
+  return true;
 }
+
+// Only the wait, for a call with no lists (combine_backward); one CTA (simulated ranks share one GPU).
+__global__ void __launch_bounds__(kThreads) receive_kernel(ReceiveCall c) { sources_arrived(c); }
 
 // Entries first, first + step, ... below the capacity: no row (-1), prob 0.
 __device__ inline void clear_entries(const ReceiveCall& c, long long first, long long step) {
@@ -47,15 +52,18 @@ __device__ inline void clear_entries(const ReceiveCall& c, long long first, long
   }
 }
 
-// After receive_kernel on the same stream, so the rows are here; one CTA per local expert. After a
-// timed out wait every entry up to `capacity` is -1 (the call raises; the gather behind it then
-// writes zero rows instead of following stale or uninitialised indices).
+// One CTA per local expert, each first waiting for the sources itself. After a timed out wait every
+// entry up to `capacity` is -1 (the call raises; the gather behind it then writes zero rows instead
+// of following stale or uninitialised indices). The grid also copies the rows' source tokens out.
 __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
-  if (hybridep::ld_volatile(&c.status->code) == static_cast<int>(hybridep::StatusCode::timeout)) {
+  if (!sources_arrived(c)) {
     clear_entries(c, static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
                   static_cast<long long>(gridDim.x) * blockDim.x);
     return;
   }
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c.src_rows;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    c.src_out[i] = __ldcg(c.src + i);
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
   const bool budget = c.tokens_per_expert != nullptr;
@@ -105,12 +113,12 @@ __global__ void __launch_bounds__(kThreads) list_kernel(ReceiveCall c) {
   clear_entries(c, total + threadIdx.x, blockDim.x);
 }
 
-// Budget mode, before list_kernel: each local expert's padded list length. One CTA per expert.
+// Budget mode with the drop policy, before list_kernel: each local expert's padded list length (the
+// rows kept decide it). One CTA per expert, each first waiting for the sources itself.
 __global__ void __launch_bounds__(kThreads) count_lists_kernel(ReceiveCall c) {
   using Reduce = cub::BlockReduce<int, kThreads>;
   __shared__ typename Reduce::TempStorage reduce;
-  const bool ok = hybridep::ld_volatile(&c.status->code) != static_cast<int>(hybridep::StatusCode::timeout) &&
-                  c.layout[layout_word::abort] == 0;
+  const bool ok = sources_arrived(c) && c.layout[layout_word::abort] == 0;
   const std::int64_t rows = ok ? c.layout[layout_word::received] : 0;
   for (int e = static_cast<int>(blockIdx.x); e < c.local_experts; e += gridDim.x) {
     int mine = 0;
@@ -131,33 +139,14 @@ __global__ void __launch_bounds__(kThreads) count_lists_kernel(ReceiveCall c) {
   }
 }
 
-// One warp per tail row.
-__global__ void __launch_bounds__(kThreads) tail_kernel(TailCall c) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
-  const std::int64_t from = received_rows(c.layout);
-  const std::int64_t vectors = c.row_bytes / 16;
-  for (std::int64_t r = from + static_cast<std::int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; r < c.rows;
-       r += warps) {
-    if (c.zero_rows) {
-      zero_row(reinterpret_cast<uint4*>(c.window + c.rows_at) + r * vectors, vectors, lane);
-      zero_row(reinterpret_cast<float*>(c.window + c.win.scales) + r * c.scale_cols, c.scale_cols, lane);
-    }
-    if (!c.slots) continue;
-    for (int j = lane; j < c.k; j += 32) {
-      reinterpret_cast<int*>(c.window + c.win.idx)[r * c.k + j] = -1;
-      reinterpret_cast<float*>(c.window + c.win.w)[r * c.k + j] = 0.0f;
-    }
-    if (lane == 0) reinterpret_cast<int*>(c.window + c.win.src)[r] = -1;
-  }
-}
-
 }  // namespace
 
 void launch_receive(const ReceiveCall& c, cudaStream_t stream) {
-  receive_kernel<<<1, kThreads, 0, stream>>>(c);
-  FLEXEP_CUDA_CHECK_LAUNCH("deepep receive_kernel");
-  if (c.expert_rows == nullptr || c.local_experts == 0) return;
+  if (c.expert_rows == nullptr || c.local_experts == 0) {
+    receive_kernel<<<1, kThreads, 0, stream>>>(c);
+    FLEXEP_CUDA_CHECK_LAUNCH("deepep receive_kernel");
+    return;
+  }
   const int ctas = c.local_experts < 65535 ? c.local_experts : 65535;
   if (c.tokens_per_expert != nullptr && !c.lengths_known) {
     count_lists_kernel<<<ctas, kThreads, 0, stream>>>(c);
@@ -165,12 +154,6 @@ void launch_receive(const ReceiveCall& c, cudaStream_t stream) {
   }
   list_kernel<<<ctas, kThreads, 0, stream>>>(c);
   FLEXEP_CUDA_CHECK_LAUNCH("deepep list_kernel");
-}
-
-void launch_tail(const TailCall& c, int ctas, cudaStream_t stream) {
-  if (c.rows == 0) return;
-  tail_kernel<<<ctas < 1 ? 1 : ctas, kThreads, 0, stream>>>(c);
-  FLEXEP_CUDA_CHECK_LAUNCH("deepep tail_kernel");
 }
 
 }  // namespace flexep::deepep

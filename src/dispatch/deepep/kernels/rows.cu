@@ -1,8 +1,10 @@
-// The sender side of the deepep dispatch and combine_backward: the rank of every token among those
-// bound for each destination, and the row stores into the peers' windows (the counts before them:
-// dispatch/common/count_routes.h).
+// The sender side of the deepep dispatch and combine_backward: blocking mode's chunk bases, and the
+// row stores into the peers' windows, each row's place derived from the count kernel's masks
+// (device/chunk_rows.cuh; the counts before them: dispatch/common/count_routes.h), with budget
+// mode's tail cleared on the way.
 #include <cub/block/block_scan.cuh>
 
+#include "dispatch/deepep/device/chunk_rows.cuh"
 #include "dispatch/deepep/device/copy_row.cuh"
 #include "dispatch/deepep/device/publish.cuh"
 #include "dispatch/deepep/kernels/kernels.h"
@@ -17,23 +19,27 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kSendThreads = 1024;  // 32 warps per SM, each with kRowUnroll loads in flight
 
-__global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage scan;
+__global__ void __launch_bounds__(kThreads) chunk_bases_kernel(ChunkBasesCall c) {
+  __shared__ typename cub::BlockScan<int, kThreads>::TempStorage scan;
   const int d = static_cast<int>(blockIdx.x);
-  const int* flag = c.dest_flag + static_cast<std::int64_t>(d) * c.tokens;
-  int* row = c.dest_row + static_cast<std::int64_t>(d) * c.tokens;
-  const bool abort = c.layout[layout_word::abort] != 0;
-  long long next = c.layout[layout_word::row_begin + d];
-  for (std::int64_t base = 0; base < c.tokens; base += kThreads) {
-    const std::int64_t t = base + threadIdx.x;
-    const int f = t < c.tokens && !abort ? flag[t] : 0;
-    int before = 0, total = 0;
-    Scan(scan).ExclusiveSum(f, before, total);
-    const bool kept = c.budget < 0 || next + before < c.budget;
-    if (t < c.tokens) row[t] = f && kept ? static_cast<int>(next + before) : -1;
-    next += total;
-    __syncthreads();  // the scan storage is reused
+  chunk_bases<kThreads>(c.dest_mask + d * c.chunks, c.chunks, c.layout[layout_word::row_begin + d],
+                        c.chunk_base + d * c.chunks, scan);
+}
+
+// This rank's tail (TailCall), a warp per row, spread over the grid's warps.
+__device__ inline void clear_tail(const TailCall& c, std::int64_t warp, std::int64_t warps, int lane) {
+  const std::int64_t vectors = c.row_bytes / 16;
+  for (std::int64_t r = received_rows(c.layout) + warp; r < c.rows; r += warps) {
+    if (c.zero_rows) {
+      zero_row(reinterpret_cast<uint4*>(c.window + c.rows_at) + r * vectors, vectors, lane);
+      zero_row(reinterpret_cast<float*>(c.window + c.win.scales) + r * c.scale_cols, c.scale_cols, lane);
+    }
+    if (!c.slots) continue;
+    for (int j = lane; j < c.k; j += 32) {
+      reinterpret_cast<int*>(c.window + c.win.idx)[r * c.k + j] = -1;
+      reinterpret_cast<float*>(c.window + c.win.w)[r * c.k + j] = 0.0f;
+    }
+    if (lane == 0) reinterpret_cast<int*>(c.window + c.win.src)[r] = -1;
   }
 }
 
@@ -42,15 +48,24 @@ __global__ void __launch_bounds__(kThreads) rank_rows_kernel(RankRowsCall c) {
 __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c) {
   const OpSession session(c.op);
   const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * (kSendThreads / 32) + threadIdx.x / 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kSendThreads / 32);
   const std::int64_t vectors = c.row_bytes / 16;
   const std::int64_t pairs = static_cast<std::int64_t>(c.ranks) * c.tokens;
-  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * (kSendThreads / 32) + threadIdx.x / 32; p < pairs;
-       p += warps) {
-    const int row = c.dest_row[p];
-    if (row < 0) continue;
+  const bool derive = c.dest_row == nullptr;  // a dispatch: each row from the masks, written for the way back
+  const bool aborted = derive && c.layout != nullptr && c.layout[layout_word::abort] != 0;
+  for (std::int64_t p = warp; p < pairs; p += warps) {
     const int d = static_cast<int>(p / c.tokens);
     const std::int64_t t = p - static_cast<std::int64_t>(d) * c.tokens;
+    int row = -1;
+    if (!derive) {
+      row = c.dest_row[p];
+    } else {
+      if (!aborted) row = token_row(c.dest_mask + d * c.chunks, c.chunk_base + d * c.chunks, t);
+      if (c.budget >= 0 && row >= c.budget) row = -1;  // the drop policy: past the receiver's budget
+      if (lane == 0) c.dest_row_out[p] = row;
+    }
+    if (row < 0) continue;
     char* win = c.peers.window[d];
     const uint4* from = static_cast<const uint4*>(c.x) + t * vectors;
     uint4* to = reinterpret_cast<uint4*>(win + c.rows_at) + static_cast<std::int64_t>(row) * vectors;
@@ -71,15 +86,16 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c)
       if (lane == 0) reinterpret_cast<int*>(win + c.win.src)[row] = static_cast<int>(t);
     }
   }
+  if (c.tail.rows > 0) clear_tail(c.tail, warp, warps, lane);
   publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank, c.failed_arg);
 }
 
 }  // namespace
 
-void launch_rank_rows(const RankRowsCall& c, cudaStream_t stream) {
-  if (c.tokens == 0) return;
-  rank_rows_kernel<<<c.ranks, kThreads, 0, stream>>>(c);
-  FLEXEP_CUDA_CHECK_LAUNCH("deepep rank_rows_kernel");
+void launch_chunk_bases(const ChunkBasesCall& c, cudaStream_t stream) {
+  if (c.chunks == 0) return;
+  chunk_bases_kernel<<<c.ranks, kThreads, 0, stream>>>(c);
+  FLEXEP_CUDA_CHECK_LAUNCH("deepep chunk_bases_kernel");
 }
 
 void launch_send_rows(const SendRowsCall& c, int ctas, cudaStream_t stream) {
