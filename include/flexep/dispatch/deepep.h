@@ -6,11 +6,11 @@
 //
 //   dispatch:  a count kernel validates the ids and counts rows per destination rank and pairs per
 //              expert; the counts and the call signature are all-gathered (host sync: blocking mode);
-//              every rank derives every receiver's layout (core/rank_major.h); a kernel ranks this
-//              rank's tokens per destination, and the send kernel writes each (token, destination)
-//              row ONCE, at its final rank-major place in the destination's window, with its slots
+//              every rank derives every receiver's layout (core/rank_major.h); the send kernel places
+//              each (token, destination) row from the count kernel's destination masks and writes
+//              it ONCE, at its final rank-major place in the destination's window, with its slots
 //              (recv_topk_idx, recv_topk_weights) and source token, then releases one flag per
-//              destination; the receive kernel acquires them and lists each local expert's rows
+//              destination; the listing kernel acquires them and lists each local expert's rows
 //              (expert_rows). recv_x, recv_topk_idx and recv_topk_weights ARE the window: no copy.
 //   combine:   each received row travels back to its source's window (one row per (token, rank));
 //              the source sums them in fp32 over ascending rank: bitwise the host backend.
