@@ -175,6 +175,7 @@ void Dispatcher::allocate() {
   snapshot_ = reinterpret_cast<long long*>(local_ + sizeof(OpControl) * kKinds + sizeof(Status));
   allocate_budget_buffers();
   allocate_low_latency_buffers();
+  FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());  // their zeroing, before any call's stream uses them
   ++generation_;
 }
 
@@ -239,8 +240,13 @@ DeepEpMemory Dispatcher::memory() const {
 void Dispatcher::allocate_budget_buffers() {
   dropped_ = Tensor::zeros({1}, DType::i64, Device::cuda(comm_->device()));
   const auto sizes = budget_buffer_sizes(options_, world_size(), experts_);
-  for (std::size_t i = 0; i < sizes.size(); ++i)
-    budget_buffers_[i] = Tensor::empty({sizes[i]}, scratch_dtype(static_cast<Scratch>(i)), Device::cuda(comm_->device()));
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const DType dt = scratch_dtype(static_cast<Scratch>(i));
+    const Device dev = Device::cuda(comm_->device());
+    // The counts start at zero and the notify kernel zeroes them after each call (kernels.h, NotifyCall).
+    budget_buffers_[i] = static_cast<Scratch>(i) == Scratch::counts ? Tensor::zeros({sizes[i]}, dt, dev)
+                                                                    : Tensor::empty({sizes[i]}, dt, dev);
+  }
 }
 
 void Dispatcher::reserve_budget(const DispatchOptions& options, int k, std::int64_t hidden, bool fp8) {

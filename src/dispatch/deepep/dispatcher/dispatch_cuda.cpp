@@ -111,7 +111,7 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     if (budget) reserve_budget(options, rt.k, rt.hidden, fp8);
     h->slot_expert = scratch(budget, Scratch::slot_expert, rt.tokens * rt.k, false);
     dest_mask = scratch(budget, Scratch::dest_mask, R * mask_chunks(rt.tokens), false);  // written whole
-    counts = scratch(budget, Scratch::counts, E + R, true);
+    counts = scratch(budget, Scratch::counts, E + R, !budget);  // budget: zero on entry (the notify kernel's)
     CountRoutesCall count;
     count.indices = input.indices.data;
     count.indices_i64 = input.indices.dtype == DType::i64;
@@ -214,8 +214,6 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
     result.token_probs = scratch(budget, Scratch::token_probs, lay.entries, false);
     h->slot_pos = scratch(budget, Scratch::slot_pos, N * k, false);
     h->row_order = scratch(budget, Scratch::row_order, N * k, false);
-    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->slot_pos.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
-    FLEXEP_CUDA_CHECK(cudaMemsetAsync(h->row_order.raw(), 0xff, static_cast<std::size_t>(N * k) * 4, s));
     listing.weights = reinterpret_cast<const float*>(window() + win_.w);
     listing.probs = result.token_probs.data<float>();
     listing.slot_pos = h->slot_pos.data<std::int32_t>();
@@ -361,7 +359,7 @@ Dispatcher::CallLayout Dispatcher::exchange_on_device(const call_signature::Call
   c.header[exchange_word::fp8] = mine.fp8 ? 1 : 0;
   c.header[exchange_word::layout] = mine.layout == DispatchLayout::expert_major ? 1 : 0;
   c.errors = errors_.record();
-  c.counts = counts.defined() ? reinterpret_cast<const long long*>(counts.raw()) : nullptr;
+  c.counts = counts.defined() ? reinterpret_cast<long long*>(counts.raw()) : nullptr;
   c.words = exchange_word::words(experts_, R);
   c.win = win_;
   c.op = ops_ + kCounts;
@@ -434,6 +432,11 @@ void Dispatcher::move_rows(const DeepEpHandle& h, const RowPayload& payload, con
     c.budget = places->budget;
     c.layout = reinterpret_cast<const long long*>(h.call_layout.raw());
     c.dest_row_out = const_cast<int*>(h.dest_row.data<std::int32_t>());
+    if (h.layout == DispatchLayout::expert_major) {  // -1 before the listing kernel writes the entries'
+      c.minus_one[0] = const_cast<int*>(h.slot_pos.data<std::int32_t>());
+      c.minus_one[1] = const_cast<int*>(h.row_order.data<std::int32_t>());
+      c.minus_one_count = h.recv_rows * h.topk;
+    }
   } else {
     c.dest_row = h.dest_row.data<std::int32_t>();
   }

@@ -116,7 +116,10 @@ struct NotifyCall {
   int rank = 0, ranks = 0, experts = 0;
   long long header[exchange_word::header] = {};
   const cuda::DeviceErrorRecord* errors = nullptr;
-  const long long* counts = nullptr;  // [E + R], or null (this rank's checks failed: zeros travel)
+  // [E + R], or null (this rank's checks failed: zeros travel). Budget mode's counts buffer, which
+  // the count kernel adds into: the notify kernel zeroes it once sent, for the next call (zero at
+  // creation), so no call clears it first.
+  long long* counts = nullptr;
   int words = 0;                      // P = exchange_word::words(E, R)
   WindowLayout win{};
   OpControl* op = nullptr;
@@ -190,6 +193,8 @@ struct SendRowsCall {
   const long long* layout = nullptr;   // layout_word: abort
   long long budget = -1;               // the drop policy's budget (-1: none)
   int* dest_row_out = nullptr;         // [R * T]
+  int* minus_one[2] = {};              // filled with -1 (minus_one_count each): the expert-major maps
+  std::int64_t minus_one_count = 0;
   TailCall tail{};
   unsigned long long rows_at = 0;      // WindowLayout::x or ::grad
   WindowLayout win{};

@@ -56,6 +56,8 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyCall c) {
   }
   publish_to_peers(session, c.peers, kCounts, R, c.rank);
   __syncthreads();
+  if (c.counts != nullptr)  // every thread has read them: zero for the next call's count kernel
+    for (int i = static_cast<int>(threadIdx.x); i < E + R; i += blockDim.x) c.counts[i] = 0;
   // 2. Every source's words.
   const unsigned* flags = reinterpret_cast<const unsigned*>(c.peers.flags[c.rank]);
   const WaitContext wait{c.status, c.timeout_ns, hybridep::Phase::dispatch_counts};

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsCall c)
     }
   }
   if (c.tail.rows > 0) clear_tail(c.tail, warp, warps, lane);
+  for (std::int64_t i = warp * 32 + lane; i < c.minus_one_count; i += warps * 32) c.minus_one[0][i] = c.minus_one[1][i] = -1;
   publish_to_peers(session, c.peers, c.kind, c.ranks, c.rank, c.failed_arg);
 }
 
