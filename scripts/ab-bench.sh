@@ -52,7 +52,13 @@ run() {
   jobs="${AB_JOBS:-$(( cores / ${#variants[@]} > 0 ? cores / ${#variants[@]} : 1 ))}"
   for v in "${variants[@]}"; do
     mkdir -p "/tmp/ab/$v" && tar -xf "$dir/$v.tar" -C "/tmp/ab/$v" && cp "$dir/$v.COMMIT" "/tmp/ab/$v/COMMIT"
+    # Every variant is built by this tree's gpu-test.sh (the same procedure for all); without
+    # AB_TESTS only the flexep program (the benchmarks), so the builds take less.
+    cp "$root/scripts/gpu-test.sh" "/tmp/ab/$v/scripts/gpu-test.sh"
+    local targets=flexep
+    [ -n "${AB_TESTS:-}" ] && targets=""
     (cd "/tmp/ab/$v" && FLEXEP_GPU_TESTS=0 FLEXEP_BENCH=0 FLEXEP_JOBS="$jobs" OUT="$out/build-$v" \
+       FLEXEP_BUILD_TARGETS="$targets" \
        bash scripts/gpu-test.sh > "$out/build-$v.txt" 2>&1; echo "built $v: rc=$?") &
   done
   wait

@@ -6,6 +6,7 @@
 #   FLEXEP_CTEST_ARGS=...   extra ctest arguments (e.g. -R Permute)
 #   FLEXEP_SANITIZER=memcheck|racecheck   run the GPU test binary under compute-sanitizer instead
 #   FLEXEP_CMAKE_ARGS=...   extra configure arguments
+#   FLEXEP_BUILD_TARGETS=.. build only these targets (e.g. flexep: the benchmarks, no tests)
 #   FLEXEP_PYTHON=1         also build the Python extension, then run the one-GPU PyTorch tests
 #                           (python/tests/gpu/test_torch_1gpu.py, test_deepep_1gpu.py) and bench/automodel_layer_bench.py
 #                           against NeMo Automodel 0.7.0, installed (--no-deps) from the wheel in .whl/
@@ -35,7 +36,8 @@ if [ "${FLEXEP_PYTHON:-0}" = 1 ]; then python_args=(-DFLEXEP_BUILD_PYTHON=ON -DP
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXEP_CUDA=ON \
  ${nccl_root:+-DFLEXEP_NCCL_ROOT=$nccl_root} "${python_args[@]}" ${FLEXEP_CMAKE_ARGS:-} > "$out/configure.log" 2>&1 \
  || { cat "$out/configure.log"; exit 1; }
-if ! cmake --build "$build" -j "${FLEXEP_JOBS:-32}" > "$out/build.log" 2>&1; then
+# shellcheck disable=SC2086
+if ! cmake --build "$build" -j "${FLEXEP_JOBS:-32}" ${FLEXEP_BUILD_TARGETS:+--target $FLEXEP_BUILD_TARGETS} > "$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -40
   exit 1
 fi
