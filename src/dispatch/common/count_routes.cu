@@ -65,13 +65,34 @@ __global__ void __launch_bounds__(kThreads) count_routes_kernel(CountRoutesCall 
       continue;
     }
     const std::int64_t chunk = first / 32;
+    if (c.ranks <= 32) {  // the token's ranks as bits; one ballot per rank gives its word, kept by lane d
+      unsigned ranks = 0;
+      for (int j = 0; active && j < c.k; ++j) {
+        const int e = c.slot_expert[base + j];
+        if (e < 0) continue;
+        count(e, 1);
+        ranks |= 1u << (e / c.local_experts);
+      }
+      unsigned word = 0;
+      for (int d = 0; d < c.ranks; ++d) {
+        const unsigned w = __ballot_sync(0xffffffffu, (ranks >> d) & 1u);
+        if (lane == d) word = w;
+      }
+      if (lane < c.ranks) {
+        c.dest_mask[lane * c.mask_chunks + chunk] = word;
+        if (word != 0) count(c.experts + lane, __popc(word));
+      }
+      continue;
+    }
+    // More ranks than lanes: the warp clears its words, ORs its tokens' bits in (a repeat ORs the
+    // same bit), and counts each word's bits.
     for (int d = lane; d < c.ranks; d += 32) c.dest_mask[d * c.mask_chunks + chunk] = 0;
     __syncwarp();
     for (int j = 0; active && j < c.k; ++j) {
       const int e = c.slot_expert[base + j];
       if (e < 0) continue;
       count(e, 1);
-      atomicOr(c.dest_mask + (e / c.local_experts) * c.mask_chunks + chunk, 1u << lane);  // a repeat ORs the same bit
+      atomicOr(c.dest_mask + (e / c.local_experts) * c.mask_chunks + chunk, 1u << lane);
     }
     __syncwarp();
     for (int d = lane; d < c.ranks; d += 32) {

@@ -2,8 +2,9 @@
 // the (token, expert) pairs counted per expert, and every token counted once per destination rank.
 // One thread per token: a token's k slots are few, and one thread per token lets the repeat check
 // and the deduplication per destination run without atomics on flags. In the mask form a warp's 32
-// tokens share one word per destination: the warp clears its words, ORs its tokens' bits in, and
-// counts each destination's tokens as the word's set bits (so a token counts once per rank).
+// tokens share one word per destination, a ballot per rank (up to 32 ranks; beyond, the warp clears
+// its words and ORs its tokens' bits in with atomics), and each destination's tokens are counted as
+// the word's set bits (so a token counts once per rank).
 #pragma once
 
 #include <cuda_runtime.h>
