@@ -1,14 +1,16 @@
 // The deepep dispatch and combine_backward: the rows out, at their final rank-major places. The
 // dispatch's steps, on every rank:
-//   1. local checks, and the count kernel (ids validated, rows per destination, pairs per expert);
-//      a failure is not raised yet: it travels with step 2, so that every rank stops together;
+//   1. local checks, and the count kernel (ids validated, rows per destination, pairs per expert,
+//      the destination masks); a failure is not raised yet: it travels with step 2, so that every
+//      rank stops together;
 //   2. the count exchange of [signature | pairs per expert | rows per destination], and the call's
-//      layout (layout_word) from it, the same rules on every rank: blocking mode through one host
-//      all-gather (then every error is raised here, on every rank); budget mode on the device
-//      (notify kernel: no host sync; an error is raised by the next check on every rank);
-//   3. the rank of every token among those bound for each destination (dest_row), then the send
-//      kernel: each (token, destination) row once into the destination's window, with its slots;
-//   4. the receive kernel: every source's flag acquired, each local expert's rows listed;
+//      layout (layout_word) and chunk bases from it, the same rules on every rank: blocking mode
+//      through one host all-gather (then every error is raised here, on every rank) and a kernel
+//      for the chunk bases; budget mode on the device (notify kernel: no host sync; an error is
+//      raised by the next check on every rank);
+//   3. the send kernel: each (token, destination) row placed from the masks and stored once into
+//      the destination's window, with its slots; dest_row written for the way back;
+//   4. the listing kernel(s): every source's flag acquired, each local expert's rows listed;
 //   5. the expert-major layout only: the rows gathered into their experts' lists (no communication).
 #include <algorithm>
 #include <iterator>
