@@ -25,6 +25,13 @@ inline double uniform01(std::uint64_t seed, std::uint64_t stream, std::uint64_t 
   const std::uint64_t h = splitmix64(splitmix64(seed ^ splitmix64(stream)) + index);
   return static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);
 }
+// uniform01 in two steps, for loops over many indices of one (seed, stream): the 53 random bits
+// of index i are uniform01_bits(uniform01_key(seed, stream), i), and uniform01 is those bits
+// times 2^-53 (so it orders indices as their bits do).
+inline std::uint64_t uniform01_key(std::uint64_t seed, std::uint64_t stream) {
+  return splitmix64(seed ^ splitmix64(stream));
+}
+inline std::uint64_t uniform01_bits(std::uint64_t key, std::uint64_t index) { return splitmix64(key + index) >> 11; }
 
 // Standard normal from (seed, stream, index), Box-Muller on two independent uniforms.
 inline double normal01(std::uint64_t seed, std::uint64_t stream, std::uint64_t index) {
