@@ -152,6 +152,17 @@ bool capturing(cudaStream_t s) {
   return cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
 }
 
+void require_device_memory(std::size_t bytes, std::size_t reusable, int device, const std::string& arg,
+                           const std::string& what) {
+  DeviceGuard guard(device);
+  std::size_t free_bytes = 0, total_bytes = 0;
+  FLEXEP_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  FLEXEP_CHECK_ARG(bytes <= free_bytes + reusable, arg, what, " need ", static_cast<double>(bytes) / gib,
+                   " GiB of device memory, more than the ", static_cast<double>(free_bytes + reusable) / gib,
+                   " GiB free on GPU ", device, " (of ", static_cast<double>(total_bytes) / gib, " GiB)");
+}
+
 int sm_count(int device) {
   static std::mutex m;
   static std::vector<int> cache;

@@ -885,6 +885,32 @@ TEST_P(DeepEpMultiGpu, BadOptionsOnOneRankStopEveryRank) {
         << what_of(failures[static_cast<std::size_t>(r)]);
 }
 
+// Buffers larger than the GPU (10^8 tokens per rank at H 7168: terabytes of window) are refused
+// before anything is allocated, on every rank, naming the options and the bytes they need.
+TEST_P(DeepEpMultiGpu, BuffersThatCannotFitAreRefusedOnEveryRank) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        DeepEpOptions o;
+        o.hidden = 7168;
+        o.max_tokens_per_rank = 100'000'000;
+        o.max_topk = 8;
+        try {
+          make_deepep_dispatcher(g.comm, 8 * g.size, o);
+        } catch (...) {
+          failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
+        }
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_threw<ArgumentError>(failures, argument_is("options", [](const std::string& m) {
+    return contains(m, "the deepep buffers") && contains(m, "GiB of device memory, more than the");
+  })));
+}
+
 // A rank that stops before a call: every other rank raises a TimeoutError naming that call's phase
 // and the stopped rank within the deadline (3 s): budget mode's count exchange (raised by the next
 // check_errors()), combine, dispatch_backward, combine_backward.

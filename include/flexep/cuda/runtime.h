@@ -5,7 +5,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "flexep/core/tensor.h"
 
@@ -95,5 +97,11 @@ int sm_count(int device);
 
 // Whether `s` is capturing a CUDA graph (work enqueued on it is recorded, not run).
 bool capturing(cudaStream_t s);
+
+// Refuses, before anything is allocated, `bytes` of new device memory on `device` that the GPU
+// does not have free (less `reusable`, bytes the caller frees first): an ArgumentError naming
+// `arg`, with `what` needs and what is free, in GiB.
+void require_device_memory(std::size_t bytes, std::size_t reusable, int device, const std::string& arg,
+                           const std::string& what);
 
 }  // namespace flexep::cuda

@@ -113,6 +113,12 @@ void Dispatcher::agree_on_options(const DeepEpOptions& options, const std::strin
   try {
     options_ = options;
     check_options(experts_);
+    // Buffers that cannot fit are refused here, by every rank, rather than by a failed allocation
+    // inside the collective set-up (a resize frees the old ones first).
+    const DeepEpMemory need = DeepEpDispatcher::size_hint(options, comm_->size(), experts_);
+    cuda::require_device_memory(need.total(), memory().total(), comm_->device(), "options",
+                                detail::concat("the deepep buffers (window ", need.window, " bytes, ", need.local,
+                                               " bytes of this rank's own)"));
   } catch (...) {
     local = std::current_exception();
   }
