@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <vector>
+
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::testing {
@@ -18,6 +21,15 @@ inline bool require_gpus(int n) {
   }
   cuda::init();
   return true;
+}
+
+// A device tensor's elements on the host, as T (synchronises `s`).
+template <class T>
+std::vector<T> host_vector(const TensorView& d, cudaStream_t s) {
+  const Tensor h = cuda::to_host(d, s);
+  std::vector<T> v(static_cast<std::size_t>(h.numel()));
+  if (h.nbytes()) std::memcpy(v.data(), h.raw(), h.nbytes());
+  return v;
 }
 
 }  // namespace flexep::testing

@@ -17,6 +17,7 @@
 #include "gpu/gpu_test_util.h"
 
 using namespace flexep;
+using flexep::testing::host_vector;
 using flexep::testing::require_gpus;
 
 namespace {
@@ -77,14 +78,6 @@ Counts cpu_counts(const Case& c, const std::vector<std::int64_t>& ids) {
   return out;
 }
 
-template <class T>
-std::vector<T> download(const Tensor& d, cudaStream_t s) {
-  const Tensor h = cuda::to_host(d, s);
-  std::vector<T> v(static_cast<std::size_t>(h.numel()));
-  if (h.nbytes()) std::memcpy(v.data(), h.raw(), h.nbytes());
-  return v;
-}
-
 TEST(CountRoutesGpu, MasksFlagsAndCountsMatchTheCpu) {
   if (!require_gpus(1)) return;
   cuda::init();
@@ -133,14 +126,14 @@ TEST(CountRoutesGpu, MasksFlagsAndCountsMatchTheCpu) {
       }
       call.errors = errors.record();
       launch_count_routes(call, s);
-      EXPECT_EQ(download<int>(slot, s), want.slot);
-      const std::vector<long long> got = download<long long>(counts, s);
+      EXPECT_EQ(host_vector<int>(slot, s), want.slot);
+      const std::vector<long long> got = host_vector<long long>(counts, s);
       EXPECT_EQ(std::vector<long long>(got.begin(), got.begin() + c.experts), want.per_expert);
       EXPECT_EQ(std::vector<long long>(got.begin() + c.experts, got.end()), want.per_rank);
       if (masks)
-        EXPECT_EQ(download<unsigned>(mask, s), want.mask);
+        EXPECT_EQ(host_vector<unsigned>(mask, s), want.mask);
       else
-        EXPECT_EQ(download<int>(flag, s), want.flag);
+        EXPECT_EQ(host_vector<int>(flag, s), want.flag);
       EXPECT_THROW(errors.check(s, "count"), ArgumentError);  // the ids out of range and the repeats
     }
   }

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "flexep/core/rank_major.h"
@@ -860,24 +861,38 @@ TEST_P(DeepEpMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
   }
 }
 
-TEST_P(DeepEpMultiGpu, BadOptionsOnOneRankStopEveryRank) {
-  if (!require_ranks()) return;
-  const int R = gpu_ranks();
+namespace {
+
+// What creating a dispatcher with options_of(rank) and experts_per_rank x R experts raised on
+// every rank (null where nothing was raised).
+std::vector<std::exception_ptr> creation_failures(int R, int experts_per_rank,
+                                                  const std::function<DeepEpOptions(int)>& options_of) {
   std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
   const auto errors = run_gpu_ranks(
       R,
       [&](GpuRank& g) {
-        DeepEpOptions o;
-        o.hidden = g.rank == 0 ? 7 : 8;
-        o.max_tokens_per_rank = 4;
         try {
-          make_deepep_dispatcher(g.comm, 2 * g.size, o);
+          make_deepep_dispatcher(g.comm, experts_per_rank * g.size, options_of(g.rank));
         } catch (...) {
           failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
         }
       },
       test_comm_options());
-  ASSERT_TRUE(all_ok(errors));
+  EXPECT_TRUE(all_ok(errors));
+  return failures;
+}
+
+}  // namespace
+
+TEST_P(DeepEpMultiGpu, BadOptionsOnOneRankStopEveryRank) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  const std::vector<std::exception_ptr> failures = creation_failures(R, 2, [](int rank) {
+    DeepEpOptions o;
+    o.hidden = rank == 0 ? 7 : 8;
+    o.max_tokens_per_rank = 4;
+    return o;
+  });
   ASSERT_TRUE(failures[0] != nullptr);
   EXPECT_TRUE(contains(what_of(failures[0]), "'options.hidden'")) << what_of(failures[0]);
   for (int r = 1; r < R; ++r)
@@ -889,23 +904,13 @@ TEST_P(DeepEpMultiGpu, BadOptionsOnOneRankStopEveryRank) {
 // before anything is allocated, on every rank, naming the options and the bytes they need.
 TEST_P(DeepEpMultiGpu, BuffersThatCannotFitAreRefusedOnEveryRank) {
   if (!require_ranks()) return;
-  const int R = gpu_ranks();
-  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
-  const auto errors = run_gpu_ranks(
-      R,
-      [&](GpuRank& g) {
-        DeepEpOptions o;
-        o.hidden = 7168;
-        o.max_tokens_per_rank = 100'000'000;
-        o.max_topk = 8;
-        try {
-          make_deepep_dispatcher(g.comm, 8 * g.size, o);
-        } catch (...) {
-          failures[static_cast<std::size_t>(g.rank)] = std::current_exception();
-        }
-      },
-      test_comm_options());
-  ASSERT_TRUE(all_ok(errors));
+  const std::vector<std::exception_ptr> failures = creation_failures(gpu_ranks(), 8, [](int) {
+    DeepEpOptions o;
+    o.hidden = 7168;
+    o.max_tokens_per_rank = 100'000'000;
+    o.max_topk = 8;
+    return o;
+  });
   EXPECT_TRUE(all_threw<ArgumentError>(failures, argument_is("options", [](const std::string& m) {
     return contains(m, "the deepep buffers") && contains(m, "GiB of device memory, more than the");
   })));

@@ -15,6 +15,7 @@
 #include "gpu/gpu_test_util.h"
 
 using namespace flexep;
+using flexep::testing::host_vector;
 
 namespace {
 
@@ -47,14 +48,6 @@ Tensor normal(Shape shape, std::uint64_t seed) {
   Tensor t = Tensor::empty(shape, DType::f32);
   fill_normal(t, seed, 78, 0.0, 1.0);
   return t;
-}
-
-template <class T>
-std::vector<T> host_vector(const TensorView& d, cudaStream_t s) {
-  const Tensor h = cuda::to_host(d, s);
-  std::vector<T> v(static_cast<std::size_t>(h.numel()));
-  if (h.nbytes()) std::memcpy(v.data(), h.raw(), h.nbytes());
-  return v;
 }
 
 // Bit patterns, so that NaN poison compares unequal to everything and -0.0 != 0.0 would show.
