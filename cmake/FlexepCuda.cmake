@@ -2,6 +2,7 @@
 # Only sm_90a is built: the kernels use wgmma/TMA/setmaxnreg, and one target keeps the build lean.
 include(CheckLanguage)
 set(FLEXEP_WITH_CUDA OFF)
+set(FLEXEP_CUTLASS_INCLUDE "" CACHE PATH "CUTLASS/CuTe headers (the folder holding cute/ and cutlass/)")
 if(NOT FLEXEP_CUDA STREQUAL "OFF")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
@@ -36,7 +37,25 @@ if(FLEXEP_WITH_CUDA)
   add_library(flexep_nccl INTERFACE)
   target_include_directories(flexep_nccl INTERFACE ${NCCL_INCLUDE_DIR})
   target_link_libraries(flexep_nccl INTERFACE ${NCCL_LIBRARY})
-  message(STATUS "flexep: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, NCCL headers ${NCCL_INCLUDE_DIR}, library ${NCCL_LIBRARY}")
+  # CUTLASS / CuTe headers (the nvidia-cutlass package from PyPI; scripts/cutlass-headers.sh installs
+  # it into .venv and prints the folder, scripts/build.sh passes it). Without the variable, .venv is searched.
+  if(NOT FLEXEP_CUTLASS_INCLUDE)
+    file(GLOB _cutlass_candidates
+      ${PROJECT_SOURCE_DIR}/.venv/lib/python3*/site-packages/cutlass_library/source/include)
+    list(LENGTH _cutlass_candidates _cutlass_found)
+    if(_cutlass_found GREATER 0)
+      list(GET _cutlass_candidates 0 _cutlass_first)
+      set(FLEXEP_CUTLASS_INCLUDE ${_cutlass_first} CACHE PATH "CUTLASS/CuTe headers" FORCE)
+    endif()
+  endif()
+  if(NOT EXISTS "${FLEXEP_CUTLASS_INCLUDE}/cute/tensor.hpp")
+    message(FATAL_ERROR "flexep: CUTLASS/CuTe headers not found (FLEXEP_CUTLASS_INCLUDE='${FLEXEP_CUTLASS_INCLUDE}'); "
+                        "run scripts/cutlass-headers.sh, which installs nvidia-cutlass into .venv and prints the folder")
+  endif()
+  add_library(flexep_cutlass INTERFACE)
+  target_include_directories(flexep_cutlass SYSTEM INTERFACE ${FLEXEP_CUTLASS_INCLUDE})
+  message(STATUS "flexep: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, NCCL headers ${NCCL_INCLUDE_DIR}, library ${NCCL_LIBRARY}, "
+                 "CUTLASS headers ${FLEXEP_CUTLASS_INCLUDE}")
 else()
   message(STATUS "flexep: building without CUDA (FLEXEP_CUDA=${FLEXEP_CUDA})")
 endif()

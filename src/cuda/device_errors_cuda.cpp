@@ -12,6 +12,8 @@ const char* arg_name(int arg) {
     case DeviceArg::routing_map: return "routing_map";
     case DeviceArg::tokens_per_expert: return "tokens_per_expert";
     case DeviceArg::budget_rows: return "budget_rows";
+    case DeviceArg::row_ids: return "row_ids";
+    case DeviceArg::group_offsets: return "offsets";
     case DeviceArg::none: break;
   }
   return "unknown";
@@ -46,6 +48,12 @@ void DeviceErrors::check(cudaStream_t stream, const std::string& context) {
     case DeviceArg::budget_rows:
       throw_argument_error("budget_rows", context, ": overflow: ", h.value, " expert-major rows are needed but budget_rows is ",
                            h.limit, "; raise budget_rows (or the capacity factor) or use the drop overflow policy");
+    case DeviceArg::row_ids:
+      throw_argument_error("row_ids", context, ": value ", h.value, " at row ", h.row,
+                           " is out of range; allowed: -1 (a zero row) <= id < ", h.limit, " (the rows of a)");
+    case DeviceArg::group_offsets:
+      throw_argument_error("offsets", context, ": offsets[", h.row, "] = ", h.value,
+                           " is out of range; the offsets must not decrease and must lie in [0, ", h.limit, "]");
     default:
       throw_argument_error(arg_name(h.arg), context, ": value ", h.value, " at ", where,
                            " is out of range; limit ", h.limit);

@@ -17,6 +17,8 @@ enum class DeviceArg : int {
   routing_map = 2,      // multihot rows with more than the supported experts per token
   tokens_per_expert = 3,
   budget_rows = 4,      // budget overflow (policy error)
+  row_ids = 5,          // a gathered GEMM's row id outside [-1, rows of a)
+  group_offsets = 6,    // a grouped GEMM's group offsets decreasing or outside [0, rows]
 };
 
 struct DeviceErrorRecord {

@@ -1,0 +1,323 @@
+// The gathered grouped GEMM (flexep/cuda/gather_gemm.h): the kernel and its launch.
+//
+// Roles in a CTA of three warpgroups:
+//   warpgroup 0     loads: per stage, A's 128 gathered rows x 64 columns and B's 64 x 256 block,
+//                   16-byte cp.async each, into the swizzled layouts wgmma reads; signals the stage's
+//                   full barrier when its copies have landed (cp.async.mbarrier.arrive);
+//   warpgroups 1-2  wait for a stage, run 4 wgmma k-steps on it (64 x 256 each), release the stage
+//                   once the next stage's wgmmas are issued (one batch in flight), then store the tile.
+// The stages' full/empty barriers are CUTLASS's PipelineAsync; the layouts and wgmma descriptors are
+// CuTe's. The loaders run ahead by up to four stages, also across tiles, so the next tile's loads
+// overlap this tile's epilogue.
+#include "flexep/cuda/gather_gemm.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "flexep/core/checks.h"
+#include "flexep/cuda/runtime.h"
+
+namespace flexep::cuda {
+namespace {
+
+using namespace cute;
+using Element = cutlass::bfloat16_t;
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kLoadThreads = 128, kMmaThreads = 256, kThreads = kLoadThreads + kMmaThreads;
+constexpr int kChunk = 8;  // bf16 per 16-byte copy
+
+using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                           make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+// B is stored [K, M] with M contiguous: "MN-major" for wgmma; atoms along K first, as CUTLASS lays it.
+using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                           make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
+using TiledMma = decltype(make_tiled_mma(
+    SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<cute::Shape<_2, _1, _1>>{}));
+using Pipeline = cutlass::PipelineAsync<kStages>;
+using PipelineState = typename Pipeline::PipelineState;
+
+struct SharedStorage {
+  alignas(1024) Element a[cosize_v<SmemLayoutA>];
+  alignas(1024) Element b[cosize_v<SmemLayoutB>];
+  typename Pipeline::SharedStorage pipeline;
+  int tile_start[kGatherGemmMaxGroups + 1];  // the first tile of each group; [G] = all tiles
+  int row_begin[kGatherGemmMaxGroups + 1];   // the groups' rows, clamped to [0, N]
+};
+
+struct Params {
+  const Element* a;
+  const std::int32_t* row_ids;  // null: row i reads a[i]
+  const std::int64_t* offsets;
+  const Element* b;
+  Element* c;
+  DeviceErrorRecord* errors;
+  std::int64_t a_rows;
+  int n, k, m, groups;
+};
+
+struct Tile {
+  int group, m_tile, n_tile, row_begin, rows;
+};
+
+// Group starts and tile counts, by warp 0 (one warp scan per 32 groups). Offsets are clamped so a bad
+// table can only mean fewer rows, never an address outside c.
+__device__ void plan_tiles(const Params& p, SharedStorage& s) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int n_tiles = (p.m + kBN - 1) / kBN;
+  int carry = 0;
+  for (int base = 0; base < p.groups; base += 32) {
+    const int g = base + lane;
+    int tiles = 0;
+    if (g < p.groups) {
+      const std::int64_t lo = p.offsets[g], hi = p.offsets[g + 1];
+      if (p.errors && (lo < 0 || lo > p.n || hi < lo || hi > p.n)) {
+        const std::int64_t bad = (lo < 0 || lo > p.n) ? lo : hi;
+        report_device_error(p.errors, DeviceArg::group_offsets, (lo < 0 || lo > p.n) ? g : g + 1, -1, bad, p.n);
+      }
+      const int b = static_cast<int>(min(max(lo, std::int64_t{0}), static_cast<std::int64_t>(p.n)));
+      const int e = static_cast<int>(min(max(hi, static_cast<std::int64_t>(b)), static_cast<std::int64_t>(p.n)));
+      s.row_begin[g] = b;
+      if (g == p.groups - 1) s.row_begin[p.groups] = e;
+      tiles = (e - b + kBM - 1) / kBM * n_tiles;
+    }
+    int inclusive = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += v;
+    }
+    if (g < p.groups) s.tile_start[g] = carry + inclusive - tiles;
+    carry += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+  if (lane == 0) s.tile_start[p.groups] = carry;
+}
+
+// Tile t -> (group, m tile, n tile): the group is the last one starting at or before t (empty groups
+// start where the next one does); inside a group the M tiles of one N column are consecutive.
+__device__ Tile tile_at(const Params& p, const SharedStorage& s, int t) {
+  int lo = 0, hi = p.groups;  // tile_start[lo] <= t < tile_start[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (s.tile_start[mid] <= t) lo = mid; else hi = mid;
+  }
+  Tile tile;
+  tile.group = lo;
+  tile.row_begin = s.row_begin[lo];
+  tile.rows = s.row_begin[lo + 1] - tile.row_begin;
+  const int m_tiles = (tile.rows + kBM - 1) / kBM;
+  const int local = t - s.tile_start[lo];
+  tile.n_tile = local / m_tiles;
+  tile.m_tile = local % m_tiles;
+  return tile;
+}
+
+__device__ __forceinline__ void copy16(const Element* src, Element* dst, bool valid) {
+  SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src),
+                                                   *reinterpret_cast<uint128_t*>(dst), valid);
+}
+
+// Warpgroup 0. Thread t copies 16-byte column chunk t % 8 of A's rows t / 8 + 16 i (i < 8) and chunk
+// t % 32 of B's rows t / 32 + 4 i (i < 16): a warp reads four A rows' 128 bytes and one B row's 512.
+__device__ void load_tiles(const Params& p, SharedStorage& s, Pipeline& pipeline, int total_tiles) {
+  auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+  auto sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+  const int t = threadIdx.x;
+  const int a_col = (t % 8) * kChunk, a_row0 = t / 8;
+  const int b_col = (t % 32) * kChunk, b_row0 = t / 32;
+  const int k_tiles = (p.k + kBK - 1) / kBK;
+  PipelineState state = cutlass::make_producer_start_state<Pipeline>();
+  for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
+    const Tile tile = tile_at(p, s, tile_id);
+    const Element* a_src[8];
+    bool a_ok[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int row = tile.m_tile * kBM + a_row0 + 16 * i;
+      std::int64_t id = -1;
+      if (row < tile.rows) {
+        const int at = tile.row_begin + row;
+        id = p.row_ids ? p.row_ids[at] : at;
+        if (id < -1 || id >= p.a_rows) {
+          if (p.errors) report_device_error(p.errors, DeviceArg::row_ids, at, -1, id, p.a_rows);
+          id = -1;
+        }
+      }
+      a_ok[i] = id >= 0;
+      a_src[i] = p.a + (a_ok[i] ? id : 0) * p.k + a_col;
+    }
+    const int n = tile.n_tile * kBN + b_col;
+    const bool b_ok = n < p.m;
+    const Element* b_src = p.b + static_cast<std::int64_t>(tile.group) * p.k * p.m + (b_ok ? n : 0);
+
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.producer_acquire(state);
+      const int stage = state.index();
+      const int k0 = kt * kBK;
+      const bool a_k_ok = k0 + a_col < p.k;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const bool ok = a_ok[i] && a_k_ok;
+        copy16(ok ? a_src[i] + k0 : p.a, &sA(a_row0 + 16 * i, a_col, stage), ok);
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int kk = k0 + b_row0 + 4 * i;
+        const bool ok = b_ok && kk < p.k;
+        copy16(ok ? b_src + static_cast<std::int64_t>(kk) * p.m : p.b, &sB(b_col, b_row0 + 4 * i, stage), ok);
+      }
+      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      ++state;
+    }
+  }
+}
+
+// Warpgroups 1 and 2: rows [64 w, 64 w + 64) of each tile.
+__device__ void mma_tiles(const Params& p, SharedStorage& s, Pipeline& pipeline, int total_tiles) {
+  auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+  auto sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+  const int mma_thread = threadIdx.x - kLoadThreads;
+  TiledMma tiled_mma;
+  // The descriptors are per warpgroup (sliced at its first thread); the accumulator layout per thread.
+  auto wg_mma = tiled_mma.get_slice(mma_thread / cutlass::NumThreadsPerWarpGroup * cutlass::NumThreadsPerWarpGroup);
+  auto tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+  auto tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+  auto accum = partition_fragment_C(tiled_mma, make_shape(Int<kBM>{}, Int<kBN>{}));
+  auto thr_mma = tiled_mma.get_slice(mma_thread);
+  auto tCcC = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
+  const int k_tiles = (p.k + kBK - 1) / kBK;
+
+  PipelineState read;  // stage 0, phase 0
+  for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
+    const Tile tile = tile_at(p, s, tile_id);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    PipelineState release = read;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.consumer_wait(read);
+      // The stage was written by cp.async (the generic proxy); wgmma reads it through the async proxy.
+      cutlass::arch::fence_view_async_shared();
+      const int stage = read.index();
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // Keep this stage's wgmmas in flight; the previous stage's have finished reading.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(accum);
+      if (kt > 0) {
+        pipeline.consumer_release(release);
+        ++release;
+      }
+      ++read;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+    pipeline.consumer_release(release);
+
+    // Epilogue: each thread holds pairs of adjacent columns; bf16x2 stores straight from registers.
+    const int m_base = tile.m_tile * kBM, n_base = tile.n_tile * kBN;
+#pragma unroll
+    for (int i = 0; i < size(accum); i += 2) {
+      const int r = get<0>(tCcC(i)) + m_base;
+      const int col = get<1>(tCcC(i)) + n_base;
+      if (r < tile.rows && col < p.m) {
+        const std::int64_t out = static_cast<std::int64_t>(tile.row_begin + r) * p.m + col;
+        *reinterpret_cast<__nv_bfloat162*>(p.c + out) = __floats2bfloat162_rn(accum(i), accum(i + 1));
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const __grid_constant__ Params p) {
+  extern __shared__ char smem_raw[];
+  auto& s = *reinterpret_cast<SharedStorage*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  const bool loader = threadIdx.x < kLoadThreads;
+  typename Pipeline::Params pp;
+  pp.role = loader ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = kLoadThreads;
+  pp.consumer_arv_count = kMmaThreads;
+  Pipeline pipeline(s.pipeline, pp);  // warp 0 initialises the barriers
+  plan_tiles(p, s);
+  __syncthreads();
+  const int total_tiles = s.tile_start[p.groups];
+  if (loader) {
+    load_tiles(p, s, pipeline, total_tiles);
+  } else {
+    mma_tiles(p, s, pipeline, total_tiles);
+  }
+}
+
+constexpr std::size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + the 1024-byte alignment
+
+void check_cuda_tensor(const TensorView& t, DType dtype, int rank, const char* arg, Device device) {
+  check::rank(t, rank, arg);
+  check::dtype(t, {dtype}, arg);
+  FLEXEP_CHECK_ARG(t.device.is_cuda(), arg, "must be on a CUDA device, got ", t.device.str());
+  FLEXEP_CHECK_ARG(t.device == device, arg, "is on ", t.device.str(), " but 'a' is on ", device.str());
+}
+
+}  // namespace
+
+void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const TensorView& offsets,
+                         const TensorView& b, const TensorView& c, cudaStream_t stream, DeviceErrorRecord* errors) {
+  check_cuda_tensor(a, DType::bf16, 2, "a", a.device);
+  const Device dev = a.device;
+  check_cuda_tensor(b, DType::bf16, 3, "b", dev);
+  check_cuda_tensor(c, DType::bf16, 2, "c", dev);
+  check_cuda_tensor(offsets, DType::i64, 1, "offsets", dev);
+  const std::int64_t K = a.shape[1], G = b.shape[0], M = b.shape[2], N = c.shape[0];
+  check::shape(b, {G, K, M}, "b");
+  check::shape(c, {N, M}, "c");
+  check::shape(offsets, {G + 1}, "offsets");
+  if (row_ids.shape.defined()) {
+    check_cuda_tensor(row_ids, DType::i32, 1, "row_ids", dev);
+    check::shape(row_ids, {N}, "row_ids");
+  } else {
+    FLEXEP_CHECK_ARG(a.shape[0] >= N, "a", "has ", a.shape[0], " rows; without row_ids it needs one per row of c (", N,
+                     ")");
+  }
+  FLEXEP_CHECK_ARG(G >= 1 && G <= kGatherGemmMaxGroups, "b", "must hold 1 to ", kGatherGemmMaxGroups,
+                   " groups, got ", G);
+  FLEXEP_CHECK_ARG(K >= 8 && K % 8 == 0, "a", "needs K (its columns) a positive multiple of 8, got ", K);
+  FLEXEP_CHECK_ARG(M >= 8 && M % 8 == 0, "b", "needs M (its last dimension) a positive multiple of 8, got ", M);
+  FLEXEP_CHECK_ARG(K <= INT32_MAX && M <= INT32_MAX, "b", "K and M must be < 2^31, got ", K, " and ", M);
+  // Tile ids are int: at most N / 128 + G row blocks per column of 256.
+  FLEXEP_CHECK_ARG((N / kBM + G) * ((M + kBN - 1) / kBN) < (std::int64_t{1} << 31), "c", "has too many rows (", N,
+                   ") for M = ", M, ": the tile count must stay below 2^31");
+  if (N == 0) return;
+
+  DeviceGuard guard(dev.index);
+  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(gather_grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kSmemBytes)));
+  int sms = 0;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
+  Params p{};
+  p.a = static_cast<const Element*>(a.data);
+  p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
+  p.offsets = static_cast<const std::int64_t*>(offsets.data);
+  p.b = static_cast<const Element*>(b.data);
+  p.c = static_cast<Element*>(c.data);
+  p.errors = errors;
+  p.a_rows = a.shape[0];
+  p.n = static_cast<int>(N);
+  p.k = static_cast<int>(K);
+  p.m = static_cast<int>(M);
+  p.groups = static_cast<int>(G);
+  gather_grouped_gemm_kernel<<<sms, kThreads, kSmemBytes, stream>>>(p);
+  FLEXEP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flexep::cuda

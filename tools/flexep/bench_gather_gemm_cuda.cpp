@@ -1,0 +1,108 @@
+// Case `gather-gemm`: the experts' two forward GEMMs at DeepSeek-V3's sizes (gate_up: K 7168, M 4096;
+// down: K 2048, M 7168), 32768 routed rows in groups of 512 or 1024, four ways, in the same run:
+//   cublas-dense      one GEMM of the same FLOPs (the ceiling),
+//   cublas-grouped    the layer's grouped GEMM on contiguous rows (grouped_gemm.h),
+//   gather-contiguous the gathered kernel without a row table (the same GEMM on contiguous rows),
+//   gather            the gathered kernel reading 4096 tokens through a row table, each token 8 times
+//                     at random places (the permute fused into the loads; its target: >= 97% of
+//                     gather-contiguous).
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "bench_cases.h"
+#include "bench_timing_cuda.h"
+#include "flexep/cuda/dense.h"
+#include "flexep/cuda/gather_gemm.h"
+#include "flexep/cuda/grouped_gemm.h"
+#include "flexep/cuda/layer_ops.h"
+
+namespace flexep::tools {
+namespace {
+
+Tensor to_device_vector(const std::vector<std::int64_t>& v, cudaStream_t s) {
+  Tensor h = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i64);
+  std::copy(v.begin(), v.end(), h.data<std::int64_t>());
+  return cuda::to_device(h, 0, s);
+}
+
+Tensor to_device_vector(const std::vector<std::int32_t>& v, cudaStream_t s) {
+  Tensor h = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i32);
+  std::copy(v.begin(), v.end(), h.data<std::int32_t>());
+  return cuda::to_device(h, 0, s);
+}
+
+void run(const BenchArgs& a, BenchRun& run) {
+  const std::int64_t rows = a.tokens ? a.tokens : 32768, tokens = rows / 8;
+  cuda::init();
+  const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
+  cuda::StreamGuard sg(stream);
+  const Device dev = Device::cuda(0);
+  // Each token 8 times at random places of the row table.
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(rows));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(7));
+  for (auto& id : ids) id = static_cast<std::int32_t>(id % tokens);
+  const Tensor ids_d = to_device_vector(ids, stream);
+
+  struct Gemm {
+    const char* name;
+    int k, m;
+  };
+  for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
+    Tensor x = Tensor::empty({rows, g.k}, DType::bf16, dev), c = Tensor::empty({rows, g.m}, DType::bf16, dev);
+    cuda::fill_random(x, 1, 1.0f, stream);
+    const double flops = 2.0 * rows * g.k * g.m;
+    auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
+                      const std::string& note) {
+      BenchRecord r;
+      r.case_name = "gather-gemm";
+      r.routing = routing;
+      r.backend = backend;
+      r.phase = g.name;
+      r.timing = "kernel";
+      r.tokens_per_rank = rows;
+      r.hidden = g.k;
+      r.experts = experts;
+      r.time_us = t;
+      r.tflops = flops / (t.median * 1e-6) / 1e12;
+      r.note = note;
+      run.records.push_back(r);
+    };
+    {
+      Tensor w = Tensor::empty({g.k, g.m}, DType::bf16, dev);
+      cuda::fill_random(w, 3, 0.02f, stream);
+      record("cublas-dense", "-", 1,
+             time_cuda([&] { cuda::gemm(x, false, w, false, c, stream); }, a.warmup, a.reps, stream),
+             "one GEMM of the same FLOPs");
+    }
+    for (const std::int64_t per_expert : {512, 1024}) {
+      const int experts = static_cast<int>(rows / per_expert);
+      const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
+      std::vector<std::int64_t> offsets(counts.size() + 1, 0);
+      std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
+      const Tensor off_d = to_device_vector(offsets, stream);
+      Tensor w = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
+      cuda::fill_random(w, 4, 0.02f, stream);
+      const std::string routing = "rows" + std::to_string(per_expert);
+      record("cublas-grouped", routing, experts,
+             time_cuda([&] { cuda::grouped_gemm_forward(x, w, counts, c, stream); }, a.warmup, a.reps, stream),
+             "cuBLAS grouped GEMM, contiguous rows");
+      record("gather-contiguous", routing, experts,
+             time_cuda([&] { cuda::gather_grouped_gemm(x, TensorView(), off_d, w, c, stream); }, a.warmup, a.reps,
+                       stream),
+             "gathered kernel, no row table");
+      const TensorView tokens_x = x.view().rows(0, tokens);
+      record("gather", routing, experts,
+             time_cuda([&] { cuda::gather_grouped_gemm(tokens_x, ids_d, off_d, w, c, stream); }, a.warmup, a.reps,
+                       stream),
+             "gathered kernel, each of rows/8 tokens read 8 times through the row table");
+    }
+  }
+}
+
+FLEXEP_BENCH_CASE(gather_gemm, "gather-gemm",
+                  "gathered grouped GEMM vs the same GEMM on contiguous rows, cuBLAS grouped and dense", 1, run);
+
+}  // namespace
+}  // namespace flexep::tools
