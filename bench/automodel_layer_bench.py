@@ -4,7 +4,8 @@ layer (experts="torch_mm", dispatcher "torch", EP 1), same weights, same inputs,
 Shape (DSV3-like by default): dim 7168, moe_inter 2048, 64 experts, top-8, sigmoid routing with
 groups 8/4 and a correction bias, route_scale 2.5, one shared expert, 4096 tokens, bf16. Records per
 layer: the median of CUDA-event times around forward + backward (gradients set to None before each,
-as after an optimizer step), the peak memory of one iteration, and, for flexep, how many tokens the
+as after an optimizer step), the peak memory of one iteration, the memory one forward keeps for backward
+beyond its output (saved_mb), and, for flexep, how many tokens the
 two routers send to the same experts (same expert set per token) and how close the outputs are.
 Also runs the fake balanced gate (no router) for both. Writes one JSON to bench/results/ (phase
 "layer_fwd_bwd", timing "call"; Automodel's layer as backend "automodel").
@@ -53,6 +54,20 @@ def time_fwd_bwd(module, x, grad, iters, warmup):
     return {"min": t[0], "median": t[len(t) // 2], "max": t[-1]}, {"torch": peak, "library": pool}
 
 
+def saved_bytes(module, x):
+    """Device memory one forward's result keeps for backward beyond its output: PyTorch's allocator
+    plus the library's pool, measured with nothing else in flight."""
+    xi = x.detach().requires_grad_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated() + _flexep.cuda_pool_used_bytes(x.device.index)
+    y = module(xi)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated() + _flexep.cuda_pool_used_bytes(x.device.index)
+    kept = after - before - y.numel() * y.element_size()
+    del y
+    return kept
+
+
 def routing_agreement(ref, x):
     """Fraction of tokens for which Automodel's router and flexep's (run as the layer's router on
     the same weights) pick the same set of experts."""
@@ -94,6 +109,7 @@ def main():
             if ref.gate.__class__.__name__ == "Gate":
                 ref.gate.e_score_correction_bias.copy_(torch.randn(a.experts, device=dev, generator=g) * 0.01)
         t_ref, mem_ref = time_fwd_bwd(ref, x, grad, a.iters, a.warmup)
+        saved_ref = saved_bytes(ref, x)
         with torch.no_grad():
             y_ref = ref(x)
             idx_ref = routing_agreement(ref, x) if gate == "router" else None
@@ -103,6 +119,7 @@ def main():
         del ref
         torch.cuda.empty_cache()
         t_ours, mem_ours = time_fwd_bwd(ours, x, grad, a.iters, a.warmup)
+        saved_ours = saved_bytes(ours, x)
         with torch.no_grad():
             y = ours(x)
         # Per token: the output row's distance from Automodel's, relative to that row's size.
@@ -117,9 +134,11 @@ def main():
         routing = "router" if gate == "router" else "balanced"
         records.append(dict(common, routing=routing, backend="automodel", time_us=t_ref,
                             peak_bytes=sum(mem_ref.values()), peak_bytes_by_allocator=mem_ref,
+                            saved_mb=saved_ref / 1e6,
                             note="Automodel 0.7.0 MoE, experts=torch_mm, dispatcher torch, EP 1"))
         records.append(dict(common, routing=routing, backend="flexep", time_us=t_ours,
                             peak_bytes=sum(mem_ours.values()), peak_bytes_by_allocator=mem_ours,
+                            saved_mb=saved_ours / 1e6,
                             ratio_vs_automodel=t_ref["median"] / t_ours["median"], **extra,
                             note="flexep.torch.MoE, same weights (EP 1)"))
         del ours, sd
@@ -136,7 +155,7 @@ def main():
         json.dump(run, f, indent=1)
     for r in records:
         print(f"{r['routing']:<9} {r['backend']:<10} median {r['time_us']['median'] / 1000:.2f} ms  "
-              f"peak {r['peak_bytes'] / 2**30:.2f} GiB  "
+              f"peak {r['peak_bytes'] / 2**30:.2f} GiB  saved {r['saved_mb']:.0f} MB  "
               + " ".join(f"{k}={v:.4g}" for k, v in r.items() if k in ("ratio_vs_automodel", "tokens_within_1pct",
                                                                           "same_experts_fraction", "output_rel_diff")))
     print("wrote", path)

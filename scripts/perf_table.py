@@ -51,8 +51,8 @@ def main():
             key = (r["case"], r["routing"], r["phase"], pass_of(r), r["timing"], r["backend"], r["sms"],
                    r["tokens_per_rank"])
             latest[key] = (run, r)
-    lines = ["| case | routing | phase | pass | timing | backend | SMs | median us | algo GB/s | NVLink GB/s | TFLOP/s | HBM GB/s | vs baseline | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | routing | phase | pass | timing | backend | SMs | median us | algo GB/s | NVLink GB/s | TFLOP/s | HBM GB/s | saved MB | vs baseline | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def baseline(run, r):
         same_run = [x for x in run["records"] if x["case"] == r["case"]]
@@ -66,6 +66,11 @@ def main():
             for x in same_run:
                 if x["phase"] == "dense_gemm" and x.get("tflops"):
                     return f"{100 * r['tflops'] / x['tflops']:.0f}% of dense GEMM"
+        if r["case"] == "gather-gemm" and r.get("tflops") and r["backend"] != "cublas-dense":
+            ref = "gather-contiguous" if r["backend"] == "gather" else "cublas-dense"
+            for x in same_run:
+                if x["backend"] == ref and x["phase"] == r["phase"] and (ref == "cublas-dense" or x["routing"] == r["routing"]):
+                    return f"{100 * r['tflops'] / x['tflops']:.1f}% of {ref}"
         if r.get("hbm_gbps") and r["phase"] in ("permute", "unpermute"):
             for x in same_run:
                 if x["phase"] == "copy" and x.get("hbm_gbps") and x["routing"] == r["routing"]:
@@ -77,7 +82,7 @@ def main():
         lines.append(f"| {r['case']} | {r['routing']} | {r['phase']} | {pass_of(r) or '-'} | {r['timing']} | "
                      f"{r['backend']} | {r['sms'] if r['sms'] is not None else '-'} | {fmt(r['time_us']['median'])} | "
                      f"{fmt(r.get('algo_gbps'))} | {fmt(r.get('nvlink_gbps'))} | {fmt(r.get('tflops'))} | "
-                     f"{fmt(r.get('hbm_gbps'))} | {baseline(run, r)} | {run['run_id']} ({run['device']}) |")
+                     f"{fmt(r.get('hbm_gbps'))} | {fmt(r.get('saved_mb'))} | {baseline(run, r)} | {run['run_id']} ({run['device']}) |")
     doc = os.path.join(root, "docs", "performance.md")
     text = open(doc).read() if os.path.exists(doc) else f"# Performance\n\n{BEGIN}\n{END}\n"
     if BEGIN not in text:

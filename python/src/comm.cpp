@@ -70,6 +70,8 @@ void bind_comm(nb::module_& m) {
   m.def("cuda_pool_peak_bytes", &cuda::pool_peak_bytes, nb::arg("device"),
         "The most device memory the library's allocator held at once since the last reset (bytes).");
   m.def("cuda_reset_pool_peak_bytes", &cuda::reset_pool_peak_bytes, nb::arg("device"));
+  m.def("cuda_pool_used_bytes", &cuda::pool_used_bytes, nb::arg("device"),
+        "The device memory the library's allocator holds now (bytes; the live tensors' after a sync).");
   nb::class_<Communicator, ProcessGroup>(m, "Communicator",
                                          "The NCCL communicator of an expert-parallel group (one per rank).")
       .def_static("new_unique_id", [] { return unique_id_to_hex(Communicator::new_unique_id()); },

@@ -182,6 +182,14 @@ std::uint64_t pool_peak_bytes(int device) {
   return high;
 }
 
+std::uint64_t pool_used_bytes(int device) {
+  cudaMemPool_t pool = nullptr;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t used = 0;
+  FLEXEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  return used;
+}
+
 void reset_pool_peak_bytes(int device) {
   cudaMemPool_t pool = nullptr;
   FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));

@@ -4,6 +4,7 @@
 #include "bench_cases.h"
 #include "bench_timing_cuda.h"
 #include "flexep/cuda/layer_ops.h"
+#include "flexep/cuda/runtime.h"
 #include "flexep/layer/cuda_moe_layer.h"
 
 namespace flexep::tools {
@@ -36,6 +37,17 @@ void run(const BenchArgs& a, BenchRun& run) {
     CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
     layer.backward(out, gy, stream);
   }, a.warmup, a.reps, stream);
+  // Activation memory: what the forward's result holds in the pool beyond y, with nothing else in flight.
+  double saved_mb = 0;
+  {
+    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::uint64_t before = cuda::pool_used_bytes(dev.index);
+    CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    saved_mb = (static_cast<double>(cuda::pool_used_bytes(dev.index)) - static_cast<double>(before) -
+                static_cast<double>(out.out.nbytes())) / 1e6;
+    layer.backward(out, gy, stream);
+  }
   // The split: one more pass with phase timing on (it synchronises between phases).
   std::vector<std::vector<double>> parts(5);
   layer.set_timing(true);
@@ -57,6 +69,7 @@ void run(const BenchArgs& a, BenchRun& run) {
   r.topk = c.n_activated_experts;
   r.experts = c.n_routed_experts;
   r.time_us = t;
+  r.saved_mb = saved_mb;
   const char* names[5] = {"router", "dispatch(plan+permute)", "experts", "combine(unpermute)", "shared_join"};
   for (int j = 0; j < 5; ++j) r.parts_us.emplace_back(names[j], stats_of(parts[static_cast<std::size_t>(j)]).median);
   const double rows = static_cast<double>(T) * c.n_activated_experts;

@@ -55,6 +55,7 @@ std::string to_json(const BenchRun& run) {
                           {"nvlink_gbps", optional_number(r.nvlink_gbps)}};
     if (r.tflops) rec["tflops"] = *r.tflops;
     if (r.hbm_gbps) rec["hbm_gbps"] = *r.hbm_gbps;
+    if (r.saved_mb) rec["saved_mb"] = *r.saved_mb;
     if (!r.pass.empty()) rec["pass"] = r.pass;
     if (!r.parts_us.empty()) {
       nlohmann::json parts = nlohmann::json::object();

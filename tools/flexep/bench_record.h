@@ -20,6 +20,8 @@ struct BenchRecord {
   std::string dtype = "bf16";
   TimeStats time_us;
   std::optional<double> algo_gbps, nvlink_gbps, tflops, hbm_gbps;
+  // Layer cases: device memory a forward's result keeps for backward, beyond its output y (MB = 1e6 B).
+  std::optional<double> saved_mb;
   std::string pass;                           // "forward", "backward" or empty
   std::vector<std::pair<std::string, double>> parts_us;  // per-part median split of a layer time
   std::string note;  // free text: what exactly was timed

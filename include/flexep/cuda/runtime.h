@@ -34,6 +34,8 @@ void init();
 // the last reset, in bytes (cudaMemPoolAttrUsedMemHigh), and that reset. PyTorch's allocator does not
 // see this memory; a peak of the whole process is the two peaks' sum at most.
 std::uint64_t pool_peak_bytes(int device);
+// What the pool holds now (cudaMemPoolAttrUsedMemCurrent): after a sync, the live tensors' bytes.
+std::uint64_t pool_used_bytes(int device);
 void reset_pool_peak_bytes(int device);
 
 // The stream device allocations of this thread are ordered on (default: the legacy stream 0).
