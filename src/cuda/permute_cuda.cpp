@@ -95,4 +95,44 @@ void gather_slot_values(const TensorView& values, const LocalPlan& plan, const T
   permute_detail::launch_gather_slot_values(values.ptr<float>(), refs, out.ptr<float>(), stream);
 }
 
+void permute_probs(const TensorView& weights, const LocalPlan& plan, const TensorView& out_probs, cudaStream_t stream) {
+  const PlanRefs refs = refs_of(plan);
+  check::shape(weights, {plan.tokens, plan.topk}, "weights");
+  check::dtype(weights, {DType::f32}, "weights");
+  check_on(weights, plan, "weights");
+  check::shape(out_probs, {plan.out_rows}, "out_probs");
+  check::dtype(out_probs, {DType::f32}, "out_probs");
+  check_on(out_probs, plan, "out_probs");
+  DeviceGuard dg(plan.device);
+  permute_detail::launch_permute(nullptr, weights.ptr<float>(), refs, 0, nullptr, out_probs.ptr<float>(),
+                                 sm_count(plan.device), stream);
+}
+
+void row_sources(const LocalPlan& plan, const TensorView& sources, cudaStream_t stream) {
+  const PlanRefs refs = refs_of(plan);
+  check::shape(sources, {plan.out_rows}, "sources");
+  check::dtype(sources, {DType::i32}, "sources");
+  check_on(sources, plan, "sources");
+  DeviceGuard dg(plan.device);
+  permute_detail::launch_row_sources(refs, sources.ptr<std::int32_t>(), stream);
+}
+
+void gather_rows(const TensorView& src, const TensorView& ids, const TensorView& out, cudaStream_t stream) {
+  check::rank(src, 2, "src");
+  check::dtype(src, {DType::bf16, DType::f32}, "src");
+  FLEXEP_CHECK_ARG(src.device.is_cuda(), "src", "must be on a CUDA device, got ", src.device.str());
+  check::rank(ids, 1, "ids");
+  check::dtype(ids, {DType::i32}, "ids");
+  check::device(ids, src.device, "ids");
+  check::shape(out, {ids.size(0), src.size(1)}, "out");
+  check::dtype(out, {src.dtype}, "out");
+  check::device(out, src.device, "out");
+  check_rows(src, "src");
+  check_rows(out, "out");
+  DeviceGuard dg(src.device.index);
+  permute_detail::launch_gather_rows(src.data, src.size(0), ids.ptr<std::int32_t>(), ids.size(0),
+                                     src.size(1) * static_cast<std::int64_t>(element_size(src.dtype)), out.data,
+                                     stream);
+}
+
 }  // namespace flexep::cuda

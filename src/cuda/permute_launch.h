@@ -33,4 +33,10 @@ void launch_unpermute(const void* expert_rows, DType rows_dtype, const PlanRefs&
 
 void launch_gather_slot_values(const float* values, const PlanRefs& plan, float* out, cudaStream_t stream);
 
+// permute_rows.cu: sources [out_rows] int32 = the token of each row, -1 where no slot lands.
+void launch_row_sources(const PlanRefs& plan, std::int32_t* sources, cudaStream_t stream);
+// out[r] = src[ids[r]] (row_bytes a multiple of 16), zeros where ids[r] is -1.
+void launch_gather_rows(const void* src, std::int64_t src_rows, const std::int32_t* ids, std::int64_t rows,
+                        std::int64_t row_bytes, void* out, cudaStream_t stream);
+
 }  // namespace flexep::cuda::permute_detail

@@ -9,7 +9,9 @@
 #include "flexep/cuda/expert_activation.h"
 #include "flexep/cuda/expert_bias.h"
 #include "flexep/cuda/expert_prob.h"
+#include "flexep/cuda/gather_gemm.h"
 #include "flexep/cuda/grouped_gemm.h"
+#include "flexep/cuda/permute.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/grouped_experts.h"
 
@@ -218,6 +220,13 @@ CudaExpertsOutput CudaGroupedExperts::forward(const TensorView& tokens, const Te
   return compute_.forward(weights(), tokens, probs, tokens_per_expert, stream);
 }
 
+CudaExpertsOutput CudaGroupedExperts::forward_gathered(const Tensor& source, const Tensor& row_ids,
+                                                       const TensorView& probs,
+                                                       const std::vector<std::int64_t>& tokens_per_expert,
+                                                       cudaStream_t stream) {
+  return compute_.forward_gathered(weights(), source, row_ids, probs, tokens_per_expert, stream);
+}
+
 CudaExpertsOutput CudaGroupedExperts::forward(const Tensor& tokens, const TensorView& probs,
                                               const std::vector<std::int64_t>& tokens_per_expert,
                                               cudaStream_t stream) {
@@ -228,23 +237,33 @@ CudaExpertsOutput CudaGroupedExpertsCompute::forward(const ExpertWeights& weight
                                                      const TensorView& probs,
                                                      const std::vector<std::int64_t>& tokens_per_expert,
                                                      cudaStream_t stream) const {
-  return forward_impl(weights, tokens, nullptr, probs, tokens_per_expert, stream);
+  return forward_impl(weights, tokens, nullptr, nullptr, probs, tokens_per_expert, stream);
 }
 
 CudaExpertsOutput CudaGroupedExpertsCompute::forward(const ExpertWeights& weights, const Tensor& tokens,
                                                      const TensorView& probs,
                                                      const std::vector<std::int64_t>& tokens_per_expert,
                                                      cudaStream_t stream) const {
-  return forward_impl(weights, tokens.view(), &tokens, probs, tokens_per_expert, stream);
+  return forward_impl(weights, tokens.view(), &tokens, nullptr, probs, tokens_per_expert, stream);
+}
+
+CudaExpertsOutput CudaGroupedExpertsCompute::forward_gathered(const ExpertWeights& weights, const Tensor& source,
+                                                              const Tensor& row_ids, const TensorView& probs,
+                                                              const std::vector<std::int64_t>& tokens_per_expert,
+                                                              cudaStream_t stream) const {
+  return forward_impl(weights, source.view(), &source, &row_ids, probs, tokens_per_expert, stream);
 }
 
 CudaExpertsOutput CudaGroupedExpertsCompute::forward_impl(const ExpertWeights& weights, const TensorView& tokens,
-                                                          const Tensor* keep, const TensorView& probs,
+                                                          const Tensor* keep, const Tensor* row_ids,
+                                                          const TensorView& probs,
                                                           const std::vector<std::int64_t>& tokens_per_expert,
                                                           cudaStream_t stream) const {
   check_weights(weights);
-  check_cuda_tensor(tokens, {-1, config_.dim}, DType::bf16, device_, "tokens");
-  const std::int64_t N = tokens.size(0);
+  const bool gathered = row_ids != nullptr;
+  check_cuda_tensor(tokens, {-1, config_.dim}, DType::bf16, device_, gathered ? "source" : "tokens");
+  if (gathered) check_cuda_tensor(*row_ids, {-1}, DType::i32, device_, "row_ids");
+  const std::int64_t N = gathered ? row_ids->size(0) : tokens.size(0);
   check_cuda_tensor(probs, {N}, DType::f32, device_, "probs");
   FLEXEP_CHECK_ARG(tokens_per_expert.size() == static_cast<std::size_t>(local_), "tokens_per_expert", "has ",
                    tokens_per_expert.size(), " entries, expected one per local expert (", local_, ")");
@@ -253,7 +272,8 @@ CudaExpertsOutput CudaGroupedExpertsCompute::forward_impl(const ExpertWeights& w
     FLEXEP_CHECK_ARG(tokens_per_expert[e] >= 0, "tokens_per_expert", "entry ", e, " is ", tokens_per_expert[e],
                      "; counts must be >= 0");
     FLEXEP_CHECK_ARG(tokens_per_expert[e] <= N - active, "tokens_per_expert", "sums past ", N,
-                     " but tokens has only ", N, " rows; the sum must be <= the number of rows");
+                     gathered ? " but row_ids has only " : " but tokens has only ", N,
+                     " rows; the sum must be <= the number of rows");
     active += tokens_per_expert[e];
   }
   cuda::DeviceGuard dg(device_);
@@ -268,7 +288,10 @@ CudaExpertsOutput CudaGroupedExpertsCompute::forward_impl(const ExpertWeights& w
   saved->rows = N;
   saved->active = active;
   saved->stream = stream;
-  if (keep) {
+  if (gathered) {
+    saved->x = *keep;
+    saved->row_ids = *row_ids;
+  } else if (keep) {
     saved->x = *keep;
   } else {
     saved->x = Tensor::empty({active, dim}, DType::bf16, dev);
@@ -279,12 +302,15 @@ CudaExpertsOutput CudaGroupedExpertsCompute::forward_impl(const ExpertWeights& w
   saved->offsets = cuda::expert_offsets(counts, device_, stream);
   saved->h = Tensor::empty({active, up}, DType::bf16, dev);
   saved->ap = Tensor::empty({active, inter}, DType::bf16, dev);
-  const TensorView x = tokens.rows(0, active);
-
   Tensor y = Tensor::empty({N, dim}, DType::bf16, dev);
   cuda::zero_async(y.view().rows(active, N), stream);
   const TensorView y_active = y.view().rows(0, active);
-  cuda::grouped_gemm_forward(x, weights.gate_and_up_projs, counts, saved->h, stream);
+  if (gathered) {
+    cuda::gather_grouped_gemm(tokens, row_ids->view().rows(0, active), saved->offsets, weights.gate_and_up_projs,
+                              saved->h, stream);
+  } else {
+    cuda::grouped_gemm_forward(tokens.rows(0, active), weights.gate_and_up_projs, counts, saved->h, stream);
+  }
   if (config_.apply_router_weight_after_down) {
     // Automodel's order: act(h) with a prob of 1, u = a W_down (bf16) + b_down (rounded to bf16),
     // then y = bf16(u * p) in fp32.
@@ -387,8 +413,14 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
   if (weights.down_proj_bias.defined())
     cuda::down_bias_backward(g, weights.down_proj_bias, ffn_probs, s.offsets, g_bd, ffn_grad_probs, stream);
   // Gate/up projection.
-  const TensorView x = s.x.view().rows(0, A);
-  if (g_wgu.defined()) weight_grad(x, gh, g_wgu);
+  if (g_wgu.defined()) {
+    Tensor gathered;  // a gathered forward's rows, for this GEMM only
+    if (s.row_ids.defined()) {
+      gathered = Tensor::empty({A, dim}, DType::bf16, dev);
+      cuda::gather_rows(s.x, s.row_ids.view().rows(0, A), gathered, stream);
+    }
+    weight_grad(s.row_ids.defined() ? gathered.view() : s.x.view().rows(0, A), gh, g_wgu);
+  }
   cuda::grouped_gemm_dgrad(gh, weights.gate_and_up_projs, counts, gx.view().rows(0, A), stream);
 
   CudaExpertsGrads out;

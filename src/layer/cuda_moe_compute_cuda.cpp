@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "flexep/core/checks.h"
+#include "flexep/cuda/gather_gemm.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/cuda/router.h"
 #include "flexep/cuda/runtime.h"
@@ -141,6 +142,11 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   // The CPU gate's configuration checks (the router repeats them, plus its kernel limits, per call).
   if (!backend_.fake_balanced_gate) static_cast<void>(GateCompute(config_, backend_.gate_precision));
 
+  // The single-GPU dispatcher can leave the tokens in place for experts that read them through the
+  // row table (gather_gemm.h): no permuted copy is made or kept for backward.
+  const std::int64_t width = config_.latent() ? config_.moe_latent_size : config_.dim;
+  rows_in_place_ = dispatcher_->backend() == "local" && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
+                   num_local_experts() <= cuda::kGatherGemmMaxGroups;
   cuda::DeviceGuard guard(device_);
   experts_.emplace(config_.routed_expert_config(), num_local_experts(), device_, "experts.");
   if (config_.n_shared_experts > 0) {
@@ -223,7 +229,7 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   // forward reads the caller's x and keeps no copy, unless x is not 16-byte aligned (the dispatchers
   // move rows as 16-byte words; the copy is).
   const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0;
-  const bool keep_x = shared_.has_value() || router || config_.latent() || !aligned;
+  const bool keep_x = shared_.has_value() || router || config_.latent() || !aligned || rows_in_place_;
   if (keep_x) {
     s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
     cuda::copy_async(s->x, x, stream);
@@ -314,10 +320,19 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   in.hidden = config_.latent() ? latent_x.view() : x_in;
   in.indices = s->indices;
   in.weights = s->weights;
-  s->dispatched = dispatcher_->dispatch(in, dispatch_);
+  DispatchOptions options = dispatch_;
+  options.rows_in_place = rows_in_place_;
+  s->dispatched = dispatcher_->dispatch(in, options);
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
-  s->experts = experts_->forward(w.experts, s->dispatched.tokens, s->dispatched.token_probs,
-                                 host_counts(s->dispatched.tokens_per_expert, stream), stream);
+  if (rows_in_place_ && s->dispatched.expert_rows.defined()) {
+    // dispatched.tokens is a view of in.hidden; the experts keep the owning tensor for backward.
+    s->experts = experts_->forward_gathered(w.experts, config_.latent() ? latent_x : s->x, s->dispatched.expert_rows,
+                                            s->dispatched.token_probs,
+                                            host_counts(s->dispatched.tokens_per_expert, stream), stream);
+  } else {
+    s->experts = experts_->forward(w.experts, s->dispatched.tokens, s->dispatched.token_probs,
+                                   host_counts(s->dispatched.tokens_per_expert, stream), stream);
+  }
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
   Tensor y = dispatcher_->combine(s->dispatched.handle, s->experts.out);
   if (config_.latent()) {

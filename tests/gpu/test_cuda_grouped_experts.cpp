@@ -11,6 +11,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,7 @@ struct Options {
   bool after_down = false;     // apply_router_weight_after_down
   double swiglu_limit = 0.0;
   double activation_limit = 7.0;
+  bool gathered = false;       // forward_gathered: the rows read in place from a shuffled source
 };
 
 void check_case(Activation act, bool bias, int dim, int inter, const std::vector<std::int64_t>& counts,
@@ -97,7 +99,8 @@ void check_case(Activation act, bool bias, int dim, int inter, const std::vector
   SCOPED_TRACE(std::string(to_string(act)) + (bias ? " bias" : " no bias") + " dim " + std::to_string(dim) +
                " inter " + std::to_string(inter) + " N " + std::to_string(N) + (keep_tokens ? " Tensor" : " view") +
                (mode == GradMode::fresh_bf16_weights ? " fresh_bf16_weights" : " accumulate_f32") +
-               (opt.after_down ? " after-down" : "") + " swiglu_limit " + std::to_string(opt.swiglu_limit));
+               (opt.after_down ? " after-down" : "") + " swiglu_limit " + std::to_string(opt.swiglu_limit) +
+               (opt.gathered ? " gathered" : ""));
   const int local = static_cast<int>(counts.size()), first = kRoutedExperts - local;
   MoEConfig cfg = make_config(act, bias, dim, inter);
   cfg.apply_router_weight_after_down = opt.after_down;
@@ -135,9 +138,24 @@ void check_case(Activation act, bool bias, int dim, int inter, const std::vector
     EXPECT_GT(beyond, 0) << "row 0 of expert 0 crosses no clamp";
   }
 
-  // Forward.
-  const CudaExpertsOutput fo =
-      keep_tokens ? gpu.forward(x_d, probs_d, counts, stream) : gpu.forward(x_d.view(), probs_d, counts, stream);
+  // Forward. Gathered: row i lives at source row perm[i] (a shuffle into 3 more rows than needed); the
+  // padding row and the rows past the counts are read through id -1 (zero rows).
+  CudaExpertsOutput fo;
+  if (opt.gathered) {
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(N + 3));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(74));
+    Tensor source = Tensor::zeros({N + 3, static_cast<std::int64_t>(dim)}, DType::f32);
+    Tensor ids = Tensor::empty({N}, DType::i32);
+    for (std::int64_t i = 0; i < N; ++i) {
+      const bool zero_row = i == pad_row || i >= active;
+      ids.data<std::int32_t>()[i] = zero_row ? -1 : perm[static_cast<std::size_t>(i)];
+      std::copy_n(x.data<float>() + i * dim, dim, source.data<float>() + perm[static_cast<std::size_t>(i)] * dim);
+    }
+    fo = gpu.forward_gathered(testing::to_gpu_bf16(source), testing::to_gpu(ids), probs_d, counts, stream);
+  } else {
+    fo = keep_tokens ? gpu.forward(x_d, probs_d, counts, stream) : gpu.forward(x_d.view(), probs_d, counts, stream);
+  }
   const ExpertsOutput co = cpu.forward(x, probs, counts);
   ASSERT_EQ(fo.out.shape(), Shape({N, static_cast<std::int64_t>(dim)}));
   const Tensor out = host_f32(fo.out, stream);
@@ -275,6 +293,23 @@ TEST(CudaGroupedExperts, AfterDownRoundsOnceAfterTheMultiply) {
     else
       EXPECT_LT(exact, N * dim);
   }
+}
+
+// The experts reading their rows in place (gather_gemm.h): the same results as on the copied rows.
+TEST(CudaGroupedExperts, GatheredRowsSwigluWithBias) {
+  if (!testing::require_gpus(1)) return;
+  Options opt;
+  opt.gathered = true;
+  check_case(Activation::swiglu, true, 64, 32, {5, 0, 11}, 20, true, GradMode::accumulate_f32, opt);
+  check_case(Activation::swiglu, false, 136, 72, {130, 1, 64}, 200, true, GradMode::fresh_bf16_weights, opt);
+}
+
+TEST(CudaGroupedExperts, GatheredRowsAfterDown) {
+  if (!testing::require_gpus(1)) return;
+  Options opt;
+  opt.gathered = true;
+  opt.after_down = true;
+  check_case(Activation::swiglu, true, 64, 32, {7, 9, 0}, 16, true, GradMode::accumulate_f32, opt);
 }
 
 TEST(CudaGroupedExperts, ZeroRows) {

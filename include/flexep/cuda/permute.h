@@ -26,6 +26,14 @@ void unpermute(const TensorView& expert_rows, const LocalPlan& plan, const Tenso
 
 // values [out_rows] f32 -> out [T, k] f32: out[t][j] = values[row of slot (t, j)], 0 for -1 and
 // dropped slots (the gradient of the routing weights from the gradient of out_probs).
+// permute's out_probs alone (the rows stay in place: row_sources gives their table).
+void permute_probs(const TensorView& weights, const LocalPlan& plan, const TensorView& out_probs, cudaStream_t stream);
+// sources [out_rows] int32: the token each row of the plan's output holds, -1 for padding rows and the
+// budget tail (the row table the gathered experts read the tokens through, gather_gemm.h).
+void row_sources(const LocalPlan& plan, const TensorView& sources, cudaStream_t stream);
+// src [R, H], ids [N] int32 -> out [N, H] (src's dtype; bf16 or f32): out[r] = src[ids[r]], a zero row
+// where ids[r] is -1 (ids outside [-1, R) read as -1). H * element size a multiple of 16.
+void gather_rows(const TensorView& src, const TensorView& ids, const TensorView& out, cudaStream_t stream);
 void gather_slot_values(const TensorView& values, const LocalPlan& plan, const TensorView& out, cudaStream_t stream);
 
 }  // namespace flexep::cuda

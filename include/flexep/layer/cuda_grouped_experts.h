@@ -55,7 +55,9 @@ struct CudaExpertsSaved {
   std::vector<std::int64_t> tokens_per_expert;
   std::int64_t rows = 0;    // N, including the ignored tail
   std::int64_t active = 0;  // sum(tokens_per_expert)
-  Tensor x;                 // [>= active, dim] bf16: the caller's tokens (Tensor overload) or a copy
+  Tensor x;                 // [>= active, dim] bf16: the caller's tokens (Tensor overload) or a copy;
+                            // gathered forward: the source rows, read through row_ids
+  Tensor row_ids;           // gathered forward only: [>= active] int32, the source row of each row
   Tensor p;                 // [active] f32
   Tensor offsets;           // [E + 1] i64, row -> expert
   Tensor h;                 // [active, up] bf16, x W_gu before the bias
@@ -104,6 +106,14 @@ class CudaGroupedExpertsCompute {
                             const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream) const;
   CudaExpertsOutput forward(const ExpertWeights& weights, const Tensor& tokens, const TensorView& probs,
                             const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream) const;
+  // The same experts on rows read in place (gather_gemm.h): row i of the expert-major input is
+  // source[row_ids[i]], a zero row where row_ids[i] is -1. source [R, dim] bf16, row_ids [N] int32 and
+  // probs [N] f32 on `device`. No permuted copy is made; backward keeps references to source and
+  // row_ids (do not modify them before backward) and gathers the rows the weight gradient needs then.
+  // Same outputs and gradients as forward() on the gathered rows, up to the GEMMs' summation order.
+  CudaExpertsOutput forward_gathered(const ExpertWeights& weights, const Tensor& source, const Tensor& row_ids,
+                                     const TensorView& probs, const std::vector<std::int64_t>& tokens_per_expert,
+                                     cudaStream_t stream) const;
   // grad_out [N, dim] bf16 -> grads of tokens and probs; the weight gradients go to `targets`.
   // `weights` hold the forward's values (they need not be the same tensors).
   CudaExpertsGrads backward(const ExpertWeights& weights, const CudaExpertsOutput& forward_output,
@@ -115,9 +125,10 @@ class CudaGroupedExpertsCompute {
   const ActivationParams& activation() const { return act_; }
 
  private:
+  // row_ids undefined: tokens are the expert-major rows; defined: the source rows of a gathered forward.
   CudaExpertsOutput forward_impl(const ExpertWeights& weights, const TensorView& tokens, const Tensor* keep,
-                                 const TensorView& probs, const std::vector<std::int64_t>& tokens_per_expert,
-                                 cudaStream_t stream) const;
+                                 const Tensor* row_ids, const TensorView& probs,
+                                 const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream) const;
   void check_weights(const ExpertWeights& weights) const;
   void check_targets(const ExpertWeights& weights, const CudaExpertGradTargets& targets) const;
   MoEConfig config_;
@@ -148,6 +159,9 @@ class CudaGroupedExperts {
                             const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
   CudaExpertsOutput forward(const Tensor& tokens, const TensorView& probs,
                             const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
+  // Rows read in place through row_ids (CudaGroupedExpertsCompute::forward_gathered).
+  CudaExpertsOutput forward_gathered(const Tensor& source, const Tensor& row_ids, const TensorView& probs,
+                                     const std::vector<std::int64_t>& tokens_per_expert, cudaStream_t stream);
   // grad_out [N, dim] bf16. Accumulates the parameter grads (accumulate_f32) or replaces them with
   // new tensors (fresh_bf16_weights); returns grads of tokens and probs. The new tensors are
   // allocated on `stream`.

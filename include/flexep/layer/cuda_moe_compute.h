@@ -107,6 +107,7 @@ class CudaMoECompute {
   MoEConfig config_;
   BackendConfig backend_;
   DispatchOptions dispatch_;
+  bool rows_in_place_ = false;  // the experts read the tokens through the dispatch's row table
   int device_;
   std::shared_ptr<TokenDispatcher> dispatcher_;
   int ep_rank_ = 0, ep_size_ = 1;

@@ -60,9 +60,17 @@ class LocalCudaDispatcher final : public TokenDispatcher {
     const std::int64_t N = handle->plan.out_rows;
 
     DispatchResult r;
-    r.tokens = Tensor::empty({N, H}, in.hidden.dtype, dev);
     r.token_probs = Tensor::empty({N}, DType::f32, dev);
-    cuda::permute(in.hidden, in.weights, handle->plan, r.tokens, r.token_probs, stream);
+    if (options.rows_in_place) {
+      // The tokens stay where they are; the probs are permuted (the weights' pass writes them whole).
+      r.tokens = Tensor::wrap(in.hidden);
+      r.expert_rows = Tensor::empty({N}, DType::i32, dev);
+      cuda::row_sources(handle->plan, r.expert_rows, stream);
+      cuda::permute_probs(in.weights, handle->plan, r.token_probs, stream);
+    } else {
+      r.tokens = Tensor::empty({N, H}, in.hidden.dtype, dev);
+      cuda::permute(in.hidden, in.weights, handle->plan, r.tokens, r.token_probs, stream);
+    }
     r.tokens_per_expert =
         handle->plan.budget_mode() ? handle->plan.tokens_per_expert : handle->plan.host_tokens_per_expert;
 
