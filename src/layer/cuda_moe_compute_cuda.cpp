@@ -145,8 +145,9 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   // The single-GPU dispatcher can leave the tokens in place for experts that read them through the
   // row table (gather_gemm.h): no permuted copy is made or kept for backward.
   const std::int64_t width = config_.latent() ? config_.moe_latent_size : config_.dim;
-  rows_in_place_ = dispatcher_->backend() == "local" && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
-                   num_local_experts() <= cuda::kGatherGemmMaxGroups;
+  rows_in_place_supported_ = dispatcher_->backend() == "local" && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
+                             num_local_experts() <= cuda::kGatherGemmMaxGroups;
+  rows_in_place_ = rows_in_place_supported_;
   cuda::DeviceGuard guard(device_);
   experts_.emplace(config_.routed_expert_config(), num_local_experts(), device_, "experts.");
   if (config_.n_shared_experts > 0) {

@@ -1,6 +1,8 @@
 // Case `layer`: the MoE layer forward + backward on one GPU at a DeepSeek-V3-like shape (dim 7168,
 // moe_inter 2048, 32 experts, top-8, 4096 tokens: 32768 routed rows), with the per-phase split
-// (router, dispatch = plan + permute, experts, combine = unpermute, shared join).
+// (router, dispatch = plan + permute, experts, combine = unpermute, shared join), with the experts reading
+// the tokens in place (cuda-local) and on the dispatcher's copy (cuda-local-copied), and the memory each
+// forward keeps for backward.
 #include "bench_cases.h"
 #include "bench_timing_cuda.h"
 #include "flexep/cuda/layer_ops.h"
@@ -32,51 +34,59 @@ void run(const BenchArgs& a, BenchRun& run) {
   Tensor x = Tensor::empty({T, c.dim}, DType::bf16, dev), gy = Tensor::empty({T, c.dim}, DType::bf16, dev);
   cuda::fill_random(x, 1, 1.0f, stream);
   cuda::fill_random(gy, 2, 1.0f, stream);
-  const TimeStats t = time_cuda([&] {
-    layer.zero_grad(stream);
-    CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
-    layer.backward(out, gy, stream);
-  }, a.warmup, a.reps, stream);
-  // Activation memory: what the forward's result holds in the pool beyond y, with nothing else in flight.
-  double saved_mb = 0;
-  {
-    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const std::uint64_t before = cuda::pool_used_bytes(dev.index);
-    CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
-    FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    saved_mb = (static_cast<double>(cuda::pool_used_bytes(dev.index)) - static_cast<double>(before) -
-                static_cast<double>(out.out.nbytes())) / 1e6;
-    layer.backward(out, gy, stream);
+  // Both ways of feeding the routed experts in the same run: the tokens read in place through the
+  // row table (the default on one GPU), and the rows copied by the dispatcher (kept for backward).
+  for (const bool in_place : {true, false}) {
+    layer.compute().set_rows_in_place(in_place);
+    layer.set_timing(false);
+    const TimeStats t = time_cuda([&] {
+      layer.zero_grad(stream);
+      CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+      layer.backward(out, gy, stream);
+    }, a.warmup, a.reps, stream);
+    // Activation memory: what the forward's result holds in the pool beyond y, nothing else in flight.
+    double saved_mb = 0;
+    {
+      FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::uint64_t before = cuda::pool_used_bytes(dev.index);
+      CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+      FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+      saved_mb = (static_cast<double>(cuda::pool_used_bytes(dev.index)) - static_cast<double>(before) -
+                  static_cast<double>(out.out.nbytes())) / 1e6;
+      layer.backward(out, gy, stream);
+    }
+    // The split: one more pass with phase timing on (it synchronises between phases).
+    std::vector<std::vector<double>> parts(5);
+    layer.set_timing(true);
+    for (int i = 0; i < std::max(3, a.reps / 4); ++i) {
+      CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+      layer.backward(out, gy, stream);
+      const CudaMoEPhaseTimes& p = layer.phase_times();
+      const double v[5] = {p.router, p.dispatch, p.experts, p.combine, p.shared};
+      for (int j = 0; j < 5; ++j) parts[static_cast<std::size_t>(j)].push_back(v[j]);
+    }
+    BenchRecord r;
+    r.case_name = "layer-dsv3";
+    r.routing = "router";
+    r.backend = in_place ? "cuda-local" : "cuda-local-copied";
+    r.phase = "layer_fwd_bwd";
+    r.timing = "call";
+    r.tokens_per_rank = T;
+    r.hidden = c.dim;
+    r.topk = c.n_activated_experts;
+    r.experts = c.n_routed_experts;
+    r.time_us = t;
+    r.saved_mb = saved_mb;
+    const char* names[5] = {"router", "dispatch(plan+permute)", "experts", "combine(unpermute)", "shared_join"};
+    for (int j = 0; j < 5; ++j) r.parts_us.emplace_back(names[j], stats_of(parts[static_cast<std::size_t>(j)]).median);
+    const double rows = static_cast<double>(T) * c.n_activated_experts;
+    const double flops = 3 * (2.0 * rows * c.dim * 2 * c.moe_inter_dim + 2.0 * rows * c.moe_inter_dim * c.dim);
+    r.tflops = flops / (t.median * 1e-6) / 1e12;
+    r.note = in_place ? "sigmoid router, 1 shared expert on a side stream, EP size 1, experts read the tokens in place; "
+                        "tflops counts the routed experts only"
+                      : "as cuda-local, but the dispatcher copies the rows (permute) and the experts keep the copy";
+    run.records.push_back(r);
   }
-  // The split: one more pass with phase timing on (it synchronises between phases).
-  std::vector<std::vector<double>> parts(5);
-  layer.set_timing(true);
-  for (int i = 0; i < std::max(3, a.reps / 4); ++i) {
-    CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
-    layer.backward(out, gy, stream);
-    const CudaMoEPhaseTimes& p = layer.phase_times();
-    const double v[5] = {p.router, p.dispatch, p.experts, p.combine, p.shared};
-    for (int j = 0; j < 5; ++j) parts[static_cast<std::size_t>(j)].push_back(v[j]);
-  }
-  BenchRecord r;
-  r.case_name = "layer-dsv3";
-  r.routing = "router";
-  r.backend = "cuda-local";
-  r.phase = "layer_fwd_bwd";
-  r.timing = "call";
-  r.tokens_per_rank = T;
-  r.hidden = c.dim;
-  r.topk = c.n_activated_experts;
-  r.experts = c.n_routed_experts;
-  r.time_us = t;
-  r.saved_mb = saved_mb;
-  const char* names[5] = {"router", "dispatch(plan+permute)", "experts", "combine(unpermute)", "shared_join"};
-  for (int j = 0; j < 5; ++j) r.parts_us.emplace_back(names[j], stats_of(parts[static_cast<std::size_t>(j)]).median);
-  const double rows = static_cast<double>(T) * c.n_activated_experts;
-  const double flops = 3 * (2.0 * rows * c.dim * 2 * c.moe_inter_dim + 2.0 * rows * c.moe_inter_dim * c.dim);
-  r.tflops = flops / (t.median * 1e-6) / 1e12;
-  r.note = "sigmoid router, 1 shared expert on a side stream, EP size 1; tflops counts the routed experts only";
-  run.records.push_back(r);
 }
 
 FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);

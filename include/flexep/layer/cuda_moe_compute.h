@@ -93,6 +93,11 @@ class CudaMoECompute {
                        double aux_loss_scale, const CudaMoEGradTargets& targets, cudaStream_t stream);
 
   void set_timing(bool on) { timing_ = on; }
+  // Whether the routed experts read the tokens in place through the dispatch's row table
+  // (docs/experts.md): on by default where the dispatcher can (one GPU) and the sizes allow; off:
+  // the dispatcher copies the rows and the experts keep that copy for backward.
+  bool rows_in_place() const { return rows_in_place_; }
+  void set_rows_in_place(bool on) { rows_in_place_ = on && rows_in_place_supported_; }
   const CudaMoEPhaseTimes& phase_times() const { return times_; }
   const MoEConfig& config() const { return config_; }
   const BackendConfig& backend_config() const { return backend_; }
@@ -107,6 +112,7 @@ class CudaMoECompute {
   MoEConfig config_;
   BackendConfig backend_;
   DispatchOptions dispatch_;
+  bool rows_in_place_supported_ = false;
   bool rows_in_place_ = false;  // the experts read the tokens through the dispatch's row table
   int device_;
   std::shared_ptr<TokenDispatcher> dispatcher_;
