@@ -143,11 +143,12 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   if (!backend_.fake_balanced_gate) static_cast<void>(GateCompute(config_, backend_.gate_precision));
 
   // The single-GPU dispatcher can leave the tokens in place for experts that read them through the
-  // row table (gather_gemm.h): no permuted copy is made or kept for backward.
+  // row table (gather_gemm.h): no permuted copy is made or kept for backward. Off by default while the
+  // gathered kernel is slower than cuBLAS on copied rows (docs/experts.md); set_rows_in_place.
   const std::int64_t width = config_.latent() ? config_.moe_latent_size : config_.dim;
   rows_in_place_supported_ = dispatcher_->backend() == "local" && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
                              num_local_experts() <= cuda::kGatherGemmMaxGroups;
-  rows_in_place_ = rows_in_place_supported_;
+  rows_in_place_ = false;
   cuda::DeviceGuard guard(device_);
   experts_.emplace(config_.routed_expert_config(), num_local_experts(), device_, "experts.");
   if (config_.n_shared_experts > 0) {

@@ -126,10 +126,13 @@ std::vector<Case> cases() {
   return v;
 }
 
+// Both ways of feeding the routed experts: the dispatcher's copy of the rows (the default) and the
+// tokens read in place through the row table (gather_gemm.h).
 TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
   if (!testing::require_gpus(1)) return;
+  for (const bool in_place : {false, true})
   for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
+    SCOPED_TRACE(std::string(c.name) + (in_place ? ", rows read in place" : ", rows copied"));
     const std::int64_t T = 257, D = c.moe.dim;
     MoELayerOptions co;
     co.seed = 11;
@@ -159,6 +162,8 @@ TEST(CudaMoELayer, ForwardAndBackwardMatchCpuReference) {
     go.init_std = 0.1;
     CudaMoELayer gpu(c.moe, BackendConfig{}, nullptr, go);
     gpu.load_from(cpu, stream);
+    gpu.compute().set_rows_in_place(in_place);
+    ASSERT_EQ(gpu.compute().rows_in_place(), in_place);
 
     Tensor x = Tensor::empty({T, D}, DType::f32);
     fill_normal(x, 3, stream_id("x"), 0, 1);
