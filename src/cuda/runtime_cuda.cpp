@@ -174,27 +174,27 @@ int sm_count(int device) {
   return n;
 }
 
-std::uint64_t pool_peak_bytes(int device) {
+namespace {
+cudaMemPool_t default_pool(int device) {
   cudaMemPool_t pool = nullptr;
   FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-  std::uint64_t high = 0;
-  FLEXEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
-  return high;
+  return pool;
 }
 
-std::uint64_t pool_used_bytes(int device) {
-  cudaMemPool_t pool = nullptr;
-  FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-  std::uint64_t used = 0;
-  FLEXEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
-  return used;
+std::uint64_t pool_attribute(int device, cudaMemPoolAttr attr) {
+  std::uint64_t value = 0;
+  FLEXEP_CUDA_CHECK(cudaMemPoolGetAttribute(default_pool(device), attr, &value));
+  return value;
 }
+}  // namespace
+
+std::uint64_t pool_peak_bytes(int device) { return pool_attribute(device, cudaMemPoolAttrUsedMemHigh); }
+
+std::uint64_t pool_used_bytes(int device) { return pool_attribute(device, cudaMemPoolAttrUsedMemCurrent); }
 
 void reset_pool_peak_bytes(int device) {
-  cudaMemPool_t pool = nullptr;
-  FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
   std::uint64_t zero = 0;  // resets the high-water mark to the current use
-  FLEXEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  FLEXEP_CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(device), cudaMemPoolAttrUsedMemHigh, &zero));
 }
 
 }  // namespace flexep::cuda

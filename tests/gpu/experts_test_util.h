@@ -9,9 +9,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu/same_bytes.h"
+#include "flexep/core/error.h"
 #include "flexep/core/random.h"
 #include "flexep/core/tensor.h"
 #include "flexep/cuda/grouped_gemm.h"
@@ -110,5 +112,16 @@ class OwnGemmThreshold {
 
 // A view of nothing on cuda:0, for argument-validation tests (never dereferenced).
 inline TensorView fake_cuda(Shape shape, DType dtype) { return TensorView(nullptr, dtype, shape, Device::cuda(0)); }
+
+// f() must throw an ArgumentError naming `arg`.
+template <class F>
+void expect_arg_error(F&& f, const std::string& arg) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an ArgumentError naming '" << arg << "'";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(e.argument(), arg) << e.what();
+  }
+}
 
 }  // namespace flexep::testing

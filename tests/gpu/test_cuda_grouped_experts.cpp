@@ -23,6 +23,8 @@
 namespace flexep {
 namespace {
 
+using testing::expect_arg_error;
+
 using testing::bf16_exact;
 using testing::rel_error;
 
@@ -480,16 +482,6 @@ TEST(CudaGroupedExperts, InitMatchesCpuInit) {
     for (std::size_t i = 0; i < want.size(); ++i)
       EXPECT_TRUE(testing::same_bytes(got[i]->value, want[i]->value.to(DType::bf16).to(DType::f32)))
           << want[i]->name;
-  }
-}
-
-template <class F>
-void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an ArgumentError naming '" << arg << "'";
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(e.argument(), arg) << e.what();
   }
 }
 

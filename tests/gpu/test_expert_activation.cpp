@@ -18,11 +18,10 @@
 namespace flexep {
 namespace {
 
+using testing::expect_arg_error;
+
 using testing::bf16_exact;
 using testing::rel_error;
-
-template <class F>
-void expect_arg_error(F&& f, const std::string& arg);
 
 ActivationParams params_of(Activation kind) {
   ActivationParams p;
@@ -415,16 +414,6 @@ TEST(ExpertBias, DownBiasForwardBackward) {
   if (!testing::require_gpus(1)) return;
   check_down_bias(24);
   check_down_bias(10);
-}
-
-template <class F>
-void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an ArgumentError naming '" << arg << "'";
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(e.argument(), arg) << e.what();
-  }
 }
 
 TEST(ExpertActivation, BadArguments) {

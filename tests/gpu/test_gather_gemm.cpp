@@ -19,20 +19,17 @@
 namespace flexep {
 namespace {
 
+using testing::expect_arg_error;
+
 using testing::bf16_exact;
 using testing::rel_error;
 
-Tensor device_i64(const std::vector<std::int64_t>& v) {
-  Tensor h = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i64);
-  std::copy(v.begin(), v.end(), h.data<std::int64_t>());
-  return cuda::to_device(h, 0, nullptr);
+template <class T>
+Tensor on_device(const std::vector<T>& v) {
+  return cuda::to_device(Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}), 0, nullptr);
 }
-
-Tensor device_i32(const std::vector<std::int32_t>& v) {
-  Tensor h = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i32);
-  std::copy(v.begin(), v.end(), h.data<std::int32_t>());
-  return cuda::to_device(h, 0, nullptr);
-}
+Tensor device_i64(const std::vector<std::int64_t>& v) { return on_device(v); }
+Tensor device_i32(const std::vector<std::int32_t>& v) { return on_device(v); }
 
 std::vector<std::int64_t> offsets_of(const std::vector<std::int64_t>& counts) {
   std::vector<std::int64_t> off(counts.size() + 1, 0);
@@ -135,16 +132,6 @@ TEST(GatherGemm, MatchesCublasOnAPermutedCopy) {
                             nullptr);
   cuda::grouped_gemm_forward(testing::to_gpu_bf16(permuted), b_d, counts, theirs, nullptr);
   EXPECT_LT(rel_error(testing::to_cpu_f32(ours), testing::to_cpu_f32(theirs)), 4e-3);
-}
-
-template <class F>
-void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "no ArgumentError for '" << arg << "'";
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(e.argument(), arg) << e.what();
-  }
 }
 
 TEST(GatherGemm, BadDeviceDataIsReportedByName) {

@@ -19,6 +19,8 @@
 namespace flexep {
 namespace {
 
+using testing::expect_arg_error;
+
 using testing::bf16_exact;
 using testing::rel_error;
 
@@ -244,16 +246,6 @@ TEST(GroupedGemm, ExpertOffsets) {
     const Tensor h = cuda::to_host(many[static_cast<std::size_t>(i)], nullptr);
     EXPECT_EQ(h.data<std::int64_t>()[1], i);
     EXPECT_EQ(h.data<std::int64_t>()[2], i + 1);
-  }
-}
-
-template <class F>
-void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an ArgumentError naming '" << arg << "'";
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(e.argument(), arg) << e.what();
   }
 }
 

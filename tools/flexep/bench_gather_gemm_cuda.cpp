@@ -20,16 +20,9 @@
 namespace flexep::tools {
 namespace {
 
-Tensor to_device_vector(const std::vector<std::int64_t>& v, cudaStream_t s) {
-  Tensor h = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i64);
-  std::copy(v.begin(), v.end(), h.data<std::int64_t>());
-  return cuda::to_device(h, 0, s);
-}
-
-Tensor to_device_vector(const std::vector<std::int32_t>& v, cudaStream_t s) {
-  Tensor h = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i32);
-  std::copy(v.begin(), v.end(), h.data<std::int32_t>());
-  return cuda::to_device(h, 0, s);
+template <class T>
+Tensor to_device_vector(const std::vector<T>& v, cudaStream_t s) {
+  return cuda::to_device(Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}), 0, s);
 }
 
 void run(const BenchArgs& a, BenchRun& run) {
