@@ -1,13 +1,16 @@
 // The gathered grouped GEMM (flexep/cuda/gather_gemm.h): the kernel and its launch.
 //
 // Roles in a CTA of three warpgroups:
-//   warpgroup 0     loads: per stage, A's 128 gathered rows x 64 columns and B's 64 x 256 block,
-//                   16-byte cp.async each, into the swizzled layouts wgmma reads; signals the stage's
-//                   full barrier when its copies have landed (cp.async.mbarrier.arrive);
+//   warpgroup 0     loads: per stage, A's 128 gathered rows x 64 columns by 16-byte cp.async into the
+//                   swizzled layout wgmma reads, and B's 64 x 256 block by four TMA boxes (64 x 64,
+//                   128-byte swizzle: the same layout). The stage's full barrier completes when the
+//                   128 threads' copies have landed (cp.async.mbarrier.arrive.noinc) and the TMA
+//                   bytes have arrived (expect_tx); the loads' share of the SM's load path is A's
+//                   third of the bytes only (cp.async alone for both fed wgmma at ~56% of cuBLAS);
 //   warpgroups 1-2  wait for a stage, run 4 wgmma k-steps on it (64 x 256 each), release the stage
 //                   once the next stage's wgmmas are issued (one batch in flight), then store the tile.
-// The stages' full/empty barriers are CUTLASS's PipelineAsync; the layouts and wgmma descriptors are
-// CuTe's. The loaders run ahead by up to four stages, also across tiles, so the next tile's loads
+// The barriers are CUTLASS's mbarrier wrappers, the layouts and wgmma descriptors CuTe's, the TMA
+// descriptor is made by cuTensorMapEncodeTiled through CUTLASS's driver-entry-point adapter. The loaders run ahead by up to four stages, also across tiles, so the next tile's loads
 // overlap this tile's epilogue.
 #include "flexep/cuda/gather_gemm.h"
 
@@ -18,10 +21,12 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
-#include <cutlass/pipeline/sm90_pipeline.hpp>
+#include <cutlass/cuda_host_adapter.hpp>
 
 #include "flexep/core/checks.h"
+#include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
 
 namespace flexep::cuda {
@@ -41,18 +46,34 @@ using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}
                                            make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
 using TiledMma = decltype(make_tiled_mma(
     SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<cute::Shape<_2, _1, _1>>{}));
-using Pipeline = cutlass::PipelineAsync<kStages>;
-using PipelineState = typename Pipeline::PipelineState;
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+constexpr int kBoxN = 64;                                  // one 128-byte swizzle span of B's rows
+constexpr std::uint32_t kStageBBytes = kBN * kBK * sizeof(Element);
+
+// A stage index and the parity of its barriers' current phase.
+struct StageState {
+  int index = 0;
+  std::uint32_t phase = 0;
+  __device__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+};
 
 struct SharedStorage {
   alignas(1024) Element a[cosize_v<SmemLayoutA>];
   alignas(1024) Element b[cosize_v<SmemLayoutB>];
-  typename Pipeline::SharedStorage pipeline;
+  std::uint64_t full[kStages];   // loads landed: 128 cp.async arrivals + 1 expect_tx arrival and B's bytes
+  std::uint64_t empty[kStages];  // the 256 wgmma threads are done reading the stage
   int tile_start[kGatherGemmMaxGroups + 1];  // the first tile of each group; [G] = all tiles
   int row_begin[kGatherGemmMaxGroups + 1];   // the groups' rows, clamped to [0, N]
 };
 
 struct Params {
+  CUtensorMap b_map;  // B as [G][K][M], boxes of 64 (M) x 64 (K)
   const Element* a;
   const std::int32_t* row_ids;  // null: row i reads a[i]
   const std::int64_t* offsets;
@@ -125,16 +146,14 @@ __device__ __forceinline__ void copy16(const Element* src, Element* dst, bool va
                                                    *reinterpret_cast<uint128_t*>(dst), valid);
 }
 
-// Warpgroup 0. Thread t copies 16-byte column chunk t % 8 of A's rows t / 8 + 16 i (i < 8) and chunk
-// t % 32 of B's rows t / 32 + 4 i (i < 16): a warp reads four A rows' 128 bytes and one B row's 512.
-__device__ void load_tiles(const Params& p, SharedStorage& s, Pipeline& pipeline, int total_tiles) {
+// Warpgroup 0. Thread t copies 16-byte column chunk t % 8 of A's rows t / 8 + 16 i (i < 8): a warp
+// reads four rows' 128 bytes. Thread 0 also issues B's four TMA boxes.
+__device__ void load_tiles(const Params& p, SharedStorage& s, int total_tiles) {
   auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
-  auto sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
   const int t = threadIdx.x;
   const int a_col = (t % 8) * kChunk, a_row0 = t / 8;
-  const int b_col = (t % 32) * kChunk, b_row0 = t / 32;
   const int k_tiles = (p.k + kBK - 1) / kBK;
-  PipelineState state = cutlass::make_producer_start_state<Pipeline>();
+  StageState state;
   for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
     const Tile tile = tile_at(p, s, tile_id);
     const Element* a_src[8];
@@ -154,34 +173,36 @@ __device__ void load_tiles(const Params& p, SharedStorage& s, Pipeline& pipeline
       a_ok[i] = id >= 0;
       a_src[i] = p.a + (a_ok[i] ? id : 0) * p.k + a_col;
     }
-    const int n = tile.n_tile * kBN + b_col;
-    const bool b_ok = n < p.m;
-    const Element* b_src = p.b + static_cast<std::int64_t>(tile.group) * p.k * p.m + (b_ok ? n : 0);
+    const int n0 = tile.n_tile * kBN;
 
     for (int kt = 0; kt < k_tiles; ++kt) {
-      pipeline.producer_acquire(state);
-      const int stage = state.index();
+      // A fresh barrier counts as having completed the phase before its first: the first pass waits
+      // for nothing.
+      EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
+      const int stage = state.index;
       const int k0 = kt * kBK;
+      if (t == 0) {
+        FullBarrier::arrive_and_expect_tx(&s.full[stage], kStageBBytes);
+        Element* b_stage = s.b + stage * (kBN * kBK);
+#pragma unroll
+        for (int j = 0; j < kBN / kBoxN; ++j)
+          SM90_TMA_LOAD_3D::copy(&p.b_map, &s.full[stage], 0, b_stage + j * (kBoxN * kBK), n0 + j * kBoxN, k0,
+                                 tile.group);
+      }
       const bool a_k_ok = k0 + a_col < p.k;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const bool ok = a_ok[i] && a_k_ok;
         copy16(ok ? a_src[i] + k0 : p.a, &sA(a_row0 + 16 * i, a_col, stage), ok);
       }
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int kk = k0 + b_row0 + 4 * i;
-        const bool ok = b_ok && kk < p.k;
-        copy16(ok ? b_src + static_cast<std::int64_t>(kk) * p.m : p.b, &sB(b_col, b_row0 + 4 * i, stage), ok);
-      }
-      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
-      ++state;
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      state.advance();
     }
   }
 }
 
 // Warpgroups 1 and 2: rows [64 w, 64 w + 64) of each tile.
-__device__ void mma_tiles(const Params& p, SharedStorage& s, Pipeline& pipeline, int total_tiles) {
+__device__ void mma_tiles(const Params& p, SharedStorage& s, int total_tiles) {
   auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
   auto sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
   const int mma_thread = threadIdx.x - kLoadThreads;
@@ -195,16 +216,16 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, Pipeline& pipeline,
   auto tCcC = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
   const int k_tiles = (p.k + kBK - 1) / kBK;
 
-  PipelineState read;  // stage 0, phase 0
+  StageState read;
   for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
     const Tile tile = tile_at(p, s, tile_id);
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    PipelineState release = read;
+    StageState release = read;
     for (int kt = 0; kt < k_tiles; ++kt) {
-      pipeline.consumer_wait(read);
-      // The stage was written by cp.async (the generic proxy); wgmma reads it through the async proxy.
+      FullBarrier::wait(&s.full[read.index], read.phase);
+      // A's rows were written by cp.async (the generic proxy); wgmma reads them through the async proxy.
       cutlass::arch::fence_view_async_shared();
-      const int stage = read.index();
+      const int stage = read.index;
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
 #pragma unroll
@@ -217,14 +238,14 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, Pipeline& pipeline,
       warpgroup_wait<1>();
       warpgroup_fence_operand(accum);
       if (kt > 0) {
-        pipeline.consumer_release(release);
-        ++release;
+        EmptyBarrier::arrive(&s.empty[release.index]);
+        release.advance();
       }
-      ++read;
+      read.advance();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
-    pipeline.consumer_release(release);
+    EmptyBarrier::arrive(&s.empty[release.index]);
 
     // Epilogue: each thread holds pairs of adjacent columns; bf16x2 stores straight from registers.
     const int m_base = tile.m_tile * kBM, n_base = tile.n_tile * kBN;
@@ -244,19 +265,21 @@ __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const 
   extern __shared__ char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
-  const bool loader = threadIdx.x < kLoadThreads;
-  typename Pipeline::Params pp;
-  pp.role = loader ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.producer_arv_count = kLoadThreads;
-  pp.consumer_arv_count = kMmaThreads;
-  Pipeline pipeline(s.pipeline, pp);  // warp 0 initialises the barriers
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      FullBarrier::init(&s.full[i], kLoadThreads + 1);
+      EmptyBarrier::init(&s.empty[i], kMmaThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.b_map);
   plan_tiles(p, s);
   __syncthreads();
   const int total_tiles = s.tile_start[p.groups];
-  if (loader) {
-    load_tiles(p, s, pipeline, total_tiles);
+  if (threadIdx.x < kLoadThreads) {
+    load_tiles(p, s, total_tiles);
   } else {
-    mma_tiles(p, s, pipeline, total_tiles);
+    mma_tiles(p, s, total_tiles);
   }
 }
 
@@ -297,6 +320,8 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   // Tile ids are int: at most N / 128 + G row blocks per column of 256.
   FLEXEP_CHECK_ARG((N / kBM + G) * ((M + kBN - 1) / kBN) < (std::int64_t{1} << 31), "c", "has too many rows (", N,
                    ") for M = ", M, ": the tile count must stay below 2^31");
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(a.data) % 16 == 0, "a", "must be 16-byte aligned");
+  FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(b.data) % 16 == 0, "b", "must be 16-byte aligned (TMA)");
   if (N == 0) return;
 
   DeviceGuard guard(dev.index);
@@ -305,6 +330,17 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   int sms = 0;
   FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
   Params p{};
+  // B as a 3-D tensor [G][K][M] (M innermost): reads past K or M are zero-filled by the TMA unit.
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(M) * sizeof(Element),
+                                 static_cast<cuuint64_t>(K * M) * sizeof(Element)};
+  const cuuint32_t box[3] = {kBoxN, kBK, 1}, unit[3] = {1, 1, 1};
+  const CUresult made = cutlass::call_cuTensorMapEncodeTiled(
+      &p.b_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(b.data), dims, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FLEXEP_CHECK(made == CUDA_SUCCESS, "gather_grouped_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(made),
+               ") for b ", b.shape.str());
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);
