@@ -2,7 +2,10 @@
 // moe_inter 2048, 32 experts, top-8, 4096 tokens: 32768 routed rows), with the per-phase split
 // (router, dispatch = plan + permute, experts, combine = unpermute, shared join), with the experts on the
 // dispatcher's copy of the rows (cuda-local, the default) and reading the tokens in place
-// (cuda-local-in-place), and the memory each forward keeps for backward.
+// (cuda-local-in-place), and the memory each forward keeps for backward. Each with both gradient modes:
+// f32 gradients the layer accumulates into (accumulate_f32, Megatron's main_grad; the default) and new
+// bf16 weight gradients per backward (fresh_bf16_weights: what flexep.torch and autograd produce, so the
+// mode to set beside Automodel's layer; labels ending in -fresh-bf16).
 #include "bench_cases.h"
 #include "bench_timing_cuda.h"
 #include "flexep/cuda/layer_ops.h"
@@ -26,66 +29,72 @@ void run(const BenchArgs& a, BenchRun& run) {
   cuda::init();
   const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
   cuda::StreamGuard sg(stream);
-  CudaMoELayerOptions o;
-  o.fast_init = true;
-  o.init_std = 0.02;
-  CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
   const Device dev = Device::cuda(0);
   Tensor x = Tensor::empty({T, c.dim}, DType::bf16, dev), gy = Tensor::empty({T, c.dim}, DType::bf16, dev);
   cuda::fill_random(x, 1, 1.0f, stream);
   cuda::fill_random(gy, 2, 1.0f, stream);
   // Both ways of feeding the routed experts in the same run: the rows copied by the dispatcher (the
   // default; kept for backward), and the tokens read in place through the row table.
-  for (const bool in_place : {false, true}) {
-    layer.compute().set_rows_in_place(in_place);
-    layer.set_timing(false);
-    const TimeStats t = time_cuda([&] {
-      layer.zero_grad(stream);
-      CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
-      layer.backward(out, gy, stream);
-    }, a.warmup, a.reps, stream);
-    // Activation memory: what the forward's result holds in the pool beyond y, nothing else in flight.
-    double saved_mb = 0;
-    {
-      FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const std::uint64_t before = cuda::pool_used_bytes(dev.index);
-      CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
-      FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-      saved_mb = (static_cast<double>(cuda::pool_used_bytes(dev.index)) - static_cast<double>(before) -
-                  static_cast<double>(out.out.nbytes())) / 1e6;
-      layer.backward(out, gy, stream);
+  for (const GradMode grad_mode : {GradMode::accumulate_f32, GradMode::fresh_bf16_weights}) {
+    CudaMoELayerOptions o;
+    o.fast_init = true;
+    o.init_std = 0.02;
+    o.grad_mode = grad_mode;
+    CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
+    const bool fresh = grad_mode == GradMode::fresh_bf16_weights;
+    for (const bool in_place : {false, true}) {
+      layer.compute().set_rows_in_place(in_place);
+      layer.set_timing(false);
+      const TimeStats t = time_cuda([&] {
+        layer.zero_grad(stream);
+        CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+        layer.backward(out, gy, stream);
+      }, a.warmup, a.reps, stream);
+      // Activation memory: what the forward's result holds in the pool beyond y, nothing else in flight.
+      double saved_mb = 0;
+      {
+        FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const std::uint64_t before = cuda::pool_used_bytes(dev.index);
+        CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+        FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+        saved_mb = (static_cast<double>(cuda::pool_used_bytes(dev.index)) - static_cast<double>(before) -
+                    static_cast<double>(out.out.nbytes())) / 1e6;
+        layer.backward(out, gy, stream);
+      }
+      // The split: one more pass with phase timing on (it synchronises between phases).
+      std::vector<std::vector<double>> parts(5);
+      layer.set_timing(true);
+      for (int i = 0; i < std::max(3, a.reps / 4); ++i) {
+        CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+        layer.backward(out, gy, stream);
+        const CudaMoEPhaseTimes& p = layer.phase_times();
+        const double v[5] = {p.router, p.dispatch, p.experts, p.combine, p.shared};
+        for (int j = 0; j < 5; ++j) parts[static_cast<std::size_t>(j)].push_back(v[j]);
+      }
+      BenchRecord r;
+      r.case_name = "layer-dsv3";
+      r.routing = "router";
+      r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (fresh ? "-fresh-bf16" : "");
+      r.phase = "layer_fwd_bwd";
+      r.timing = "call";
+      r.tokens_per_rank = T;
+      r.hidden = c.dim;
+      r.topk = c.n_activated_experts;
+      r.experts = c.n_routed_experts;
+      r.time_us = t;
+      r.saved_mb = saved_mb;
+      const char* names[5] = {"router", "dispatch(plan+permute)", "experts", "combine(unpermute)", "shared_join"};
+      for (int j = 0; j < 5; ++j) r.parts_us.emplace_back(names[j], stats_of(parts[static_cast<std::size_t>(j)]).median);
+      const double rows = static_cast<double>(T) * c.n_activated_experts;
+      const double flops = 3 * (2.0 * rows * c.dim * 2 * c.moe_inter_dim + 2.0 * rows * c.moe_inter_dim * c.dim);
+      r.tflops = flops / (t.median * 1e-6) / 1e12;
+      r.note = in_place ? "as cuda-local, but the experts read the tokens in place through the row table (no copy kept)"
+                        : "sigmoid router, 1 shared expert on a side stream, EP size 1, the dispatcher copies the rows; "
+                          "tflops counts the routed experts only";
+      r.note += fresh ? "; new bf16 weight gradients every backward (fresh_bf16_weights)"
+                      : "; gradients accumulated in f32 (accumulate_f32)";
+      run.records.push_back(r);
     }
-    // The split: one more pass with phase timing on (it synchronises between phases).
-    std::vector<std::vector<double>> parts(5);
-    layer.set_timing(true);
-    for (int i = 0; i < std::max(3, a.reps / 4); ++i) {
-      CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
-      layer.backward(out, gy, stream);
-      const CudaMoEPhaseTimes& p = layer.phase_times();
-      const double v[5] = {p.router, p.dispatch, p.experts, p.combine, p.shared};
-      for (int j = 0; j < 5; ++j) parts[static_cast<std::size_t>(j)].push_back(v[j]);
-    }
-    BenchRecord r;
-    r.case_name = "layer-dsv3";
-    r.routing = "router";
-    r.backend = in_place ? "cuda-local-in-place" : "cuda-local";
-    r.phase = "layer_fwd_bwd";
-    r.timing = "call";
-    r.tokens_per_rank = T;
-    r.hidden = c.dim;
-    r.topk = c.n_activated_experts;
-    r.experts = c.n_routed_experts;
-    r.time_us = t;
-    r.saved_mb = saved_mb;
-    const char* names[5] = {"router", "dispatch(plan+permute)", "experts", "combine(unpermute)", "shared_join"};
-    for (int j = 0; j < 5; ++j) r.parts_us.emplace_back(names[j], stats_of(parts[static_cast<std::size_t>(j)]).median);
-    const double rows = static_cast<double>(T) * c.n_activated_experts;
-    const double flops = 3 * (2.0 * rows * c.dim * 2 * c.moe_inter_dim + 2.0 * rows * c.moe_inter_dim * c.dim);
-    r.tflops = flops / (t.median * 1e-6) / 1e12;
-    r.note = in_place ? "as cuda-local, but the experts read the tokens in place through the row table (no copy kept)"
-                      : "sigmoid router, 1 shared expert on a side stream, EP size 1, the dispatcher copies the rows; "
-                        "tflops counts the routed experts only";
-    run.records.push_back(r);
   }
 }
 
