@@ -1,12 +1,19 @@
 // Case `experts`: grouped experts of a DeepSeek-V3-like shape on one GPU (dim 7168, moe_inter 2048,
-// swiglu, 32 local experts, 32768 routed rows), uniform and Zipf-skewed counts, forward and backward
-// TFLOP/s, next to one dense cuBLAS GEMM of the forward's total FLOPs measured in the same run.
+// swiglu, 32768 routed rows over 32 experts (experts-dsv3, 1024 rows each) and 64 (experts-dsv3-512)),
+// uniform and Zipf-skewed counts, forward and backward TFLOP/s, next to one dense cuBLAS GEMM of the
+// forward's total FLOPs measured in the same run.
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
+
+#include <fmt/format.h>
 
 #include "bench_cases.h"
 #include "bench_timing_cuda.h"
 #include "flexep/cuda/dense.h"
 #include "flexep/cuda/layer_ops.h"
+#include "flexep/cuda/runtime.h"
 #include "flexep/layer/cuda_grouped_experts.h"
 
 namespace flexep::tools {
@@ -25,72 +32,106 @@ std::vector<std::int64_t> counts_for(const std::string& routing, double s, int e
   return c;
 }
 
-void run(const BenchArgs& a, BenchRun& run) {
-  const int dim = a.hidden ? a.hidden : 7168, inter = 2048, experts = a.experts ? a.experts : 32;
-  const std::int64_t rows = a.tokens ? a.tokens : 32768;
+// One expert count (rows per expert = rows / experts): the cuBLAS grouped experts forward and
+// backward (f32 gradients accumulated, the default, and new bf16 weight gradients as autograd writes
+// them), and the experts reading their rows in place through a shuffled row table (forward_gathered:
+// the gathered GEMM for gate/up; its backward gathers the rows for the weight gradient).
+void run_experts(const BenchArgs& a, BenchRun& run, int experts, const std::string& case_name, const Tensor& x,
+                 const Tensor& gy, const Tensor& probs, const Tensor& row_ids, const BenchRecord& dense,
+                 cudaStream_t stream) {
+  const std::int64_t rows = x.size(0);
+  const int dim = static_cast<int>(x.size(1)), inter = 2048;
   MoEConfig c;
   c.dim = dim;
   c.moe_inter_dim = inter;
   c.n_routed_experts = experts;
   c.n_activated_experts = 1;
   c.dtype = DType::bf16;
+  const double fwd_flops = 2.0 * rows * dim * (2.0 * inter) + 2.0 * rows * inter * dim;
+  BenchRecord d = dense;
+  d.case_name = case_name;
+  run.records.push_back(d);
+  for (const GradMode mode : {GradMode::accumulate_f32, GradMode::fresh_bf16_weights}) {
+    const bool fresh = mode == GradMode::fresh_bf16_weights;
+    CudaGroupedExperts ex(c, experts, 0, 0, mode);
+    for (Parameter* p : ex.parameters()) cuda::fill_random(p->value, 17, 0.02f, stream);
+    for (const std::string routing : {"uniform", "zipf"}) {
+      const auto counts = counts_for(routing, a.zipf_s, experts, rows);
+      for (const bool gathered : {false, true}) {
+        if (gathered && !fresh) continue;  // the in-place rows with the gradients flexep.torch writes
+        CudaExpertsOutput fwd;
+        const TimeStats tf = time_cuda([&] {
+          fwd = gathered ? ex.forward_gathered(x, row_ids, probs, counts, stream) : ex.forward(x, probs, counts, stream);
+        }, a.warmup, a.reps, stream);
+        // A training step's backward: zero_grad (lazy for the f32 weight gradients) then backward.
+        const TimeStats tb = time_cuda([&] {
+          ex.zero_grad(stream);
+          ex.backward(fwd, gy, stream);
+        }, a.warmup, a.reps, stream);
+        for (int pass = 0; pass < 2; ++pass) {
+          if (pass == 0 && fresh && !gathered) continue;  // the same forward as accumulate_f32's
+          BenchRecord r;
+          r.case_name = case_name;
+          r.routing = routing;
+          r.backend = gathered ? "gathered-fresh-bf16" : fresh ? "cublas-grouped-fresh-bf16" : "cublas-grouped";
+          r.phase = "experts";
+          r.pass = pass ? "backward" : "forward";
+          r.timing = "kernel";
+          r.tokens_per_rank = rows;
+          r.hidden = dim;
+          r.experts = experts;
+          r.time_us = pass ? tb : tf;
+          r.tflops = (pass ? 2 * fwd_flops : fwd_flops) / (r.time_us.median * 1e-6) / 1e12;
+          r.note = fmt::format("{} local experts ({} rows each), swiglu, moe_inter 2048, activation and prob fused; {}{}",
+                               experts, rows / experts, gathered ? "rows read in place through a shuffled row table; " : "",
+                               fresh ? "new bf16 weight gradients (fresh_bf16_weights)" : "f32 gradients (accumulate_f32)");
+          run.records.push_back(r);
+        }
+      }
+    }
+  }
+}
+
+void run(const BenchArgs& a, BenchRun& run) {
+  const int dim = a.hidden ? a.hidden : 7168, inter = 2048;
+  const std::int64_t rows = a.tokens ? a.tokens : 32768;
   cuda::init();
   const cuda::OwnedStream stream;  // first: destroyed after every tensor ordered on it
   cuda::StreamGuard sg(stream);
-  CudaGroupedExperts ex(c, experts, 0, 0);
-  for (Parameter* p : ex.parameters()) cuda::fill_random(p->value, 17, 0.02f, stream);
   const Device dev = Device::cuda(0);
   Tensor x = Tensor::empty({rows, dim}, DType::bf16, dev), probs = Tensor::empty({rows}, DType::f32, dev);
   Tensor gy = Tensor::empty({rows, dim}, DType::bf16, dev);
   cuda::fill_random(x, 1, 1.0f, stream);
   cuda::fill_random(gy, 2, 1.0f, stream);
   cuda::fill(probs, 0.125f, stream);
-  const double fwd_flops = 2.0 * rows * dim * (2.0 * inter) + 2.0 * rows * inter * dim;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(rows));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(7));
+  const Tensor row_ids = cuda::to_device(Tensor::from_vector(ids, {rows}), 0, stream);
 
   // Dense reference: [rows, dim] x [dim, 3*inter], the forward's FLOPs in one GEMM.
+  BenchRecord dense;
   {
     Tensor w = Tensor::empty({dim, 3 * inter}, DType::bf16, dev), out = Tensor::empty({rows, 3 * inter}, DType::bf16, dev);
     cuda::fill_random(w, 3, 0.02f, stream);
     const TimeStats t = time_cuda([&] { cuda::gemm(x, false, w, false, out, stream); }, a.warmup, a.reps, stream);
-    BenchRecord r;
-    r.case_name = "experts-dsv3";
-    r.routing = "-";
-    r.backend = "cublas-dense";
-    r.phase = "dense_gemm";
-    r.timing = "kernel";
-    r.tokens_per_rank = rows;
-    r.hidden = dim;
-    r.experts = 1;
-    r.time_us = t;
-    r.tflops = 2.0 * rows * dim * 3.0 * inter / (t.median * 1e-6) / 1e12;
-    r.note = "one GEMM with the grouped forward's FLOPs";
-    run.records.push_back(r);
+    dense.routing = "-";
+    dense.backend = "cublas-dense";
+    dense.phase = "dense_gemm";
+    dense.timing = "kernel";
+    dense.tokens_per_rank = rows;
+    dense.hidden = dim;
+    dense.experts = 1;
+    dense.time_us = t;
+    dense.tflops = 2.0 * rows * dim * 3.0 * inter / (t.median * 1e-6) / 1e12;
+    dense.note = "one GEMM with the grouped forward's FLOPs";
   }
-  for (const std::string routing : {"uniform", "zipf"}) {
-    const auto counts = counts_for(routing, a.zipf_s, experts, rows);
-    CudaExpertsOutput fwd;
-    const TimeStats tf = time_cuda([&] { fwd = ex.forward(x, probs, counts, stream); }, a.warmup, a.reps, stream);
-    // A training step's backward: zero_grad (lazy for the weight gradients) then backward.
-    const TimeStats tb = time_cuda([&] {
-      ex.zero_grad(stream);
-      ex.backward(fwd, gy, stream);
-    }, a.warmup, a.reps, stream);
-    for (int pass = 0; pass < 2; ++pass) {
-      BenchRecord r;
-      r.case_name = "experts-dsv3";
-      r.routing = routing;
-      r.backend = "cublas-grouped";
-      r.phase = "experts";
-      r.pass = pass ? "backward" : "forward";
-      r.timing = "kernel";
-      r.tokens_per_rank = rows;
-      r.hidden = dim;
-      r.experts = experts;
-      r.time_us = pass ? tb : tf;
-      r.tflops = (pass ? 2 * fwd_flops : fwd_flops) / (r.time_us.median * 1e-6) / 1e12;
-      r.note = "32 local experts, swiglu, moe_inter 2048, activation and prob fused";
-      run.records.push_back(r);
-    }
+  // 1024 and 512 rows per expert (DSV3's per-expert load at EP 8 and 16 with 4096 tokens per rank).
+  if (a.experts) {
+    run_experts(a, run, a.experts, "experts-dsv3", x, gy, probs, row_ids, dense, stream);
+  } else {
+    run_experts(a, run, 32, "experts-dsv3", x, gy, probs, row_ids, dense, stream);
+    run_experts(a, run, 64, "experts-dsv3-512", x, gy, probs, row_ids, dense, stream);
   }
 }
 
