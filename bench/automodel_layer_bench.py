@@ -7,7 +7,9 @@ layer: the median of CUDA-event times around forward + backward (gradients set t
 as after an optimizer step), the peak memory of one iteration, the memory one forward keeps for backward
 beyond its output (saved_mb), and, for flexep, how many tokens the
 two routers send to the same experts (same expert set per token) and how close the outputs are.
-Also runs the fake balanced gate (no router) for both. Writes one JSON to bench/results/ (phase
+flexep runs twice: the routed experts on the dispatcher's copy of the rows ("flexep") and reading
+the tokens in place ("flexep-in-place", MoECompute.rows_in_place). Also runs the fake balanced gate
+(no router) for all. Writes one JSON to bench/results/ (phase
 "layer_fwd_bwd", timing "call"; Automodel's layer as backend "automodel").
 
 Run: PYTHONPATH=build/python python bench/automodel_layer_bench.py [--tokens 4096] [--iters 10]
@@ -23,6 +25,7 @@ import torch
 
 import flexep.torch as ft
 from flexep import _flexep
+from flexep.torch._layer_call import compute_of
 from nemo_automodel.components.models.common.utils import BackendConfig as AmBackendConfig
 from nemo_automodel.components.moe.config import MoEConfig as AmMoEConfig
 from nemo_automodel.components.moe.layers import MoE as AmMoE
@@ -118,29 +121,34 @@ def main():
         sd = ref.state_dict()
         del ref
         torch.cuda.empty_cache()
-        t_ours, mem_ours = time_fwd_bwd(ours, x, grad, a.iters, a.warmup)
-        saved_ours = saved_bytes(ours, x)
-        with torch.no_grad():
-            y = ours(x)
-        # Per token: the output row's distance from Automodel's, relative to that row's size.
-        rel = (y.float() - y_ref.float()).norm(dim=-1) / y_ref.float().norm(dim=-1).clamp_min(1e-30)
-        extra = {"tokens_within_1pct": float((rel <= 1e-2).float().mean()),
-                 "tokens_within_5pct": float((rel <= 5e-2).float().mean()), "max_token_rel_diff": float(rel.max()),
-                 "output_rel_diff": float((y.float() - y_ref.float()).norm() / y_ref.float().norm())}
-        if idx_ref is not None:
-            idx = ours.last_routing()[0]
-            same = (idx.sort(-1).values == idx_ref.sort(-1).values).all(-1)
-            extra["same_experts_fraction"] = float(same.float().mean())
         routing = "router" if gate == "router" else "balanced"
         records.append(dict(common, routing=routing, backend="automodel", time_us=t_ref,
                             peak_bytes=sum(mem_ref.values()), peak_bytes_by_allocator=mem_ref,
                             saved_mb=saved_ref / 1e6,
                             note="Automodel 0.7.0 MoE, experts=torch_mm, dispatcher torch, EP 1"))
-        records.append(dict(common, routing=routing, backend="flexep", time_us=t_ours,
-                            peak_bytes=sum(mem_ours.values()), peak_bytes_by_allocator=mem_ours,
-                            saved_mb=saved_ours / 1e6,
-                            ratio_vs_automodel=t_ref["median"] / t_ours["median"], **extra,
-                            note="flexep.torch.MoE, same weights (EP 1)"))
+        # The routed experts on the dispatcher's copy of the rows, then reading the tokens in place.
+        for in_place in (False, True):
+            compute_of(ours, dev).rows_in_place = in_place
+            t_ours, mem_ours = time_fwd_bwd(ours, x, grad, a.iters, a.warmup)
+            saved_ours = saved_bytes(ours, x)
+            with torch.no_grad():
+                y = ours(x)
+            # Per token: the output row's distance from Automodel's, relative to that row's size.
+            rel = (y.float() - y_ref.float()).norm(dim=-1) / y_ref.float().norm(dim=-1).clamp_min(1e-30)
+            extra = {"tokens_within_1pct": float((rel <= 1e-2).float().mean()),
+                     "tokens_within_5pct": float((rel <= 5e-2).float().mean()), "max_token_rel_diff": float(rel.max()),
+                     "output_rel_diff": float((y.float() - y_ref.float()).norm() / y_ref.float().norm())}
+            if idx_ref is not None:
+                idx = ours.last_routing()[0]
+                same = (idx.sort(-1).values == idx_ref.sort(-1).values).all(-1)
+                extra["same_experts_fraction"] = float(same.float().mean())
+            records.append(dict(common, routing=routing, backend="flexep-in-place" if in_place else "flexep",
+                                time_us=t_ours, peak_bytes=sum(mem_ours.values()), peak_bytes_by_allocator=mem_ours,
+                                saved_mb=saved_ours / 1e6, ratio_vs_automodel=t_ref["median"] / t_ours["median"],
+                                **extra,
+                                note="flexep.torch.MoE, same weights (EP 1), the routed experts "
+                                     + ("reading the tokens in place (rows_in_place)" if in_place
+                                        else "on the dispatcher's copy of the rows")))
         del ours, sd
         torch.cuda.empty_cache()
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -154,7 +162,7 @@ def main():
     with open(path, "w") as f:
         json.dump(run, f, indent=1)
     for r in records:
-        print(f"{r['routing']:<9} {r['backend']:<10} median {r['time_us']['median'] / 1000:.2f} ms  "
+        print(f"{r['routing']:<9} {r['backend']:<15} median {r['time_us']['median'] / 1000:.2f} ms  "
               f"peak {r['peak_bytes'] / 2**30:.2f} GiB  saved {r['saved_mb']:.0f} MB  "
               + " ".join(f"{k}={v:.4g}" for k, v in r.items() if k in ("ratio_vs_automodel", "tokens_within_1pct",
                                                                           "same_experts_fraction", "output_rel_diff")))

@@ -17,6 +17,7 @@
 #include "flexep/layer/moe_compute.h"
 
 #ifdef FLEXEP_WITH_CUDA
+#include "flexep/cuda/gather_gemm.h"
 #include "flexep/layer/cuda_moe_compute.h"
 #endif
 
@@ -92,6 +93,26 @@ class PyMoECompute {
   int ep_size() const { return cpu_ ? cpu_->ep_size() : gpu_size(); }
   int num_local_experts() const { return cpu_ ? cpu_->num_local_experts() : gpu_local(); }
   int device() const { return device_; }
+  bool rows_in_place() const {
+#ifdef FLEXEP_WITH_CUDA
+    if (gpu_) return gpu_->rows_in_place();
+#endif
+    return false;
+  }
+  // Only the GPU layer on a local dispatcher can read the tokens in place: elsewhere True is refused
+  // rather than ignored.
+  void set_rows_in_place(bool on) {
+#ifdef FLEXEP_WITH_CUDA
+    if (gpu_) {
+      gpu_->set_rows_in_place(on);
+      FLEXEP_CHECK_ARG(gpu_->rows_in_place() == on, "rows_in_place", "True needs the single-GPU dispatcher (EP size 1, here ",
+                       gpu_->ep_size(), "), a token width and expert widths that are multiples of 8, and at most ",
+                       cuda::kGatherGemmMaxGroups, " local experts");
+      return;
+    }
+#endif
+    FLEXEP_CHECK_ARG(!on, "rows_in_place", "True is a GPU option; this MoECompute runs on the CPU (device -1)");
+  }
 
   nb::list parameter_specs() const {
     nb::list out;
@@ -221,6 +242,9 @@ void bind_moe_compute(nb::module_& m) {
       .def_prop_ro("ep_size", &PyMoECompute::ep_size)
       .def_prop_ro("num_local_experts", &PyMoECompute::num_local_experts)
       .def_prop_ro("device", &PyMoECompute::device)
+      .def_prop_rw("rows_in_place", &PyMoECompute::rows_in_place, &PyMoECompute::set_rows_in_place,
+                   "GPU, EP size 1: the routed experts read the tokens in place through the dispatch's row table "
+                   "(no permuted copy kept for backward) instead of a copy made by the dispatcher.")
       .def("parameter_specs", &PyMoECompute::parameter_specs,
            "[(name, shape, requires_grad)]: the weights forward and backward take, shapes on this rank.")
       .def("forward", &PyMoECompute::forward, nb::arg("weights"), nb::arg("x"),

@@ -172,6 +172,15 @@ def test_unknown_and_missing_names_are_argument_errors():
         other.backward(w, state, x)
 
 
+def test_rows_in_place_is_refused_on_the_cpu():
+    m = _flexep.MoECompute(moe_json("softmax"), BACKEND)
+    assert m.rows_in_place is False
+    m.rows_in_place = False
+    with pytest.raises(_flexep.ArgumentError, match="'rows_in_place'.*GPU option.*device -1"):
+        m.rows_in_place = True
+    assert m.rows_in_place is False
+
+
 def test_bf16_on_the_cpu():
     layer, cfg = owner("shared-gate-biases-aux", dtype="float32")
     m = _flexep.MoECompute(moe_json("shared-gate-biases-aux"), BACKEND)

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.gpu,
 
 from automodel_pair import am_backend, am_config, randomize  # noqa: E402
 from nemo_automodel.components.moe.layers import MoE as AmMoE  # noqa: E402
+from flexep.torch._layer_call import compute_of  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 
@@ -78,9 +79,15 @@ def _close(a, b, what, tol=3e-2):
     assert err <= tol, f"{what}: relative distance {err:.3g}"
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied-rows", "rows-in-place"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_layer_matches_automodel_in_bf16(case):
+def test_gpu_layer_matches_automodel_in_bf16(case, in_place):
+    """Both ways of feeding the routed experts: the dispatcher's copy of the rows, and the tokens read
+    in place through the row table (the gathered GEMM)."""
     ref, ours = _bf16_pair(CASES[case])
+    compute = compute_of(ours, DEV)
+    compute.rows_in_place = in_place
+    assert compute.rows_in_place == in_place
     g = torch.Generator(DEV).manual_seed(3)
     x = torch.randn(512, 256, device=DEV, generator=g).to(torch.bfloat16)
     gy = torch.randn(512, 256, device=DEV, generator=g)
