@@ -17,7 +17,9 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -50,6 +52,7 @@ using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 constexpr int kBoxN = 64;                                  // one 128-byte swizzle span of B's rows
 constexpr std::uint32_t kStageBBytes = kBN * kBK * sizeof(Element);
+constexpr std::uint32_t kStageABytes = kBM * kBK * sizeof(Element);
 
 // A stage index and the parity of its barriers' current phase.
 struct StageState {
@@ -74,6 +77,7 @@ struct SharedStorage {
 
 struct Params {
   CUtensorMap b_map;  // B as [G][K][M], boxes of 64 (M) x 64 (K)
+  CUtensorMap a_map;  // GatherLoad::tma_rows: A as [R][K], boxes of 64 (K) x 1 row
   const Element* a;
   const std::int32_t* row_ids;  // null: row i reads a[i]
   const std::int64_t* offsets;
@@ -146,9 +150,34 @@ __device__ __forceinline__ void copy16(const Element* src, Element* dst, bool va
                                                    *reinterpret_cast<uint128_t*>(dst), valid);
 }
 
-// Warpgroup 0. Thread t copies 16-byte column chunk t % 8 of A's rows t / 8 + 16 i (i < 8): a warp
-// reads four rows' 128 bytes. Thread 0 also issues B's four TMA boxes.
-__device__ void load_tiles(const Params& p, SharedStorage& s, int total_tiles) {
+// The source row of tile row `row` (-1: a zero row), checked before any address is formed from it.
+__device__ __forceinline__ std::int64_t source_row(const Params& p, const Tile& tile, int row) {
+  if (row >= tile.rows) return -1;
+  const int at = tile.row_begin + row;
+  const std::int64_t id = p.row_ids ? p.row_ids[at] : at;
+  if (id < -1 || id >= p.a_rows) {
+    if (p.errors) report_device_error(p.errors, DeviceArg::row_ids, at, -1, id, p.a_rows);
+    return -1;
+  }
+  return id;
+}
+
+// Thread 0 of the loaders: B's 64 x 256 block of the stage by four TMA boxes, after announcing the
+// stage's bytes (B's, plus A's when A comes by TMA too).
+__device__ __forceinline__ void load_b(const Params& p, SharedStorage& s, const Tile& tile, int stage, int k0,
+                                       std::uint32_t stage_bytes) {
+  FullBarrier::arrive_and_expect_tx(&s.full[stage], stage_bytes);
+  Element* b_stage = s.b + stage * (kBN * kBK);
+  const int n0 = tile.n_tile * kBN;
+#pragma unroll
+  for (int j = 0; j < kBN / kBoxN; ++j)
+    SM90_TMA_LOAD_3D::copy(&p.b_map, &s.full[stage], 0, b_stage + j * (kBoxN * kBK), n0 + j * kBoxN, k0, tile.group);
+}
+
+// Warpgroup 0, GatherLoad::cp_async. Thread t copies 16-byte column chunk t % 8 of A's rows
+// t / 8 + 16 i (i < 8): a warp reads four rows' 128 bytes. The stage completes when B's bytes have
+// landed and every thread's copies have (cp.async.mbarrier.arrive.noinc: one arrival per thread).
+__device__ void load_tiles_cp_async(const Params& p, SharedStorage& s, int total_tiles) {
   auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
   const int t = threadIdx.x;
   const int a_col = (t % 8) * kChunk, a_row0 = t / 8;
@@ -160,35 +189,17 @@ __device__ void load_tiles(const Params& p, SharedStorage& s, int total_tiles) {
     bool a_ok[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int row = tile.m_tile * kBM + a_row0 + 16 * i;
-      std::int64_t id = -1;
-      if (row < tile.rows) {
-        const int at = tile.row_begin + row;
-        id = p.row_ids ? p.row_ids[at] : at;
-        if (id < -1 || id >= p.a_rows) {
-          if (p.errors) report_device_error(p.errors, DeviceArg::row_ids, at, -1, id, p.a_rows);
-          id = -1;
-        }
-      }
+      const std::int64_t id = source_row(p, tile, tile.m_tile * kBM + a_row0 + 16 * i);
       a_ok[i] = id >= 0;
       a_src[i] = p.a + (a_ok[i] ? id : 0) * p.k + a_col;
     }
-    const int n0 = tile.n_tile * kBN;
-
     for (int kt = 0; kt < k_tiles; ++kt) {
       // A fresh barrier counts as having completed the phase before its first: the first pass waits
       // for nothing.
       EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
       const int stage = state.index;
       const int k0 = kt * kBK;
-      if (t == 0) {
-        FullBarrier::arrive_and_expect_tx(&s.full[stage], kStageBBytes);
-        Element* b_stage = s.b + stage * (kBN * kBK);
-#pragma unroll
-        for (int j = 0; j < kBN / kBoxN; ++j)
-          SM90_TMA_LOAD_3D::copy(&p.b_map, &s.full[stage], 0, b_stage + j * (kBoxN * kBK), n0 + j * kBoxN, k0,
-                                 tile.group);
-      }
+      if (t == 0) load_b(p, s, tile, stage, k0, kStageBBytes);
       const bool a_k_ok = k0 + a_col < p.k;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -196,6 +207,31 @@ __device__ void load_tiles(const Params& p, SharedStorage& s, int total_tiles) {
         copy16(ok ? a_src[i] + k0 : p.a, &sA(a_row0 + 16 * i, a_col, stage), ok);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      state.advance();
+    }
+  }
+}
+
+// Warpgroup 0, GatherLoad::tma_rows. Thread t brings tile row t: one TMA box of 64 columns x 1 row
+// per stage, written at the row's place in the stage. The 128-byte swizzle is a function of the
+// shared-memory address, so rows copied one by one land exactly where a 128-row box would put them.
+// A zero row (id -1, or past the group's rows) is the box at row -1: outside A, zero-filled by the
+// TMA unit (and K's tail past the last column likewise). Only thread 0 arrives on the full barrier,
+// announcing all 48 KB; the other threads' boxes may land first (the transaction count goes negative
+// until then, and the phase cannot complete before that arrival).
+__device__ void load_tiles_tma_rows(const Params& p, SharedStorage& s, int total_tiles) {
+  const int t = threadIdx.x;
+  const int k_tiles = (p.k + kBK - 1) / kBK;
+  StageState state;
+  for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
+    const Tile tile = tile_at(p, s, tile_id);
+    const auto row = static_cast<std::int32_t>(source_row(p, tile, tile.m_tile * kBM + t));
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
+      const int stage = state.index;
+      const int k0 = kt * kBK;
+      if (t == 0) load_b(p, s, tile, stage, k0, kStageBBytes + kStageABytes);
+      SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[stage], 0, s.a + stage * (kBM * kBK) + t * kBK, k0, row);
       state.advance();
     }
   }
@@ -261,23 +297,26 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_tiles) {
   }
 }
 
+template <GatherLoad kLoad>
 __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const __grid_constant__ Params p) {
   extern __shared__ char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      FullBarrier::init(&s.full[i], kLoadThreads + 1);
+      FullBarrier::init(&s.full[i], kLoad == GatherLoad::cp_async ? kLoadThreads + 1 : 1);
       EmptyBarrier::init(&s.empty[i], kMmaThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
   if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.b_map);
+  if (kLoad == GatherLoad::tma_rows && threadIdx.x == 64) cute::prefetch_tma_descriptor(&p.a_map);
   plan_tiles(p, s);
   __syncthreads();
   const int total_tiles = s.tile_start[p.groups];
   if (threadIdx.x < kLoadThreads) {
-    load_tiles(p, s, total_tiles);
+    if constexpr (kLoad == GatherLoad::cp_async) load_tiles_cp_async(p, s, total_tiles);
+    else load_tiles_tma_rows(p, s, total_tiles);
   } else {
     mma_tiles(p, s, total_tiles);
   }
@@ -292,7 +331,29 @@ void check_cuda_tensor(const TensorView& t, DType dtype, int rank, const char* a
   FLEXEP_CHECK_ARG(t.device == device, arg, "is on ", t.device.str(), " but 'a' is on ", device.str());
 }
 
+// A row-major bf16 tensor of rank 2 or 3 (dims innermost first, packed) as a TMA map with the 128-byte
+// swizzle; reads outside it are zero-filled.
+void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64_t> dims, std::vector<cuuint32_t> box,
+                     CUtensorMapL2promotion promotion, const char* arg) {
+  const auto rank = static_cast<cuuint32_t>(dims.size());
+  std::vector<cuuint64_t> strides(rank - 1);
+  cuuint64_t stride = sizeof(Element);
+  for (cuuint32_t i = 0; i + 1 < rank; ++i) strides[i] = stride *= dims[i];
+  const std::vector<cuuint32_t> unit(rank, 1);
+  const CUresult made = cutlass::call_cuTensorMapEncodeTiled(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(t.data), dims.data(), strides.data(), box.data(),
+      unit.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FLEXEP_CHECK(made == CUDA_SUCCESS, "gather_grouped_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(made),
+               ") for ", arg, " ", t.shape.str());
+}
+
+std::atomic<GatherLoad> g_a_load{GatherLoad::cp_async};
+
 }  // namespace
+
+void set_gather_gemm_a_load(GatherLoad load) { g_a_load.store(load, std::memory_order_relaxed); }
+GatherLoad gather_gemm_a_load() { return g_a_load.load(std::memory_order_relaxed); }
 
 void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const TensorView& offsets,
                          const TensorView& b, const TensorView& c, cudaStream_t stream, DeviceErrorRecord* errors) {
@@ -325,22 +386,22 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   if (N == 0) return;
 
   DeviceGuard guard(dev.index);
-  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(gather_grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  // Row coordinates of A's TMA boxes are int32.
+  const GatherLoad load = a.shape[0] <= INT32_MAX ? g_a_load.load(std::memory_order_relaxed) : GatherLoad::cp_async;
+  const auto kernel = load == GatherLoad::tma_rows ? gather_grouped_gemm_kernel<GatherLoad::tma_rows>
+                                                   : gather_grouped_gemm_kernel<GatherLoad::cp_async>;
+  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(kSmemBytes)));
   int sms = 0;
   FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
   Params p{};
   // B as a 3-D tensor [G][K][M] (M innermost): reads past K or M are zero-filled by the TMA unit.
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(M) * sizeof(Element),
-                                 static_cast<cuuint64_t>(K * M) * sizeof(Element)};
-  const cuuint32_t box[3] = {kBoxN, kBK, 1}, unit[3] = {1, 1, 1};
-  const CUresult made = cutlass::call_cuTensorMapEncodeTiled(
-      &p.b_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(b.data), dims, strides, box, unit,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  FLEXEP_CHECK(made == CUDA_SUCCESS, "gather_grouped_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(made),
-               ") for b ", b.shape.str());
+  encode_bf16_map(p.b_map, b, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)},
+                  {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
+  // A as [R][K] in boxes of one row's 64 columns (128 bytes).
+  if (load == GatherLoad::tma_rows)
+    encode_bf16_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(a.shape[0])}, {kBK, 1},
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, "a");
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);
@@ -352,7 +413,7 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   p.k = static_cast<int>(K);
   p.m = static_cast<int>(M);
   p.groups = static_cast<int>(G);
-  gather_grouped_gemm_kernel<<<sms, kThreads, kSmemBytes, stream>>>(p);
+  kernel<<<sms, kThreads, kSmemBytes, stream>>>(p);
   FLEXEP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <latch>
 #include <thread>
 
 #include "flexep/core/low_latency.h"
@@ -362,6 +363,9 @@ TEST_P(DeepEpLowLatencyMultiGpu, MissingPeerTimesOutNamingPhaseAndPeer) {
   Case cs{config("ll timeout", 2, 2, 64, tokens_for(R, {16})), false, 16};
   const int E = cs.c.experts_per_rank * R;
   std::atomic<int> finished{0};
+  // The live ranks start their dispatches together: one that is merely late (its host thread
+  // starved while the others' kernels wait) would be named instead of the missing one.
+  std::latch live(R - 1);
   std::vector<std::exception_ptr> failures(static_cast<std::size_t>(R));
   const auto errors = run_gpu_ranks(
       R,
@@ -378,6 +382,8 @@ TEST_P(DeepEpLowLatencyMultiGpu, MissingPeerTimesOutNamingPhaseAndPeer) {
         const LowLatencyInputs li = inputs_for(cs, g.size, g.rank, 3);
         const Tensor x = cuda::to_device(li.x, g.device, g.stream);
         const Tensor idx = cuda::to_device(li.in.indices, g.device, g.stream);
+        FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        live.arrive_and_wait();
         try {
           d->low_latency_dispatch(x, idx);
           d->check_errors();

@@ -90,30 +90,38 @@ void check(std::int64_t R, std::int64_t K, std::int64_t M, const std::vector<std
   }
 }
 
-TEST(GatherGemm, RaggedGroupsWithEmptyOnesAndTails) {
+// Every data test runs with both ways of loading A's rows (GatherLoad); the setting is process-wide,
+// so each test sets it and puts the default back.
+class GatherGemm : public ::testing::TestWithParam<cuda::GatherLoad> {
+ protected:
+  void SetUp() override { cuda::set_gather_gemm_a_load(GetParam()); }
+  void TearDown() override { cuda::set_gather_gemm_a_load(cuda::GatherLoad::cp_async); }
+};
+
+TEST_P(GatherGemm, RaggedGroupsWithEmptyOnesAndTails) {
   if (!testing::require_gpus(1)) return;
   // K and M not multiples of the tile (64, 256): the k and n tails; groups of 0, 1, 129 rows.
   check(300, 200, 264, {129, 0, 1, 70, 0, 200}, 420, true, 1);
 }
 
-TEST(GatherGemm, ContiguousRowsWithoutATable) {
+TEST_P(GatherGemm, ContiguousRowsWithoutATable) {
   if (!testing::require_gpus(1)) return;
   check(520, 128, 512, {256, 128, 100}, 520, false, 2);
 }
 
-TEST(GatherGemm, OneGroupManyColumnTiles) {
+TEST_P(GatherGemm, OneGroupManyColumnTiles) {
   if (!testing::require_gpus(1)) return;
   check(64, 72, 1032, {200}, 256, true, 3);
 }
 
-TEST(GatherGemm, NoRowsWritesNothing) {
+TEST_P(GatherGemm, NoRowsWritesNothing) {
   if (!testing::require_gpus(1)) return;
   check(16, 64, 64, {0, 0, 0}, 32, true, 4);
 }
 
 // The permute fused into the loads: the same numbers as cuBLAS's grouped GEMM on a copy of the rows in
 // group order (both accumulate in fp32; only the summation order may differ), at a real expert size.
-TEST(GatherGemm, MatchesCublasOnAPermutedCopy) {
+TEST_P(GatherGemm, MatchesCublasOnAPermutedCopy) {
   if (!testing::require_gpus(1)) return;
   const std::int64_t R = 1024, K = 2048, M = 1024;
   const std::vector<std::int64_t> counts{512, 300, 0, 700, 536};
@@ -134,7 +142,7 @@ TEST(GatherGemm, MatchesCublasOnAPermutedCopy) {
   EXPECT_LT(rel_error(testing::to_cpu_f32(ours), testing::to_cpu_f32(theirs)), 4e-3);
 }
 
-TEST(GatherGemm, BadDeviceDataIsReportedByName) {
+TEST_P(GatherGemm, BadDeviceDataIsReportedByName) {
   if (!testing::require_gpus(1)) return;
   cuda::DeviceErrors errors(0);
   const Tensor a = testing::to_gpu_bf16(bf16_exact({8, 64}, 8)), b = testing::to_gpu_bf16(bf16_exact({2, 64, 64}, 9));
@@ -154,7 +162,7 @@ TEST(GatherGemm, BadDeviceDataIsReportedByName) {
   EXPECT_NO_THROW(errors.check(nullptr, "gather_grouped_gemm"));
 }
 
-TEST(GatherGemm, BadArguments) {
+TEST(GatherGemmArguments, BadArguments) {
   if (!testing::require_gpus(1)) return;
   using testing::fake_cuda;
   const auto a = fake_cuda({10, 16}, DType::bf16), b = fake_cuda({2, 16, 8}, DType::bf16);
@@ -172,6 +180,11 @@ TEST(GatherGemm, BadArguments) {
   expect_arg_error([&] { run(fake_cuda({4, 16}, DType::bf16), TensorView(), off, b, c); }, "a");
   expect_arg_error([&] { run(TensorView(nullptr, DType::bf16, Shape{10, 16}), ids, off, b, c); }, "a");
 }
+
+INSTANTIATE_TEST_SUITE_P(Loads, GatherGemm, ::testing::Values(cuda::GatherLoad::cp_async, cuda::GatherLoad::tma_rows),
+                         [](const ::testing::TestParamInfo<cuda::GatherLoad>& info) {
+                           return info.param == cuda::GatherLoad::tma_rows ? "TmaRows" : "CpAsync";
+                         });
 
 }  // namespace
 }  // namespace flexep

@@ -8,6 +8,7 @@
 // mode to set beside Automodel's layer; labels ending in -fresh-bf16).
 #include "bench_cases.h"
 #include "bench_timing_cuda.h"
+#include "flexep/cuda/gather_gemm.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/cuda_moe_layer.h"
@@ -42,8 +43,11 @@ void run(const BenchArgs& a, BenchRun& run) {
     o.grad_mode = grad_mode;
     CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
     const bool fresh = grad_mode == GradMode::fresh_bf16_weights;
-    for (const bool in_place : {false, true}) {
+    // Copied rows; in place with A's rows by cp.async; in place with A's rows by TMA (GatherLoad).
+    for (const int variant : {0, 1, 2}) {
+      const bool in_place = variant > 0, tma_rows = variant == 2;
       layer.compute().set_rows_in_place(in_place);
+      cuda::set_gather_gemm_a_load(tma_rows ? cuda::GatherLoad::tma_rows : cuda::GatherLoad::cp_async);
       layer.set_timing(false);
       const TimeStats t = time_cuda([&] {
         layer.zero_grad(stream);
@@ -74,7 +78,8 @@ void run(const BenchArgs& a, BenchRun& run) {
       BenchRecord r;
       r.case_name = "layer-dsv3";
       r.routing = "router";
-      r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (fresh ? "-fresh-bf16" : "");
+      r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (tma_rows ? "-tma-rows" : "") +
+                  (fresh ? "-fresh-bf16" : "");
       r.phase = "layer_fwd_bwd";
       r.timing = "call";
       r.tokens_per_rank = T;
@@ -91,11 +96,13 @@ void run(const BenchArgs& a, BenchRun& run) {
       r.note = in_place ? "as cuda-local, but the experts read the tokens in place through the row table (no copy kept)"
                         : "sigmoid router, 1 shared expert on a side stream, EP size 1, the dispatcher copies the rows; "
                           "tflops counts the routed experts only";
+      if (tma_rows) r.note += "; the gathered GEMM loads A's rows by TMA, one box per row";
       r.note += fresh ? "; new bf16 weight gradients every backward (fresh_bf16_weights)"
                       : "; gradients accumulated in f32 (accumulate_f32)";
       run.records.push_back(r);
     }
   }
+  cuda::set_gather_gemm_a_load(cuda::GatherLoad::cp_async);
 }
 
 FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);
