@@ -36,6 +36,8 @@ def time_fwd_bwd(module, x, grad, iters, warmup):
     allocator's peak plus the library's pool peak (flexep's kernels allocate there; the sum bounds
     the process's peak from above)."""
     times = []
+    # Gradients left from an earlier measurement of the same module would count in the base, not the peak.
+    module.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     _flexep.cuda_reset_pool_peak_bytes(x.device.index)
@@ -152,9 +154,12 @@ def main():
         del ours, sd
         torch.cuda.empty_cache()
     now = datetime.datetime.now(datetime.timezone.utc)
-    commit = os.environ.get("FLEXEP_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    # The commit: FLEXEP_COMMIT, else the COMMIT file the device runs carry (their .git may lag), else git.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit_file = os.path.join(root, "COMMIT")
+    commit = os.environ.get("FLEXEP_COMMIT") or (
+        open(commit_file).read().strip() if os.path.exists(commit_file) else "") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip() or "unknown"
     run = {"run_id": f"{now:%Y%m%d-%H%M%S}-{commit[:8]}-{os.getpid()}", "date": f"{now:%Y-%m-%dT%H:%M:%SZ}",
            "commit": commit, "device": f"1x {torch.cuda.get_device_name(dev)}", "gpus": 1, "records": records}
     os.makedirs(a.out, exist_ok=True)

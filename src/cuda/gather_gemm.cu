@@ -5,13 +5,17 @@
 //                   swizzled layout wgmma reads, and B's 64 x 256 block by four TMA boxes (64 x 64,
 //                   128-byte swizzle: the same layout). The stage's full barrier completes when the
 //                   128 threads' copies have landed (cp.async.mbarrier.arrive.noinc) and the TMA
-//                   bytes have arrived (expect_tx); the loads' share of the SM's load path is A's
-//                   third of the bytes only (cp.async alone for both fed wgmma at ~56% of cuBLAS);
+//                   bytes have arrived (expect_tx);
 //   warpgroups 1-2  wait for a stage, run 4 wgmma k-steps on it (64 x 256 each), release the stage
 //                   once the next stage's wgmmas are issued (one batch in flight), then store the tile.
-// The barriers are CUTLASS's mbarrier wrappers, the layouts and wgmma descriptors CuTe's, the TMA
-// descriptor is made by cuTensorMapEncodeTiled through CUTLASS's driver-entry-point adapter. The loaders run ahead by up to four stages, also across tiles, so the next tile's loads
-// overlap this tile's epilogue.
+// GatherGemmB::pair_multicast: CTAs run in clusters of two on the two M tiles of one (group, B block);
+// each loads two of B's four boxes and multicasts them to both, so each SM reads 32 KB a stage from
+// L2 instead of 48. A stage may then be refilled only when both CTAs' consumers have released it:
+// every consumer warp arrives on the empty barrier of both CTAs.
+// The barriers are CUTLASS's mbarrier wrappers, the layouts, wgmma descriptors and TMA copies CuTe's,
+// the TMA descriptor is made by cuTensorMapEncodeTiled through CUTLASS's driver-entry-point adapter.
+// The loaders run ahead by up to four stages, also across tiles, so the next tile's loads overlap this
+// tile's epilogue.
 #include "flexep/cuda/gather_gemm.h"
 
 #include <cuda_bf16.h>
@@ -23,6 +27,7 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cuda_host_adapter.hpp>
@@ -52,7 +57,7 @@ using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 constexpr int kBoxN = 64;                                  // one 128-byte swizzle span of B's rows
 constexpr std::uint32_t kStageBBytes = kBN * kBK * sizeof(Element);
-constexpr std::uint32_t kStageABytes = kBM * kBK * sizeof(Element);
+constexpr int kMmaWarps = kMmaThreads / 32;
 
 // A stage index and the parity of its barriers' current phase.
 struct StageState {
@@ -70,14 +75,13 @@ struct SharedStorage {
   alignas(1024) Element a[cosize_v<SmemLayoutA>];
   alignas(1024) Element b[cosize_v<SmemLayoutB>];
   std::uint64_t full[kStages];   // loads landed: 128 cp.async arrivals + 1 expect_tx arrival and B's bytes
-  std::uint64_t empty[kStages];  // the 256 wgmma threads are done reading the stage
+  std::uint64_t empty[kStages];  // the 8 wgmma warps of each CTA sharing the stage are done reading it
   int tile_start[kGatherGemmMaxGroups + 1];  // the first tile of each group; [G] = all tiles
   int row_begin[kGatherGemmMaxGroups + 1];   // the groups' rows, clamped to [0, N]
 };
 
 struct Params {
   CUtensorMap b_map;  // B as [G][K][M], boxes of 64 (M) x 64 (K)
-  CUtensorMap a_map;  // GatherLoad::tma_rows: A as [R][K], boxes of 64 (K) x 1 row
   const Element* a;
   const std::int32_t* row_ids;  // null: row i reads a[i]
   const std::int64_t* offsets;
@@ -92,8 +96,14 @@ struct Tile {
   int group, m_tile, n_tile, row_begin, rows;
 };
 
-// Group starts and tile counts, by warp 0 (one warp scan per 32 groups). Offsets are clamped so a bad
-// table can only mean fewer rows, never an address outside c.
+// kPair: clusters of two CTAs on the two M tiles 2j, 2j + 1 of one B block (one "work unit").
+template <bool kPair>
+constexpr int kCtasPerUnit = kPair ? 2 : 1;
+
+// Group starts and work-unit counts, by warp 0 (one warp scan per 32 groups). Offsets are clamped so a
+// bad table can only mean fewer rows, never an address outside c.
+// Counts work units: one per M tile (kPair: per pair of M tiles) and N tile.
+template <bool kPair>
 __device__ void plan_tiles(const Params& p, SharedStorage& s) {
   if (threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
@@ -112,7 +122,8 @@ __device__ void plan_tiles(const Params& p, SharedStorage& s) {
       const int e = static_cast<int>(min(max(hi, static_cast<std::int64_t>(b)), static_cast<std::int64_t>(p.n)));
       s.row_begin[g] = b;
       if (g == p.groups - 1) s.row_begin[p.groups] = e;
-      tiles = (e - b + kBM - 1) / kBM * n_tiles;
+      const int m_tiles = (e - b + kBM - 1) / kBM;
+      tiles = (m_tiles + kCtasPerUnit<kPair> - 1) / kCtasPerUnit<kPair> * n_tiles;
     }
     int inclusive = tiles;
 #pragma unroll
@@ -126,8 +137,11 @@ __device__ void plan_tiles(const Params& p, SharedStorage& s) {
   if (lane == 0) s.tile_start[p.groups] = carry;
 }
 
-// Tile t -> (group, m tile, n tile): the group is the last one starting at or before t (empty groups
-// start where the next one does); inside a group the M tiles of one N column are consecutive.
+// Work unit t -> this CTA's tile (group, m tile, n tile): the group is the last one starting at or
+// before t (empty groups start where the next one does); inside a group the units of one N column are
+// consecutive. With kPair the CTA of rank r in its cluster takes M tile 2j + r of unit j, which may lie
+// past the group's rows (an odd M tile count): its rows are then zero and none is stored.
+template <bool kPair>
 __device__ Tile tile_at(const Params& p, const SharedStorage& s, int t) {
   int lo = 0, hi = p.groups;  // tile_start[lo] <= t < tile_start[hi]
   while (hi - lo > 1) {
@@ -138,10 +152,10 @@ __device__ Tile tile_at(const Params& p, const SharedStorage& s, int t) {
   tile.group = lo;
   tile.row_begin = s.row_begin[lo];
   tile.rows = s.row_begin[lo + 1] - tile.row_begin;
-  const int m_tiles = (tile.rows + kBM - 1) / kBM;
+  const int units = ((tile.rows + kBM - 1) / kBM + kCtasPerUnit<kPair> - 1) / kCtasPerUnit<kPair>;
   const int local = t - s.tile_start[lo];
-  tile.n_tile = local / m_tiles;
-  tile.m_tile = local % m_tiles;
+  tile.n_tile = local / units;
+  tile.m_tile = (local % units) * kCtasPerUnit<kPair> + (kPair ? static_cast<int>(block_rank_in_cluster()) : 0);
   return tile;
 }
 
@@ -162,29 +176,41 @@ __device__ __forceinline__ std::int64_t source_row(const Params& p, const Tile& 
   return id;
 }
 
-// Thread 0 of the loaders: B's 64 x 256 block of the stage by four TMA boxes, after announcing the
-// stage's bytes (B's, plus A's when A comes by TMA too).
-__device__ __forceinline__ void load_b(const Params& p, SharedStorage& s, const Tile& tile, int stage, int k0,
-                                       std::uint32_t stage_bytes) {
-  FullBarrier::arrive_and_expect_tx(&s.full[stage], stage_bytes);
+// Thread 0 of the loaders: announces the stage's 32 KB of B, then issues B's 64 x 256 block as four TMA
+// boxes; with kPair only the two boxes of this CTA's rank, multicast to both CTAs of the cluster (the
+// other two come from the peer, into this CTA's stage and onto its full barrier).
+template <bool kPair>
+__device__ __forceinline__ void load_b(const Params& p, SharedStorage& s, const Tile& tile, int stage, int k0) {
+  FullBarrier::arrive_and_expect_tx(&s.full[stage], kStageBBytes);
   Element* b_stage = s.b + stage * (kBN * kBK);
   const int n0 = tile.n_tile * kBN;
+  if constexpr (kPair) {
+    const int rank = static_cast<int>(block_rank_in_cluster());
 #pragma unroll
-  for (int j = 0; j < kBN / kBoxN; ++j)
-    SM90_TMA_LOAD_3D::copy(&p.b_map, &s.full[stage], 0, b_stage + j * (kBoxN * kBK), n0 + j * kBoxN, k0, tile.group);
+    for (int j = rank; j < kBN / kBoxN; j += 2)
+      SM90_TMA_LOAD_MULTICAST_3D::copy(&p.b_map, &s.full[stage], std::uint16_t{0b11}, 0,
+                                       b_stage + j * (kBoxN * kBK), n0 + j * kBoxN, k0, tile.group);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kBN / kBoxN; ++j)
+      SM90_TMA_LOAD_3D::copy(&p.b_map, &s.full[stage], 0, b_stage + j * (kBoxN * kBK), n0 + j * kBoxN, k0,
+                             tile.group);
+  }
 }
 
-// Warpgroup 0, GatherLoad::cp_async. Thread t copies 16-byte column chunk t % 8 of A's rows
-// t / 8 + 16 i (i < 8): a warp reads four rows' 128 bytes. The stage completes when B's bytes have
-// landed and every thread's copies have (cp.async.mbarrier.arrive.noinc: one arrival per thread).
-__device__ void load_tiles_cp_async(const Params& p, SharedStorage& s, int total_tiles) {
+// Warpgroup 0. Thread t copies 16-byte column chunk t % 8 of A's rows t / 8 + 16 i (i < 8): a warp
+// reads four rows' 128 bytes. Each thread's cp.async.mbarrier.arrive.noinc is one of the full barrier's
+// 129 arrivals (the 129th is thread 0's expect_tx for B).
+template <bool kPair>
+__device__ void load_tiles(const Params& p, SharedStorage& s, int total_units) {
   auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
   const int t = threadIdx.x;
   const int a_col = (t % 8) * kChunk, a_row0 = t / 8;
   const int k_tiles = (p.k + kBK - 1) / kBK;
+  const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
   StageState state;
-  for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
-    const Tile tile = tile_at(p, s, tile_id);
+  for (int unit = first; unit < total_units; unit += stride) {
+    const Tile tile = tile_at<kPair>(p, s, unit);
     const Element* a_src[8];
     bool a_ok[8];
 #pragma unroll
@@ -199,7 +225,7 @@ __device__ void load_tiles_cp_async(const Params& p, SharedStorage& s, int total
       EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
       const int stage = state.index;
       const int k0 = kt * kBK;
-      if (t == 0) load_b(p, s, tile, stage, k0, kStageBBytes);
+      if (t == 0) load_b<kPair>(p, s, tile, stage, k0);
       const bool a_k_ok = k0 + a_col < p.k;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -212,33 +238,23 @@ __device__ void load_tiles_cp_async(const Params& p, SharedStorage& s, int total
   }
 }
 
-// Warpgroup 0, GatherLoad::tma_rows. Thread t brings tile row t: one TMA box of 64 columns x 1 row
-// per stage, written at the row's place in the stage. The 128-byte swizzle is a function of the
-// shared-memory address, so rows copied one by one land exactly where a 128-row box would put them.
-// A zero row (id -1, or past the group's rows) is the box at row -1: outside A, zero-filled by the
-// TMA unit (and K's tail past the last column likewise). Only thread 0 arrives on the full barrier,
-// announcing all 48 KB; the other threads' boxes may land first (the transaction count goes negative
-// until then, and the phase cannot complete before that arrival).
-__device__ void load_tiles_tma_rows(const Params& p, SharedStorage& s, int total_tiles) {
-  const int t = threadIdx.x;
-  const int k_tiles = (p.k + kBK - 1) / kBK;
-  StageState state;
-  for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
-    const Tile tile = tile_at(p, s, tile_id);
-    const auto row = static_cast<std::int32_t>(source_row(p, tile, tile.m_tile * kBM + t));
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
-      const int stage = state.index;
-      const int k0 = kt * kBK;
-      if (t == 0) load_b(p, s, tile, stage, k0, kStageBBytes + kStageABytes);
-      SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[stage], 0, s.a + stage * (kBM * kBK) + t * kBK, k0, row);
-      state.advance();
-    }
+// A consumer warp is done reading a stage: one arrival per warp on the stage's empty barrier of every
+// CTA whose loads fill it (this one; with kPair also the peer, whose B boxes land here too).
+template <bool kPair>
+__device__ __forceinline__ void release_stage(SharedStorage& s, int stage) {
+  __syncwarp();
+  if (threadIdx.x % 32 != 0) return;
+  if constexpr (kPair) {
+    EmptyBarrier::arrive(&s.empty[stage], 0u, 1u);
+    EmptyBarrier::arrive(&s.empty[stage], 1u, 1u);
+  } else {
+    EmptyBarrier::arrive(&s.empty[stage]);
   }
 }
 
 // Warpgroups 1 and 2: rows [64 w, 64 w + 64) of each tile.
-__device__ void mma_tiles(const Params& p, SharedStorage& s, int total_tiles) {
+template <bool kPair>
+__device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
   auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
   auto sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
   const int mma_thread = threadIdx.x - kLoadThreads;
@@ -252,9 +268,10 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_tiles) {
   auto tCcC = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
   const int k_tiles = (p.k + kBK - 1) / kBK;
 
+  const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
   StageState read;
-  for (int tile_id = blockIdx.x; tile_id < total_tiles; tile_id += gridDim.x) {
-    const Tile tile = tile_at(p, s, tile_id);
+  for (int unit = first; unit < total_units; unit += stride) {
+    const Tile tile = tile_at<kPair>(p, s, unit);
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     StageState release = read;
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -274,14 +291,14 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_tiles) {
       warpgroup_wait<1>();
       warpgroup_fence_operand(accum);
       if (kt > 0) {
-        EmptyBarrier::arrive(&s.empty[release.index]);
+        release_stage<kPair>(s, release.index);
         release.advance();
       }
       read.advance();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
-    EmptyBarrier::arrive(&s.empty[release.index]);
+    release_stage<kPair>(s, release.index);
 
     // Epilogue: each thread holds pairs of adjacent columns; bf16x2 stores straight from registers.
     const int m_base = tile.m_tile * kBM, n_base = tile.n_tile * kBN;
@@ -297,29 +314,31 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_tiles) {
   }
 }
 
-template <GatherLoad kLoad>
+template <bool kPair>
 __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const __grid_constant__ Params p) {
   extern __shared__ char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      FullBarrier::init(&s.full[i], kLoad == GatherLoad::cp_async ? kLoadThreads + 1 : 1);
-      EmptyBarrier::init(&s.empty[i], kMmaThreads);
+      FullBarrier::init(&s.full[i], kLoadThreads + 1);
+      EmptyBarrier::init(&s.empty[i], kMmaWarps * kCtasPerUnit<kPair>);
     }
     cutlass::arch::fence_barrier_init();
   }
   if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.b_map);
-  if (kLoad == GatherLoad::tma_rows && threadIdx.x == 64) cute::prefetch_tma_descriptor(&p.a_map);
-  plan_tiles(p, s);
+  plan_tiles<kPair>(p, s);
   __syncthreads();
-  const int total_tiles = s.tile_start[p.groups];
+  // The peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs'
+  // barriers are initialised before either starts, and neither leaves while the other may still do so.
+  if constexpr (kPair) cute::cluster_sync();
+  const int total_units = s.tile_start[p.groups];
   if (threadIdx.x < kLoadThreads) {
-    if constexpr (kLoad == GatherLoad::cp_async) load_tiles_cp_async(p, s, total_tiles);
-    else load_tiles_tma_rows(p, s, total_tiles);
+    load_tiles<kPair>(p, s, total_units);
   } else {
-    mma_tiles(p, s, total_tiles);
+    mma_tiles<kPair>(p, s, total_units);
   }
+  if constexpr (kPair) cute::cluster_sync();
 }
 
 constexpr std::size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + the 1024-byte alignment
@@ -348,12 +367,12 @@ void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64
                ") for ", arg, " ", t.shape.str());
 }
 
-std::atomic<GatherLoad> g_a_load{GatherLoad::cp_async};
+std::atomic<GatherGemmB> g_b_sharing{GatherGemmB::own};
 
 }  // namespace
 
-void set_gather_gemm_a_load(GatherLoad load) { g_a_load.store(load, std::memory_order_relaxed); }
-GatherLoad gather_gemm_a_load() { return g_a_load.load(std::memory_order_relaxed); }
+void set_gather_gemm_b_sharing(GatherGemmB sharing) { g_b_sharing.store(sharing, std::memory_order_relaxed); }
+GatherGemmB gather_gemm_b_sharing() { return g_b_sharing.load(std::memory_order_relaxed); }
 
 void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const TensorView& offsets,
                          const TensorView& b, const TensorView& c, cudaStream_t stream, DeviceErrorRecord* errors) {
@@ -386,22 +405,16 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   if (N == 0) return;
 
   DeviceGuard guard(dev.index);
-  // Row coordinates of A's TMA boxes are int32.
-  const GatherLoad load = a.shape[0] <= INT32_MAX ? g_a_load.load(std::memory_order_relaxed) : GatherLoad::cp_async;
-  const auto kernel = load == GatherLoad::tma_rows ? gather_grouped_gemm_kernel<GatherLoad::tma_rows>
-                                                   : gather_grouped_gemm_kernel<GatherLoad::cp_async>;
-  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kSmemBytes)));
   int sms = 0;
   FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
+  const bool pair = g_b_sharing.load(std::memory_order_relaxed) == GatherGemmB::pair_multicast && sms >= 2;
+  const auto kernel = pair ? gather_grouped_gemm_kernel<true> : gather_grouped_gemm_kernel<false>;
+  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kSmemBytes)));
   Params p{};
   // B as a 3-D tensor [G][K][M] (M innermost): reads past K or M are zero-filled by the TMA unit.
   encode_bf16_map(p.b_map, b, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)},
                   {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
-  // A as [R][K] in boxes of one row's 64 columns (128 bytes).
-  if (load == GatherLoad::tma_rows)
-    encode_bf16_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(a.shape[0])}, {kBK, 1},
-                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, "a");
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);
@@ -413,7 +426,27 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   p.k = static_cast<int>(K);
   p.m = static_cast<int>(M);
   p.groups = static_cast<int>(G);
-  kernel<<<sms, kThreads, kSmemBytes, stream>>>(p);
+  // Persistent: one CTA per SM; pairs as many clusters of two as fit at once (an SM left alone in its
+  // GPC cannot hold one), so that no cluster waits for another to finish.
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(sms));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = pair ? 2 : 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  if (pair) {
+    int clusters = 0;
+    FLEXEP_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    FLEXEP_CHECK(clusters >= 1, "gather_grouped_gemm: no cluster of two CTAs fits on device ", dev.index);
+    config.gridDim = dim3(static_cast<unsigned>(std::min(clusters, sms / 2) * 2));
+  }
+  FLEXEP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   FLEXEP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -90,12 +90,12 @@ void check(std::int64_t R, std::int64_t K, std::int64_t M, const std::vector<std
   }
 }
 
-// Every data test runs with both ways of loading A's rows (GatherLoad); the setting is process-wide,
-// so each test sets it and puts the default back.
-class GatherGemm : public ::testing::TestWithParam<cuda::GatherLoad> {
+// Every data test runs with both ways of sharing B (GatherGemmB); the setting is process-wide, so each
+// test sets it and puts the default back.
+class GatherGemm : public ::testing::TestWithParam<cuda::GatherGemmB> {
  protected:
-  void SetUp() override { cuda::set_gather_gemm_a_load(GetParam()); }
-  void TearDown() override { cuda::set_gather_gemm_a_load(cuda::GatherLoad::cp_async); }
+  void SetUp() override { cuda::set_gather_gemm_b_sharing(GetParam()); }
+  void TearDown() override { cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::own); }
 };
 
 TEST_P(GatherGemm, RaggedGroupsWithEmptyOnesAndTails) {
@@ -181,9 +181,10 @@ TEST(GatherGemmArguments, BadArguments) {
   expect_arg_error([&] { run(TensorView(nullptr, DType::bf16, Shape{10, 16}), ids, off, b, c); }, "a");
 }
 
-INSTANTIATE_TEST_SUITE_P(Loads, GatherGemm, ::testing::Values(cuda::GatherLoad::cp_async, cuda::GatherLoad::tma_rows),
-                         [](const ::testing::TestParamInfo<cuda::GatherLoad>& info) {
-                           return info.param == cuda::GatherLoad::tma_rows ? "TmaRows" : "CpAsync";
+INSTANTIATE_TEST_SUITE_P(BSharing, GatherGemm,
+                         ::testing::Values(cuda::GatherGemmB::own, cuda::GatherGemmB::pair_multicast),
+                         [](const ::testing::TestParamInfo<cuda::GatherGemmB>& info) {
+                           return info.param == cuda::GatherGemmB::pair_multicast ? "PairMulticast" : "Own";
                          });
 
 }  // namespace

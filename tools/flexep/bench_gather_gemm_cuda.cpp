@@ -81,14 +81,14 @@ void run(const BenchArgs& a, BenchRun& run) {
       record("cublas-grouped", routing, experts,
              time_cuda([&] { cuda::grouped_gemm_forward(x, w, counts, c, stream); }, a.warmup, a.reps, stream),
              "cuBLAS grouped GEMM, contiguous rows");
-      // Both ways of loading A's rows (gather_gemm.h, GatherLoad), each on contiguous rows and through
-      // the row table.
+      // Both ways of sharing B (gather_gemm.h, GatherGemmB), each on contiguous rows and through the row
+      // table.
       const TensorView tokens_x = x.view().rows(0, tokens);
-      for (const cuda::GatherLoad load : {cuda::GatherLoad::cp_async, cuda::GatherLoad::tma_rows}) {
-        cuda::set_gather_gemm_a_load(load);
-        const bool tma = load == cuda::GatherLoad::tma_rows;
-        const std::string suffix = tma ? "-tma-rows" : "";
-        const std::string how = tma ? "A by one TMA box per row" : "A by cp.async";
+      for (const cuda::GatherGemmB sharing : {cuda::GatherGemmB::own, cuda::GatherGemmB::pair_multicast}) {
+        cuda::set_gather_gemm_b_sharing(sharing);
+        const bool pair = sharing == cuda::GatherGemmB::pair_multicast;
+        const std::string suffix = pair ? "-pair" : "";
+        const std::string how = pair ? "CTA pairs multicasting B" : "each CTA loads its B";
         record("gather-contiguous" + suffix, routing, experts,
                time_cuda([&] { cuda::gather_grouped_gemm(x, TensorView(), off_d, w, c, stream); }, a.warmup, a.reps,
                          stream),
@@ -98,7 +98,7 @@ void run(const BenchArgs& a, BenchRun& run) {
                          stream),
                "gathered kernel, each of rows/8 tokens read 8 times through the row table; " + how);
       }
-      cuda::set_gather_gemm_a_load(cuda::GatherLoad::cp_async);
+      cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::own);
     }
   }
 }

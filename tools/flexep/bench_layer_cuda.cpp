@@ -43,11 +43,11 @@ void run(const BenchArgs& a, BenchRun& run) {
     o.grad_mode = grad_mode;
     CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
     const bool fresh = grad_mode == GradMode::fresh_bf16_weights;
-    // Copied rows; in place with A's rows by cp.async; in place with A's rows by TMA (GatherLoad).
+    // Copied rows; in place; in place with CTA pairs multicasting B in the gathered GEMM (GatherGemmB).
     for (const int variant : {0, 1, 2}) {
-      const bool in_place = variant > 0, tma_rows = variant == 2;
+      const bool in_place = variant > 0, pair = variant == 2;
       layer.compute().set_rows_in_place(in_place);
-      cuda::set_gather_gemm_a_load(tma_rows ? cuda::GatherLoad::tma_rows : cuda::GatherLoad::cp_async);
+      cuda::set_gather_gemm_b_sharing(pair ? cuda::GatherGemmB::pair_multicast : cuda::GatherGemmB::own);
       layer.set_timing(false);
       const TimeStats t = time_cuda([&] {
         layer.zero_grad(stream);
@@ -78,7 +78,7 @@ void run(const BenchArgs& a, BenchRun& run) {
       BenchRecord r;
       r.case_name = "layer-dsv3";
       r.routing = "router";
-      r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (tma_rows ? "-tma-rows" : "") +
+      r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (pair ? "-pair" : "") +
                   (fresh ? "-fresh-bf16" : "");
       r.phase = "layer_fwd_bwd";
       r.timing = "call";
@@ -96,13 +96,13 @@ void run(const BenchArgs& a, BenchRun& run) {
       r.note = in_place ? "as cuda-local, but the experts read the tokens in place through the row table (no copy kept)"
                         : "sigmoid router, 1 shared expert on a side stream, EP size 1, the dispatcher copies the rows; "
                           "tflops counts the routed experts only";
-      if (tma_rows) r.note += "; the gathered GEMM loads A's rows by TMA, one box per row";
+      if (pair) r.note += "; the gathered GEMM's CTAs run in pairs multicasting B";
       r.note += fresh ? "; new bf16 weight gradients every backward (fresh_bf16_weights)"
                       : "; gradients accumulated in f32 (accumulate_f32)";
       run.records.push_back(r);
     }
   }
-  cuda::set_gather_gemm_a_load(cuda::GatherLoad::cp_async);
+  cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::own);
 }
 
 FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);

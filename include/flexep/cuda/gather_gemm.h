@@ -34,13 +34,13 @@ namespace flexep::cuda {
 // K and M must be multiples of 8 (16-byte rows); G <= kGatherGemmMaxGroups.
 inline constexpr int kGatherGemmMaxGroups = 1024;
 
-// How the loading warpgroup brings A's gathered rows into shared memory: 16-byte cp.async by its 128
-// threads (cp_async, the default), or one TMA box of 64 columns x 1 row per row and stage (tma_rows:
-// the TMA unit applies the swizzle; A's row count must fit int32, else cp_async runs). Process-wide,
-// for measuring the two side by side (flexep bench gather-gemm).
-enum class GatherLoad { cp_async, tma_rows };
-void set_gather_gemm_a_load(GatherLoad load);
-GatherLoad gather_gemm_a_load();
+// How the CTAs get B's blocks: each CTA loads its own (own, the default), or CTAs run in clusters of
+// two on the two M tiles of one B block and each loads half of it for both (pair_multicast: TMA
+// multicast, a third less L2 traffic per SM). Process-wide, for measuring the two side by side
+// (flexep bench gather-gemm, bench layer).
+enum class GatherGemmB { own, pair_multicast };
+void set_gather_gemm_b_sharing(GatherGemmB sharing);
+GatherGemmB gather_gemm_b_sharing();
 
 void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const TensorView& offsets,
                          const TensorView& b, const TensorView& c, cudaStream_t stream,
