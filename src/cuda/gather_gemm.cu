@@ -367,7 +367,7 @@ void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64
                ") for ", arg, " ", t.shape.str());
 }
 
-std::atomic<GatherGemmB> g_b_sharing{GatherGemmB::own};
+std::atomic<GatherGemmB> g_b_sharing{GatherGemmB::pair_multicast};
 
 }  // namespace
 

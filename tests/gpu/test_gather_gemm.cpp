@@ -95,7 +95,7 @@ void check(std::int64_t R, std::int64_t K, std::int64_t M, const std::vector<std
 class GatherGemm : public ::testing::TestWithParam<cuda::GatherGemmB> {
  protected:
   void SetUp() override { cuda::set_gather_gemm_b_sharing(GetParam()); }
-  void TearDown() override { cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::own); }
+  void TearDown() override { cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast); }
 };
 
 TEST_P(GatherGemm, RaggedGroupsWithEmptyOnesAndTails) {

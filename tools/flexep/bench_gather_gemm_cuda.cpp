@@ -98,7 +98,7 @@ void run(const BenchArgs& a, BenchRun& run) {
                          stream),
                "gathered kernel, each of rows/8 tokens read 8 times through the row table; " + how);
       }
-      cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::own);
+      cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
     }
   }
 }

@@ -102,7 +102,7 @@ void run(const BenchArgs& a, BenchRun& run) {
       run.records.push_back(r);
     }
   }
-  cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::own);
+  cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
 }
 
 FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);
