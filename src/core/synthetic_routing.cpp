@@ -26,8 +26,9 @@ std::string_view to_string(RoutingKind k) {
 }
 
 TopK synthetic_topk(std::int64_t tokens, int topk, int experts, const RoutingSpec& spec, std::uint64_t seed,
-                    int rank) {
+                    int rank, std::int64_t first_token) {
   FLEXEP_CHECK_ARG(tokens >= 0, "tokens", "must be >= 0, got ", tokens);
+  FLEXEP_CHECK_ARG(first_token >= 0, "first_token", "must be >= 0, got ", first_token);
   FLEXEP_CHECK_ARG(experts >= 1, "experts", "must be >= 1, got ", experts);
   FLEXEP_CHECK_ARG(topk >= 1 && topk <= experts, "topk", topk, " is out of range; allowed: 1 <= topk <= ", experts);
   FLEXEP_CHECK_ARG(spec.kind != RoutingKind::zipf || (spec.zipf_s >= 0 && std::isfinite(spec.zipf_s)), "zipf_s",
@@ -53,7 +54,7 @@ TopK synthetic_topk(std::int64_t tokens, int topk, int experts, const RoutingSpe
   std::uint64_t best_bits[kFastTopk];
   int best_e[kFastTopk];
   for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::uint64_t base = static_cast<std::uint64_t>(t) * static_cast<std::uint64_t>(experts + topk);
+    const std::uint64_t base = static_cast<std::uint64_t>(first_token + t) * static_cast<std::uint64_t>(experts + topk);
     if (fast) {
       int n = 0;
       for (int e = 0; e < experts; ++e) {

@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "flexep/core/error.h"
 #include "flexep/core/random.h"
 #include "flexep/core/synthetic_routing.h"
 
@@ -64,6 +66,31 @@ TEST(SyntheticRouting, TopKIsTheGumbelTopKOfItsDraws) {
       }
     }
   }
+}
+
+// A routing drawn in pieces (first_token) is the same routing, ids and weights, bit for bit.
+TEST(SyntheticRouting, PiecesFromFirstTokenMatchTheWhole) {
+  for (const RoutingKind kind : {RoutingKind::uniform, RoutingKind::zipf, RoutingKind::hot}) {
+    RoutingSpec spec;
+    spec.kind = kind;
+    spec.hot_expert = 3;
+    SCOPED_TRACE(std::string(to_string(kind)));
+    const int k = 6, E = 40;
+    const std::int64_t T = 257;
+    const TopK whole = synthetic_topk(T, k, E, spec, 9, 2);
+    for (const std::int64_t cut : {std::int64_t{0}, std::int64_t{1}, std::int64_t{100}, T}) {
+      const TopK head = synthetic_topk(cut, k, E, spec, 9, 2, 0);
+      const TopK tail = synthetic_topk(T - cut, k, E, spec, 9, 2, cut);
+      for (std::int64_t i = 0; i < T * k; ++i) {
+        const bool in_head = i < cut * k;
+        const TopK& part = in_head ? head : tail;
+        const std::int64_t j = in_head ? i : i - cut * k;
+        ASSERT_EQ(part.indices.data<std::int64_t>()[j], whole.indices.data<std::int64_t>()[i]) << "slot " << i;
+        ASSERT_EQ(part.weights.data<float>()[j], whole.weights.data<float>()[i]) << "slot " << i;
+      }
+    }
+  }
+  EXPECT_THROW(synthetic_topk(4, 2, 8, RoutingSpec{}, 1, 0, -1), ArgumentError);
 }
 
 }  // namespace

@@ -29,8 +29,11 @@ struct PlanArgs {
 };
 
 // Above this many routed slots (ranks x tokens x top-k; ~1 s on one core) the routing shows its
-// progress on stderr, one step per source rank.
+// progress on stderr.
 constexpr double kProgressSlots = 5e7;
+// A source rank's routing is drawn and counted this many tokens at a time: a step of the progress
+// (a fraction of a second at 1024 experts), and the memory of one piece per worker.
+constexpr std::int64_t kPieceTokens = std::int64_t{1} << 16;
 
 void run(const PlanArgs& a) {
   RoutingSpec spec;
@@ -43,21 +46,22 @@ void run(const PlanArgs& a) {
   if (a.budget >= 0) p.budget_rows = a.budget;
   p.overflow = a.drop ? OverflowPolicy::drop : OverflowPolicy::error;
   validate(p);
-  // Every source rank's routing, on all cores (each rank's is independent).
+  // Every source rank's routing, on all cores.
   const auto R = static_cast<std::size_t>(a.ranks);
   std::vector<std::vector<std::int64_t>> per_rank_counts(R);
   std::vector<std::vector<std::int64_t>> to_all(R), to_remote(R);  // [source][destination]
-  auto one_source = [&](int s) {
-    const TopK r = synthetic_topk(a.tokens, a.topk, a.experts, spec, static_cast<std::uint64_t>(a.seed), s);
-    per_rank_counts[static_cast<std::size_t>(s)] = expert_counts(r.indices, a.experts);
+  // One piece of source rank s's tokens [first, first + n): its expert counts and (token, destination
+  // rank) pairs, what a deduplicating dispatch sends, added to the rank's totals.
+  auto one_piece = [&](int s, std::int64_t first, std::int64_t n) {
+    const TopK r = synthetic_topk(n, a.topk, a.experts, spec, static_cast<std::uint64_t>(a.seed), s, first);
+    const std::vector<std::int64_t> piece_counts = expert_counts(r.indices, a.experts);
+    std::vector<std::int64_t>& counts_s = per_rank_counts[static_cast<std::size_t>(s)];
+    for (std::size_t e = 0; e < counts_s.size(); ++e) counts_s[e] += piece_counts[e];
     std::vector<std::int64_t>& all = to_all[static_cast<std::size_t>(s)];
     std::vector<std::int64_t>& remote = to_remote[static_cast<std::size_t>(s)];
-    all.assign(R, 0);
-    remote.assign(R, 0);
-    // (token, destination rank) pairs: what a deduplicating dispatch sends. A token's owners are
-    // found among its k slots (O(k^2) per token, not O(ranks)).
+    // A token's owners are found among its k slots (O(k^2) per token, not O(ranks)).
     const std::int64_t* ids = r.indices.data<std::int64_t>();
-    for (std::int64_t t = 0; t < a.tokens; ++t)
+    for (std::int64_t t = 0; t < n; ++t)
       for (int j = 0; j < a.topk; ++j) {
         const int d = p.owner(static_cast<int>(ids[t * a.topk + j]));
         bool seen = false;
@@ -67,23 +71,37 @@ void run(const PlanArgs& a) {
         if (d != s) ++remote[static_cast<std::size_t>(d)];
       }
   };
+  for (std::size_t s = 0; s < R; ++s) {
+    per_rank_counts[s].assign(static_cast<std::size_t>(a.experts), 0);
+    to_all[s].assign(R, 0);
+    to_remote[s].assign(R, 0);
+  }
   {
+    // The pieces of every source rank, taken in order by all cores (each piece is independent; a
+    // rank's pieces go to one worker at a time, so its totals need no lock).
+    const std::int64_t pieces_per_rank = std::max<std::int64_t>(1, (a.tokens + kPieceTokens - 1) / kPieceTokens);
+    const std::int64_t pieces = pieces_per_rank * a.ranks;
     const unsigned workers = std::max(1u, std::min(std::thread::hardware_concurrency(), static_cast<unsigned>(R)));
-    std::atomic<int> next{0};
+    std::atomic<int> next_rank{0};
     std::vector<std::thread> pool;
     std::exception_ptr failure;
     std::mutex lock;  // the failure and the progress line
     const bool show = !a.quiet && static_cast<double>(a.ranks) * static_cast<double>(a.tokens) * a.topk > kProgressSlots;
-    Progress progress(a.ranks, "plan: routing");
-    int done = 0;
+    Progress progress(pieces, "plan: routing");
+    if (show)
+      fmt::print(stderr, "plan: {} source ranks x {} tokens x top-{} of {} experts to route, in {} pieces\n", a.ranks,
+                 a.tokens, a.topk, a.experts, pieces);
+    std::int64_t done = 0;
     for (unsigned w = 0; w < workers; ++w)
       pool.emplace_back([&] {
         try {
-          for (int s = next++; s < a.ranks; s = next++) {
-            one_source(s);
-            const std::lock_guard<std::mutex> hold(lock);
-            if (show) progress.update(++done, fmt::format("source ranks ({} tokens each)", a.tokens));
-          }
+          for (int s = next_rank++; s < a.ranks; s = next_rank++)
+            for (std::int64_t i = 0; i < pieces_per_rank; ++i) {
+              const std::int64_t first = i * kPieceTokens;
+              one_piece(s, first, std::min<std::int64_t>(kPieceTokens, a.tokens - first));
+              const std::lock_guard<std::mutex> hold(lock);
+              if (show) progress.update(++done, fmt::format("pieces of up to {} tokens", kPieceTokens));
+            }
         } catch (...) {
           const std::lock_guard<std::mutex> hold(lock);
           failure = std::current_exception();

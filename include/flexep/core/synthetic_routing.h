@@ -23,8 +23,9 @@ struct RoutingSpec {
 RoutingKind parse_routing(std::string_view s, const std::string& arg = "routing");
 std::string_view to_string(RoutingKind k);
 
-// indices [T, k] int64 (distinct per token), weights [T, k] f32 summing to 1 per token.
+// indices [T, k] int64 (distinct per token), weights [T, k] f32 summing to 1 per token. Row i is the
+// routing of token first_token + i of the rank: a long routing can be drawn in pieces.
 TopK synthetic_topk(std::int64_t tokens, int topk, int experts, const RoutingSpec& spec, std::uint64_t seed,
-                    int rank = 0);
+                    int rank = 0, std::int64_t first_token = 0);
 
 }  // namespace flexep
