@@ -118,12 +118,6 @@ Tensor in_dtype_of(const Tensor& grad32, const TensorView& weight, cudaStream_t 
 
 }  // namespace
 
-std::string CudaMoECompute::rows_in_place_requirements() {
-  return fmt::format("the single-GPU dispatcher (EP size 1), a token width and expert widths that are multiples of 8, "
-                     "and at most {} local experts",
-                     cuda::kGatherGemmMaxGroups);
-}
-
 CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& backend,
                                std::shared_ptr<TokenDispatcher> dispatcher, int device, const DispatchOptions& dispatch)
     : config_(config), backend_(backend), dispatch_(dispatch), device_(device), dispatcher_(std::move(dispatcher)) {
@@ -158,7 +152,9 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
                              num_local_experts() <= cuda::kGatherGemmMaxGroups;
   rows_in_place_ = backend_.rows_in_place && rows_in_place_supported_;
   if (backend_.rows_in_place && !rows_in_place_supported_)
-    warn_once("rows_in_place needs " + rows_in_place_requirements() + "; the experts take the dispatcher's rows");
+    warn_once(fmt::format("rows_in_place needs a token width and expert widths that are multiples of 8 and at most {} "
+                          "local experts; the experts take the dispatcher's rows",
+                          cuda::kGatherGemmMaxGroups));
   cuda::DeviceGuard guard(device_);
   experts_.emplace(config_.routed_expert_config(), num_local_experts(), device_, "experts.");
   if (config_.n_shared_experts > 0) {

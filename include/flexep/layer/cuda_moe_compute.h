@@ -27,7 +27,6 @@
 
 #include <memory>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "flexep/dispatch/dispatcher.h"
@@ -101,8 +100,6 @@ class CudaMoECompute {
   // experts keep the copy.
   bool rows_in_place() const { return rows_in_place_; }
   void set_rows_in_place(bool on) { rows_in_place_ = on && rows_in_place_supported_; }
-  // What reading in place needs, for the messages of those who ask for it.
-  static std::string rows_in_place_requirements();
   const CudaMoEPhaseTimes& phase_times() const { return times_; }
   const MoEConfig& config() const { return config_; }
   const BackendConfig& backend_config() const { return backend_; }
