@@ -76,7 +76,7 @@ struct SharedStorage {
   alignas(1024) Element b[cosize_v<SmemLayoutB>];
   std::uint64_t full[kStages];   // loads landed: 128 cp.async arrivals + 1 expect_tx arrival and B's bytes
   std::uint64_t empty[kStages];  // the 8 wgmma warps of each CTA sharing the stage are done reading it
-  int tile_start[kGatherGemmMaxGroups + 1];  // the first work unit of each group; [G] = all units
+  int tile_start[kGatherGemmMaxGroups + 1];  // the first tile of each group; [G] = all tiles
   int row_begin[kGatherGemmMaxGroups + 1];   // the groups' rows, clamped to [0, N]
 };
 
@@ -100,9 +100,9 @@ struct Tile {
 template <bool kPair>
 constexpr int kCtasPerUnit = kPair ? 2 : 1;
 
-// Each group's first work unit (one per M tile, kPair: per pair of M tiles, and N tile), by warp 0
-// (one warp scan per 32 groups). Offsets are clamped so a bad table can only mean fewer rows, never an
-// address outside c.
+// Group starts and work-unit counts, by warp 0 (one warp scan per 32 groups). Offsets are clamped so a
+// bad table can only mean fewer rows, never an address outside c.
+// Counts work units: one per M tile (kPair: per pair of M tiles) and N tile.
 template <bool kPair>
 __device__ void plan_tiles(const Params& p, SharedStorage& s) {
   if (threadIdx.x >= 32) return;
