@@ -17,7 +17,6 @@
 #include "flexep/layer/moe_compute.h"
 
 #ifdef FLEXEP_WITH_CUDA
-#include "flexep/cuda/gather_gemm.h"
 #include "flexep/layer/cuda_moe_compute.h"
 #endif
 
@@ -105,9 +104,8 @@ class PyMoECompute {
 #ifdef FLEXEP_WITH_CUDA
     if (gpu_) {
       gpu_->set_rows_in_place(on);
-      FLEXEP_CHECK_ARG(gpu_->rows_in_place() == on, "rows_in_place", "True needs the single-GPU dispatcher (EP size 1, here ",
-                       gpu_->ep_size(), "), a token width and expert widths that are multiples of 8, and at most ",
-                       cuda::kGatherGemmMaxGroups, " local experts");
+      FLEXEP_CHECK_ARG(gpu_->rows_in_place() == on, "rows_in_place", "True needs ",
+                       CudaMoECompute::rows_in_place_requirements(), "; this one has EP size ", gpu_->ep_size());
       return;
     }
 #endif

@@ -20,7 +20,7 @@ BASE = dict(n_routed_experts=8, n_shared_experts=0, n_activated_experts=2, n_exp
 # flexep's documented departures from Automodel's defaults (docs/python.md): it never defaults to
 # DeepEP (Automodel picks it when deep_ep imports), and it carries these extra fields.
 FLEXEP_ONLY_BACKEND = {"deepep_num_sms", "hybridep_num_sms", "hybridep_dispatch_sms", "hybridep_combine_sms",
-                       "hybridep_preprocess_sms"}
+                       "hybridep_preprocess_sms", "rows_in_place"}
 FLEXEP_ONLY_MOE = {"group_mask"}
 
 
@@ -114,6 +114,19 @@ def test_gate_precision_parsed(spelling, dtype):
 def test_ep_size_one_falls_back_to_local_path():
     b, messages, fallback = BackendConfig(dispatcher="hybridep").normalized(1)
     assert fallback and any("expert-parallel size is 1" in m for m in messages)
+
+
+def test_rows_in_place_is_a_boolean_for_one_gpu():
+    assert BackendConfig().rows_in_place is False
+    b = BackendConfig(rows_in_place=True)
+    assert b.to_cpp()["rows_in_place"] is True
+    _, messages, _ = b.normalized(1)
+    assert messages == []
+    _, messages, _ = b.normalized(2)
+    assert messages == ["rows_in_place reads the tokens in place on one GPU only; with an expert-parallel size of 2 "
+                        "the experts take the dispatcher's rows"]
+    with pytest.raises(flexep.ArgumentError, match=r"'backend.rows_in_place'.*boolean.*\"yes\""):
+        BackendConfig(rows_in_place="yes")
 
 
 def test_moe_dtype_strings_and_gate_dtype():

@@ -118,6 +118,7 @@ const std::vector<Field<BackendConfig>>& backend_fields() {
          else
            c.gate_precision = as_dtype(v, a);
        }},
+      bool_field("rows_in_place", &B::rows_in_place),
   };
   return fields;
 }

@@ -23,6 +23,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include <cute/tensor.hpp>
@@ -76,7 +79,7 @@ struct SharedStorage {
   alignas(1024) Element b[cosize_v<SmemLayoutB>];
   std::uint64_t full[kStages];   // loads landed: 128 cp.async arrivals + 1 expect_tx arrival and B's bytes
   std::uint64_t empty[kStages];  // the 8 wgmma warps of each CTA sharing the stage are done reading it
-  int tile_start[kGatherGemmMaxGroups + 1];  // the first tile of each group; [G] = all tiles
+  int tile_start[kGatherGemmMaxGroups + 1];  // the first work unit of each group; [G] = all units
   int row_begin[kGatherGemmMaxGroups + 1];   // the groups' rows, clamped to [0, N]
 };
 
@@ -100,9 +103,9 @@ struct Tile {
 template <bool kPair>
 constexpr int kCtasPerUnit = kPair ? 2 : 1;
 
-// Group starts and work-unit counts, by warp 0 (one warp scan per 32 groups). Offsets are clamped so a
-// bad table can only mean fewer rows, never an address outside c.
-// Counts work units: one per M tile (kPair: per pair of M tiles) and N tile.
+// Each group's first work unit (one per M tile, kPair: per pair of M tiles, and N tile), by warp 0
+// (one warp scan per 32 groups). Offsets are clamped so a bad table can only mean fewer rows, never an
+// address outside c.
 template <bool kPair>
 __device__ void plan_tiles(const Params& p, SharedStorage& s) {
   if (threadIdx.x >= 32) return;
@@ -369,6 +372,30 @@ void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64
 
 std::atomic<GatherGemmB> g_b_sharing{GatherGemmB::pair_multicast};
 
+// Persistent CTAs: one per SM; pairs as many clusters of two as fit at once (an SM left alone in its
+// GPC cannot hold one), so that no cluster waits for another to finish. Asked once per device and
+// kind, not per call (`config` carries the cluster size and shared memory the query needs).
+int persistent_grid(int device, bool pair, const cudaLaunchConfig_t& config) {
+  static std::mutex lock;
+  static std::map<std::pair<int, bool>, int> grids;
+  const std::lock_guard<std::mutex> hold(lock);
+  const auto known = grids.find({device, pair});
+  if (known != grids.end()) return known->second;
+  int sms = 0;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int grid = sms;
+  if (pair) {
+    int clusters = 0;
+    cudaLaunchConfig_t query = config;
+    query.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
+    FLEXEP_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, gather_grouped_gemm_kernel<true>, &query));
+    FLEXEP_CHECK(clusters >= 1, "gather_grouped_gemm: no cluster of two CTAs fits on device ", device);
+    grid = std::min(clusters, sms / 2) * 2;
+  }
+  grids[{device, pair}] = grid;
+  return grid;
+}
+
 }  // namespace
 
 void set_gather_gemm_b_sharing(GatherGemmB sharing) { g_b_sharing.store(sharing, std::memory_order_relaxed); }
@@ -405,9 +432,7 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   if (N == 0) return;
 
   DeviceGuard guard(dev.index);
-  int sms = 0;
-  FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
-  const bool pair = g_b_sharing.load(std::memory_order_relaxed) == GatherGemmB::pair_multicast && sms >= 2;
+  const bool pair = g_b_sharing.load(std::memory_order_relaxed) == GatherGemmB::pair_multicast;
   const auto kernel = pair ? gather_grouped_gemm_kernel<true> : gather_grouped_gemm_kernel<false>;
   FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(kSmemBytes)));
@@ -426,26 +451,18 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   p.k = static_cast<int>(K);
   p.m = static_cast<int>(M);
   p.groups = static_cast<int>(G);
-  // Persistent: one CTA per SM; pairs as many clusters of two as fit at once (an SM left alone in its
-  // GPC cannot hold one), so that no cluster waits for another to finish.
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(sms));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = pair ? 2 : 1;
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  if (pair) {
-    int clusters = 0;
-    FLEXEP_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-    FLEXEP_CHECK(clusters >= 1, "gather_grouped_gemm: no cluster of two CTAs fits on device ", dev.index);
-    config.gridDim = dim3(static_cast<unsigned>(std::min(clusters, sms / 2) * 2));
-  }
+  config.gridDim = dim3(static_cast<unsigned>(persistent_grid(dev.index, pair, config)));
   FLEXEP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   FLEXEP_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,12 +1,13 @@
 #include "flexep/layer/cuda_moe_compute.h"
 
-#include <spdlog/spdlog.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "flexep/core/checks.h"
+#include "flexep/core/warn_once.h"
 #include "flexep/cuda/gather_gemm.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/cuda/router.h"
@@ -117,6 +118,12 @@ Tensor in_dtype_of(const Tensor& grad32, const TensorView& weight, cudaStream_t 
 
 }  // namespace
 
+std::string CudaMoECompute::rows_in_place_requirements() {
+  return fmt::format("the single-GPU dispatcher (EP size 1), a token width and expert widths that are multiples of 8, "
+                     "and at most {} local experts",
+                     cuda::kGatherGemmMaxGroups);
+}
+
 CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& backend,
                                std::shared_ptr<TokenDispatcher> dispatcher, int device, const DispatchOptions& dispatch)
     : config_(config), backend_(backend), dispatch_(dispatch), device_(device), dispatcher_(std::move(dispatcher)) {
@@ -137,18 +144,21 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   }
   validate_ep(config_, ep_size_);
   const Normalization norm = normalize(backend_, ep_size_);
-  for (const std::string& m : norm.messages) spdlog::warn("flexep: {}", m);
+  for (const std::string& m : norm.messages) warn_once(m);
   if (norm.local_fallback || !dispatcher_) dispatcher_ = make_local_cuda_dispatcher(device_, config_.n_routed_experts);
   // The CPU gate's configuration checks (the router repeats them, plus its kernel limits, per call).
   if (!backend_.fake_balanced_gate) static_cast<void>(GateCompute(config_, backend_.gate_precision));
 
   // The single-GPU dispatcher can leave the tokens in place for experts that read them through the
   // row table (gather_gemm.h): no permuted copy is made or kept for backward. Off by default while the
-  // gathered kernel is slower than cuBLAS on copied rows (docs/experts.md); set_rows_in_place.
+  // gathered kernel is slower than cuBLAS on copied rows (docs/experts.md): backend.rows_in_place, or
+  // set_rows_in_place.
   const std::int64_t width = config_.latent() ? config_.moe_latent_size : config_.dim;
   rows_in_place_supported_ = dispatcher_->backend() == "local" && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
                              num_local_experts() <= cuda::kGatherGemmMaxGroups;
-  rows_in_place_ = false;
+  rows_in_place_ = backend_.rows_in_place && rows_in_place_supported_;
+  if (backend_.rows_in_place && !rows_in_place_supported_)
+    warn_once("rows_in_place needs " + rows_in_place_requirements() + "; the experts take the dispatcher's rows");
   cuda::DeviceGuard guard(device_);
   experts_.emplace(config_.routed_expert_config(), num_local_experts(), device_, "experts.");
   if (config_.n_shared_experts > 0) {

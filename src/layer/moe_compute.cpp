@@ -1,8 +1,7 @@
 #include "flexep/layer/moe_compute.h"
 
-#include <spdlog/spdlog.h>
-
 #include "flexep/core/checks.h"
+#include "flexep/core/warn_once.h"
 #include "flexep/dispatch/host.h"
 #include "layer/add_into.h"
 #include "layer/linear.h"
@@ -129,7 +128,8 @@ MoECompute::MoECompute(const MoEConfig& config, const BackendConfig& backend,
   // Automodel's rewrites (te/gmm experts without an EP dispatcher; EP dispatcher at EP size 1),
   // logged rather than silent.
   const Normalization norm = normalize(backend_, ep_size_);
-  for (const std::string& m : norm.messages) spdlog::warn("flexep: {}", m);
+  for (const std::string& m : norm.messages) warn_once(m);
+  if (backend_.rows_in_place) warn_once("rows_in_place applies to the GPU layer; the CPU layer computes on copied rows");
   if (norm.local_fallback) dispatcher_.reset();
   if (!dispatcher_) {
     // EP size 1: the local path is the host backend over a world of one rank (same plan code).

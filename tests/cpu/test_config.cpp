@@ -177,6 +177,25 @@ TEST(BackendConfig, ExpertsRewriteWithHostAtEpOneIsTheOnlyMessage) {
   EXPECT_EQ(c.experts, ExpertsKind::torch_mm);
 }
 
+// rows_in_place: parsed and written as a JSON boolean, kept at EP size 1, turned off with a message
+// above it; anything but a boolean is a named error.
+TEST(BackendConfig, RowsInPlaceIsOneGpuOnlyAndSaysSo) {
+  EXPECT_FALSE(BackendConfig{}.rows_in_place);
+  BackendConfig c = backend_config_from_json(R"({"rows_in_place": true, "dispatcher": "hybridep"})");
+  EXPECT_TRUE(c.rows_in_place);
+  EXPECT_TRUE(backend_config_from_json(to_json(c)).rows_in_place);
+  Normalization n = normalize(c, 1);
+  EXPECT_TRUE(c.rows_in_place);
+  EXPECT_TRUE(n.local_fallback);
+  n = normalize(c, 4);
+  EXPECT_FALSE(c.rows_in_place);
+  ASSERT_EQ(n.messages.size(), 1u);
+  EXPECT_EQ(n.messages[0],
+            "rows_in_place reads the tokens in place on one GPU only; with an expert-parallel size of 4 the experts "
+            "take the dispatcher's rows");
+  expect_arg_error([] { backend_config_from_json(R"({"rows_in_place": 1})"); }, "backend.rows_in_place", "");
+}
+
 // --- SM count resolution ---
 
 TEST(BackendConfig, SmCountResolution) {

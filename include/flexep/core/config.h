@@ -55,6 +55,11 @@ struct BackendConfig {
   double fake_gate_noise = 0.0;  // finite, >= 0 (Automodel documents [0, 1] but takes any value)
   // Precision of the router (logits, softmax/sigmoid): f32 or f64; nullopt = input dtype.
   std::optional<DType> gate_precision;
+  // The GPU layer's routed experts read the tokens in place through the dispatch's row table instead
+  // of a permuted copy (docs/experts.md): ~470 MB less kept for backward per DeepSeek-V3 layer, ~1 ms
+  // slower today. One GPU only (EP size 1: normalize turns it off otherwise, with a message); the CPU
+  // layers compute on copied rows either way.
+  bool rows_in_place = false;
 
   // Effective SM counts after the fallbacks above.
   int dispatch_sms() const;
@@ -149,7 +154,8 @@ void validate_ep(const MoEConfig& c, int ep_size);
 // Automodel's silent rewrites, made visible: returns one message per change (callers log them).
 // - te/gmm experts without an EP dispatcher become torch_mm (and a deepep/hybridep-less
 //   dispatcher stays as it is);
-// - EP size 1 with an EP dispatcher falls back to the local path (`local_fallback` set).
+// - EP size 1 with an EP dispatcher falls back to the local path (`local_fallback` set);
+// - rows_in_place with EP size > 1 is turned off (the experts take the dispatcher's rows).
 struct Normalization {
   std::vector<std::string> messages;
   bool local_fallback = false;

@@ -27,6 +27,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "flexep/dispatch/dispatcher.h"
@@ -95,10 +96,13 @@ class CudaMoECompute {
   void set_timing(bool on) { timing_ = on; }
   // Whether the routed experts read the tokens in place through the dispatch's row table
   // (docs/experts.md), where the dispatcher can (one GPU) and the sizes allow: about 470 MB less kept
-  // for backward at the DeepSeek-V3-like shape, but today's gathered kernel runs at ~57% of cuBLAS,
-  // so it is off by default. Off: the dispatcher copies the rows and the experts keep the copy.
+  // for backward at the DeepSeek-V3-like shape, but the layer is ~1 ms slower today, so it is off
+  // unless BackendConfig::rows_in_place asks for it. Off: the dispatcher copies the rows and the
+  // experts keep the copy.
   bool rows_in_place() const { return rows_in_place_; }
   void set_rows_in_place(bool on) { rows_in_place_ = on && rows_in_place_supported_; }
+  // What reading in place needs, for the messages of those who ask for it.
+  static std::string rows_in_place_requirements();
   const CudaMoEPhaseTimes& phase_times() const { return times_; }
   const MoEConfig& config() const { return config_; }
   const BackendConfig& backend_config() const { return backend_; }

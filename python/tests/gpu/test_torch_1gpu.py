@@ -6,6 +6,7 @@ Run: PYTHONPATH=build/python python -m pytest -q python/tests/gpu/test_torch_1gp
 """
 
 import copy
+import dataclasses
 import os
 import sys
 
@@ -97,6 +98,26 @@ def test_gpu_layer_matches_automodel_in_bf16(case, in_place):
     _close(gx, gx_ref, "grad x")
     for n, v in g_ref.items():
         _close(gr[n], v, n)
+
+
+def test_backend_rows_in_place_reaches_the_gpu_layer():
+    """BackendConfig.rows_in_place turns the in-place rows on for the GPU layer, with the same results."""
+    ref, ours = _bf16_pair(CASES["sigmoid-groups-bias-shared"])
+    cfg = am_config(**{**CASES["sigmoid-groups-bias-shared"], "dim": 256, "moe_inter_dim": 128, "n_routed_experts": 16,
+                       "n_activated_experts": 4, "dtype": torch.bfloat16})
+    backend = dataclasses.replace(ft.BackendConfig.from_automodel(am_backend(experts="torch_mm")), rows_in_place=True)
+    in_place = ft.MoE(cfg, backend, device=DEV)
+    in_place.load_state_dict(ref.state_dict())
+    assert compute_of(in_place, DEV).rows_in_place and not compute_of(ours, DEV).rows_in_place
+    g = torch.Generator(DEV).manual_seed(5)
+    x = torch.randn(384, 256, device=DEV, generator=g).to(torch.bfloat16)
+    gy = torch.randn(384, 256, device=DEV, generator=g)
+    y, gx, gr = _run(ours, x, gy)
+    y2, gx2, gr2 = _run(in_place, x, gy)
+    _close(y2, y, "output", tol=1e-2)
+    _close(gx2, gx, "grad x", tol=1e-2)
+    for n, v in gr.items():
+        _close(gr2[n], v, n, tol=1e-2)
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.3])
