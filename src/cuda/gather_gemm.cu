@@ -60,6 +60,7 @@ using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 constexpr int kBoxN = 64;                                  // one 128-byte swizzle span of B's rows
 constexpr std::uint32_t kStageBBytes = kBN * kBK * sizeof(Element);
+constexpr std::uint32_t kStageABytes = kBM * kBK * sizeof(Element);
 constexpr int kMmaWarps = kMmaThreads / 32;
 
 // A stage index and the parity of its barriers' current phase.
@@ -85,6 +86,8 @@ struct SharedStorage {
 
 struct Params {
   CUtensorMap b_map;  // B as [G][K][M], boxes of 64 (M) x 64 (K)
+  CUtensorMap a_map;  // a_by_tma: A as [R][K], boxes of 64 (K) x 128 rows
+  bool a_by_tma;      // no row table: a tile's rows are contiguous, so A comes by TMA as B does
   const Element* a;
   const std::int32_t* row_ids;  // null: row i reads a[i]
   const std::int64_t* offsets;
@@ -179,12 +182,14 @@ __device__ __forceinline__ std::int64_t source_row(const Params& p, const Tile& 
   return id;
 }
 
-// Thread 0 of the loaders: announces the stage's 32 KB of B, then issues B's 64 x 256 block as four TMA
-// boxes; with kPair only the two boxes of this CTA's rank, multicast to both CTAs of the cluster (the
-// other two come from the peer, into this CTA's stage and onto its full barrier).
+// Thread 0 of the loaders: announces the stage's 32 KB of B (plus `a_bytes` when A comes by TMA too),
+// then issues B's 64 x 256 block as four TMA boxes; with kPair only the two boxes of this CTA's rank,
+// multicast to both CTAs of the cluster (the other two come from the peer, into this CTA's stage and
+// onto its full barrier).
 template <bool kPair>
-__device__ __forceinline__ void load_b(const Params& p, SharedStorage& s, const Tile& tile, int stage, int k0) {
-  FullBarrier::arrive_and_expect_tx(&s.full[stage], kStageBBytes);
+__device__ __forceinline__ void load_b(const Params& p, SharedStorage& s, const Tile& tile, int stage, int k0,
+                                       std::uint32_t a_bytes = 0) {
+  FullBarrier::arrive_and_expect_tx(&s.full[stage], kStageBBytes + a_bytes);
   Element* b_stage = s.b + stage * (kBN * kBK);
   const int n0 = tile.n_tile * kBN;
   if constexpr (kPair) {
@@ -236,6 +241,28 @@ __device__ void load_tiles(const Params& p, SharedStorage& s, int total_units) {
         copy16(ok ? a_src[i] + k0 : p.a, &sA(a_row0 + 16 * i, a_col, stage), ok);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      state.advance();
+    }
+  }
+}
+
+// Thread 0 of the loaders when there is no row table: a tile's 128 rows are contiguous, so A's stage
+// is one TMA box too (K's tail and rows past A zero-filled; rows of the next group read but never
+// stored), and the stage has a single arrival.
+template <bool kPair>
+__device__ void load_tiles_tma_a(const Params& p, SharedStorage& s, int total_units) {
+  const int k_tiles = (p.k + kBK - 1) / kBK;
+  const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
+  StageState state;
+  for (int unit = first; unit < total_units; unit += stride) {
+    const Tile tile = tile_at<kPair>(p, s, unit);
+    const int row0 = tile.row_begin + tile.m_tile * kBM;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
+      const int stage = state.index;
+      const int k0 = kt * kBK;
+      load_b<kPair>(p, s, tile, stage, k0, kStageABytes);
+      SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[stage], 0, s.a + stage * (kBM * kBK), k0, row0);
       state.advance();
     }
   }
@@ -324,12 +351,13 @@ __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const 
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      FullBarrier::init(&s.full[i], kLoadThreads + 1);
+      FullBarrier::init(&s.full[i], p.a_by_tma ? 1 : kLoadThreads + 1);
       EmptyBarrier::init(&s.empty[i], kMmaWarps * kCtasPerUnit<kPair>);
     }
     cutlass::arch::fence_barrier_init();
   }
   if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.b_map);
+  if (threadIdx.x == 64 && p.a_by_tma) cute::prefetch_tma_descriptor(&p.a_map);
   plan_tiles<kPair>(p, s);
   __syncthreads();
   // The peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs'
@@ -337,7 +365,8 @@ __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const 
   if constexpr (kPair) cute::cluster_sync();
   const int total_units = s.tile_start[p.groups];
   if (threadIdx.x < kLoadThreads) {
-    load_tiles<kPair>(p, s, total_units);
+    if (!p.a_by_tma) load_tiles<kPair>(p, s, total_units);
+    else if (threadIdx.x == 0) load_tiles_tma_a<kPair>(p, s, total_units);
   } else {
     mma_tiles<kPair>(p, s, total_units);
   }
@@ -440,6 +469,11 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   // B as a 3-D tensor [G][K][M] (M innermost): reads past K or M are zero-filled by the TMA unit.
   encode_bf16_map(p.b_map, b, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)},
                   {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
+  // Without a row table A's tiles are contiguous rows: boxes of 128 rows (row coordinates are int32).
+  p.a_by_tma = !row_ids.shape.defined() && a.shape[0] <= INT32_MAX - 2 * kBM;
+  if (p.a_by_tma)
+    encode_bf16_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(a.shape[0])}, {kBK, kBM},
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "a");
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);

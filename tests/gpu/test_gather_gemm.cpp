@@ -109,6 +109,13 @@ TEST_P(GatherGemm, ContiguousRowsWithoutATable) {
   check(520, 128, 512, {256, 128, 100}, 520, false, 2);
 }
 
+// Without a table A comes by TMA in 128-row boxes: the last tile reads past A's rows (zero-filled)
+// and past its group's (never stored); K and M tails as above.
+TEST_P(GatherGemm, ContiguousRowsWithTailsPastTheEnd) {
+  if (!testing::require_gpus(1)) return;
+  check(200, 200, 264, {129, 0, 71}, 200, false, 6);
+}
+
 TEST_P(GatherGemm, OneGroupManyColumnTiles) {
   if (!testing::require_gpus(1)) return;
   check(64, 72, 1032, {200}, 256, true, 3);
