@@ -783,6 +783,73 @@ TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
                                        })));
 }
 
+// An argument error found on one rank in combine or a backward reaches every rank as an
+// ArgumentError naming that argument: the failing rank's kernel still releases its flags, with its
+// abort words beside them (Dispatcher::stop_together), instead of leaving its peers to time out.
+// The dispatcher stays usable, and a combine afterwards gives the same bits as before.
+TEST_P(HybridEpMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  const std::int64_t T = 6, H = 8;
+  std::vector<std::exception_ptr> combine(static_cast<std::size_t>(R)), grads(combine), rows(combine), handle(combine);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = small_dispatcher(g, E, H, 10);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        const DispatchResult res = d->dispatch(device_inputs(g, E, T, H, 2).view(), {});
+        const std::int64_t N = res.tokens.size(0);
+        const Device dev = Device::cuda(g.device);
+        const Tensor before = cuda::to_host(d->combine(res.handle, res.tokens), g.stream);
+        auto attempt = [&](std::exception_ptr& into, const std::function<void()>& call) {
+          try {
+            call();
+          } catch (...) {
+            into = std::current_exception();
+          }
+        };
+        const int last = g.size - 1;
+        attempt(combine[r], [&] {  // the last rank's expert_out has one row too many
+          const Tensor bad = Tensor::zeros({N + 1, H}, DType::bf16, dev);
+          d->combine(res.handle, g.rank == last ? TensorView(bad) : TensorView(res.tokens));
+        });
+        attempt(grads[r], [&] {  // rank 0's prob gradients have a row too many
+          const Tensor bad = Tensor::zeros({N + 1}, DType::f32, dev);
+          d->dispatch_backward(res.handle, res.tokens, g.rank == 0 ? TensorView(bad) : TensorView(res.token_probs));
+        });
+        attempt(rows[r], [&] {  // the last rank's grad_out is of the wrong width
+          const Tensor go = Tensor::zeros({T, g.rank == last ? H + 8 : H}, DType::bf16, dev);
+          d->combine_backward(res.handle, go);
+        });
+        attempt(handle[r], [&] { d->combine(g.rank == 0 ? Handle() : res.handle, res.tokens); });
+        const Tensor after = cuda::to_host(d->combine(res.handle, res.tokens), g.stream);  // still usable
+        d->check_errors();
+        EXPECT_TRUE(same_bytes(before, after)) << "rank " << g.rank;
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  const int last = R - 1;
+  auto names = [](const char* arg) { return argument_is(arg, [](const std::string&) { return true; }); };
+  EXPECT_TRUE(all_threw<ArgumentError>(combine, names("expert_out")));
+  EXPECT_TRUE(all_threw<ArgumentError>(grads, names("grad_token_probs")));
+  EXPECT_TRUE(all_threw<ArgumentError>(rows, names("grad_out")));
+  EXPECT_TRUE(all_threw<ArgumentError>(handle, names("handle")));
+  for (int r = 0; r < R; ++r) {
+    const auto at = static_cast<std::size_t>(r);
+    if (r != last) {
+      EXPECT_TRUE(contains(what_of(combine[at]), "rank " + std::to_string(last) + " failed its checks in combine:partials"))
+          << what_of(combine[at]);
+      EXPECT_TRUE(contains(what_of(rows[at]), "rank " + std::to_string(last) + " failed its checks in combine_backward:rows"))
+          << what_of(rows[at]);
+    }
+    if (r != 0) {
+      EXPECT_TRUE(contains(what_of(grads[at]), "rank 0 failed its checks in dispatch_backward:partials"))
+          << what_of(grads[at]);
+      EXPECT_TRUE(contains(what_of(handle[at]), "rank 0 failed its checks in combine:partials")) << what_of(handle[at]);
+    }
+  }
+}
+
 TEST_P(HybridEpMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
   if (!require_ranks()) return;
   const int R = gpu_ranks(), E = 2 * R;

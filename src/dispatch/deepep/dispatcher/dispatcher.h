@@ -161,7 +161,6 @@ class Dispatcher final : public DeepEpDispatcher {
   // A combine or backward that a peer stopped (its own checks failed): the error every other rank
   // raises, naming that rank and its argument. The dispatcher stays usable.
   [[noreturn]] void raise_peer_failure(const Status& st, const std::string& op);
-  static FailedArg failed_arg_of(const std::exception_ptr& e);
   // This rank's checks failed in combine, a backward (kind): it still takes part, sending nothing
   // and telling every peer why, so that every rank stops together; then the caller raises.
   void stop_together(Kind kind, Phase phase, FailedArg why);

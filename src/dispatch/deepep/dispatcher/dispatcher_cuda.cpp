@@ -163,38 +163,8 @@ void Dispatcher::check(cudaStream_t s, const std::string& op) {
                              ", phase ", phase_name(st.phase), ", rank ", st.peer, ")"));
 }
 
-namespace {
-const char* failed_arg_name(FailedArg a) {
-  switch (a) {
-    case FailedArg::handle: return "handle";
-    case FailedArg::expert_out: return "expert_out";
-    case FailedArg::grad_tokens: return "grad_tokens";
-    case FailedArg::grad_token_probs: return "grad_token_probs";
-    case FailedArg::grad_out: return "grad_out";
-    default: return "";
-  }
-}
-}  // namespace
-
-FailedArg Dispatcher::failed_arg_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const ArgumentError& a) {
-    for (FailedArg f : {FailedArg::handle, FailedArg::expert_out, FailedArg::grad_tokens, FailedArg::grad_token_probs,
-                        FailedArg::grad_out})
-      if (a.argument() == failed_arg_name(f)) return f;
-  } catch (...) {
-  }
-  return FailedArg::other;
-}
-
 void Dispatcher::raise_peer_failure(const Status& st, const std::string& op) {
-  const std::string who = detail::concat("rank ", st.peer, " failed its checks in ", phase_name(st.phase),
-                                         ", so this collective call stops on every rank: see the error raised on rank ",
-                                         st.peer, " (found by ", op, " on rank ", comm_->rank(), ")");
-  const char* arg = failed_arg_name(static_cast<FailedArg>(st.value));
-  if (*arg != '\0') throw ArgumentError(arg, who);
-  throw Error("flexep: " + who);
+  flexep::raise_peer_failure(st.peer, phase_name(st.phase), static_cast<FailedArg>(st.value), comm_->rank(), op);
 }
 
 void Dispatcher::raise_abort() {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "dispatch/common/failed_arg.h"
 #include "dispatch/common/signature_words.h"
 #include "dispatch/hybridep/kernels/device_state.h"
 #include "flexep/comm/symmetric_buffer.h"
@@ -41,9 +42,6 @@ __host__ __device__ inline constexpr int abort_arg_word(int kind, int ranks, int
   return 2 * kKinds * ranks + kind * ranks + source;
 }
 
-// The argument whose check failed on a rank in combine or a backward, as its peers learn it.
-enum class FailedArg : int { none = 0, handle = 1, expert_out = 2, grad_tokens = 3, grad_token_probs = 4, grad_out = 5,
-                             other = 6 };
 
 // A call's layout on the device, int64 words (a tensor of the handle): written by the host in
 // blocking mode, by the count-exchange kernel in budget mode; the kernels read it from there.

@@ -117,6 +117,8 @@ CombineView CombineStorage::view(Status* status, double timeout_seconds) const {
   v.off_grads = geo_.off_grads;
   v.flag_ready = static_cast<int>(geo_.flag_ready);
   v.flag_consumed = static_cast<int>(geo_.flag_consumed);
+  v.flag_abort = static_cast<int>(geo_.flag_abort);
+  v.flag_abort_arg = static_cast<int>(geo_.flag_abort_arg);
   v.control = reinterpret_cast<OpControl*>(local_ + geo_.off_control);
   v.work = reinterpret_cast<unsigned*>(local_ + geo_.off_work);
   v.status = status;

@@ -35,8 +35,51 @@ void Dispatcher::run_combine_backward(const HepHandle& h, const TensorView& grad
   record(ev_combine, s);
   CombineView view = combine_->view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
-  launch_combine_backward(view, handle_view(h), grad_out.data, out.data, num_sms().combine, s);
+  launch_combine_backward(view, handle_view(h), grad_out.data, out.data, num_sms().combine, s, 0);
   record(ev_combine_end, s);
+}
+
+template <class Checks>
+void Dispatcher::checked(Phase data, Phase reuse, Checks&& checks) {
+  try {
+    checks();
+  } catch (const Error&) {
+    stop_together(data, reuse, failed_arg_of(std::current_exception()));
+    throw;
+  }
+}
+
+void Dispatcher::stop_together(Phase data, Phase reuse, FailedArg why) {
+  // Without buffers no peer can be in this call (every handle comes from a dispatch of all ranks).
+  if (!dispatch_ || !combine_) return;
+  const cudaStream_t s = stream();
+  // The handle may be the bad argument: the kernel reads only the last dispatch's token counts.
+  HandleView h;
+  const DispatchGeometry& g = dispatch_->geometry();
+  h.records = reinterpret_cast<const unsigned char*>(dispatch_->window() + g.off_records);
+  h.record_bytes = g.record_bytes;
+  h.max_tokens = g.cfg.max_tokens;
+  h.control = dispatch_->control();
+  CombineView view = combine_->view(status_, options_.timeout_seconds);
+  view.part_tokens = options_.part_tokens;
+  if (data == Phase::combine_backward_rows) {
+    launch_combine_backward(view, h, nullptr, nullptr, num_sms().combine, s, static_cast<int>(why));
+  } else {
+    CombineCall c;
+    c.data_phase = data;
+    c.reuse_phase = reuse;
+    c.failed_arg = static_cast<int>(why);
+    launch_combine(view, h, c, num_sms().combine, s);
+  }
+  // Peers that failed in this same call left their abort words here too: this rank raises its own
+  // error, so their record is dropped (the next check would raise it a second time). A timeout
+  // stays: the dispatcher is unusable then. (Inside a capture nothing ran.)
+  if (cuda::capturing(s)) return;
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(s));
+  Status st;
+  FLEXEP_CUDA_CHECK(cudaMemcpy(&st, status_, sizeof st, cudaMemcpyDeviceToHost));
+  if (st.code == static_cast<int>(StatusCode::abort) && st.phase == static_cast<int>(data))
+    FLEXEP_CUDA_CHECK(cudaMemset(status_, 0, sizeof(Status)));
 }
 
 Tensor Dispatcher::combine(const Handle& handle, const TensorView& expert_out) {
@@ -44,9 +87,9 @@ Tensor Dispatcher::combine(const Handle& handle, const TensorView& expert_out) {
   cuda::DeviceGuard device_guard(comm_->device());
   cuda::StreamGuard stream_guard(stream());  // `out` is allocated on the call's stream
   require_usable();
-  const HepHandle& h = own_handle(handle);
-  check_rows(expert_out, h.rows, h, "expert_out");
-  Tensor out = Tensor::empty({h.tokens, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
+  const HepHandle* h = nullptr;
+  checked(Phase::combine_partials, Phase::combine_reuse, [&] { h = &own_handle(handle); });
+  Tensor out = Tensor::empty({h->tokens, h->hidden}, DType::bf16, Device::cuda(comm_->device()));
   combine_into(handle, expert_out, out);
   return out;
 }
@@ -55,9 +98,13 @@ void Dispatcher::combine_into(const Handle& handle, const TensorView& expert_out
   cuda::DeviceGuard device_guard(comm_->device());
   const cudaStream_t s = stream();
   require_usable();
-  const HepHandle& h = own_handle(handle);
-  check_rows(expert_out, h.rows, h, "expert_out");
-  check_rows(out, h.tokens, h, "out");
+  const HepHandle* hp = nullptr;
+  checked(Phase::combine_partials, Phase::combine_reuse, [&] {
+    hp = &own_handle(handle);
+    check_rows(expert_out, hp->rows, *hp, "expert_out");
+    check_rows(out, hp->tokens, *hp, "out");
+  });
+  const HepHandle& h = *hp;
   run_combine(h, expert_out, out, TensorView(), TensorView(), Phase::combine_partials, Phase::combine_reuse, s);
   if (blocking_check(h)) check(s, "combine");
 }
@@ -69,10 +116,14 @@ DispatchGrads Dispatcher::dispatch_backward(const Handle& handle, const TensorVi
   const cudaStream_t s = stream();
   cuda::StreamGuard stream_guard(s);
   require_usable();
-  const HepHandle& h = own_handle(handle);
-  check_rows(grad_tokens, h.rows, h, "grad_tokens");
-  check_handle_tensor(grad_token_probs, h.rows, -1, h.prob_dtype, "grad_token_probs");
-  check::device(grad_token_probs, Device::cuda(comm_->device()), "grad_token_probs");
+  const HepHandle* hp = nullptr;
+  checked(Phase::dispatch_backward_partials, Phase::dispatch_backward_reuse, [&] {
+    hp = &own_handle(handle);
+    check_rows(grad_tokens, hp->rows, *hp, "grad_tokens");
+    check_handle_tensor(grad_token_probs, hp->rows, -1, hp->prob_dtype, "grad_token_probs");
+    check::device(grad_token_probs, Device::cuda(comm_->device()), "grad_token_probs");
+  });
+  const HepHandle& h = *hp;
   const Device dev = Device::cuda(comm_->device());
   DispatchGrads g;
   g.hidden = Tensor::empty({h.tokens, h.hidden}, DType::bf16, dev);
@@ -90,9 +141,9 @@ Tensor Dispatcher::combine_backward(const Handle& handle, const TensorView& grad
   cuda::DeviceGuard device_guard(comm_->device());
   cuda::StreamGuard stream_guard(stream());  // `out` is allocated on the call's stream
   require_usable();
-  const HepHandle& h = own_handle(handle);
-  check_rows(grad_out, h.tokens, h, "grad_out");
-  Tensor out = Tensor::empty({h.rows, h.hidden}, DType::bf16, Device::cuda(comm_->device()));
+  const HepHandle* h = nullptr;
+  checked(Phase::combine_backward_rows, Phase::combine_backward_reuse, [&] { h = &own_handle(handle); });
+  Tensor out = Tensor::empty({h->rows, h->hidden}, DType::bf16, Device::cuda(comm_->device()));
   combine_backward_into(handle, grad_out, out);
   return out;
 }
@@ -101,9 +152,13 @@ void Dispatcher::combine_backward_into(const Handle& handle, const TensorView& g
   cuda::DeviceGuard device_guard(comm_->device());
   const cudaStream_t s = stream();
   require_usable();
-  const HepHandle& h = own_handle(handle);
-  check_rows(grad_out, h.tokens, h, "grad_out");
-  check_rows(out, h.rows, h, "out");
+  const HepHandle* hp = nullptr;
+  checked(Phase::combine_backward_rows, Phase::combine_backward_reuse, [&] {
+    hp = &own_handle(handle);
+    check_rows(grad_out, hp->tokens, *hp, "grad_out");
+    check_rows(out, hp->rows, *hp, "out");
+  });
+  const HepHandle& h = *hp;
   run_combine_backward(h, grad_out, out, s);
   if (blocking_check(h)) check(s, "combine_backward");
 }

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "dispatch/common/failed_arg.h"
 #include "dispatch/hybridep/dispatcher/buffers.h"
 #include "flexep/cuda/device_errors.h"
 #include "flexep/dispatch/hybridep.h"
@@ -84,6 +85,10 @@ class Dispatcher final : public HybridEpDispatcher {
   void check_tensor(const TensorView& t, const std::string& arg) const;  // device + 16-byte alignment
   // A [rows, H] tensor of the handle's hidden dtype (check_handle_tensor), then check_tensor.
   void check_rows(const TensorView& t, std::int64_t rows, const HepHandle& h, const std::string& arg) const;
+  // Runs `checks`; when one raises an argument error, stops the call on every rank (stop_together)
+  // and raises it.
+  template <class Checks>
+  void checked(Phase data, Phase reuse, Checks&& checks);
   // Waits for `s` (deadline) and raises what the kernels recorded, clearing it. `op` names the call.
   void check(cudaStream_t s, const std::string& op);
   // Waits on the host until done() holds (true) or the stream has finished without it (false);
@@ -117,6 +122,10 @@ class Dispatcher final : public HybridEpDispatcher {
   void run_combine(const HepHandle& h, const TensorView& rows, const TensorView& out, const TensorView& grad_probs,
                    const TensorView& grad_weights, Phase data, Phase reuse, cudaStream_t s);
   void run_combine_backward(const HepHandle& h, const TensorView& grad_out, const TensorView& out, cudaStream_t s);
+  // This rank's checks failed in combine or a backward (phase `data`): its kernel still runs, moving
+  // nothing, so that every peer's call ends with an argument error naming this rank and `why`
+  // instead of a timeout. Then the caller raises its own error.
+  void stop_together(Phase data, Phase reuse, FailedArg why);
 
   std::shared_ptr<Communicator> comm_;
   int experts_;

@@ -79,6 +79,13 @@ HybridEpMemory HybridEpDispatcher::size_hint(const HybridEpOptions& options, int
 
 namespace hybridep {
 
+namespace {
+// The phases whose kernels carry a peer's failed checks (stop_together's abort words).
+bool combine_side(Phase p) {
+  return p == Phase::combine_partials || p == Phase::dispatch_backward_partials || p == Phase::combine_backward_rows;
+}
+}  // namespace
+
 Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm, int num_experts, const HybridEpOptions& options)
     : comm_(std::move(comm)),
       experts_(num_experts),
@@ -329,6 +336,14 @@ void Dispatcher::check(cudaStream_t s, const std::string& op) {
     broken_ = true;
     broken_why_ = phase_name(static_cast<Phase>(st.phase)) + " failed";
     err = status_error(st, rank(), options_.timeout_seconds);
+  } else if (st.code == static_cast<int>(StatusCode::abort) && combine_side(static_cast<Phase>(st.phase))) {
+    // A peer failed its checks in combine or a backward (stop_together): its error, named here.
+    try {
+      raise_peer_failure(st.peer, phase_name(static_cast<Phase>(st.phase)), static_cast<FailedArg>(st.value), rank(),
+                         op);
+    } catch (...) {
+      err = std::current_exception();
+    }
   } else if (st.code == static_cast<int>(StatusCode::abort) && dispatch_) {
     const DispatchGeometry& g = dispatch_->geometry();
     std::vector<long long> words(static_cast<std::size_t>(g.cfg.ranks) * g.slot_bytes / 8);

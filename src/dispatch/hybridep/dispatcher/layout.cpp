@@ -134,7 +134,9 @@ CombineGeometry combine_geometry(const BufferConfig& c) {
   g.window_bytes = align_up(g.off_grads + R * T * static_cast<std::size_t>(g.width) * 4, 4096);
   g.flag_ready = 0;
   g.flag_consumed = R * static_cast<std::size_t>(g.max_chunks);
-  g.flag_bytes = align_up((g.flag_consumed + R) * 4, 128);
+  g.flag_abort = g.flag_consumed + R;
+  g.flag_abort_arg = g.flag_abort + R;
+  g.flag_bytes = align_up((g.flag_abort_arg + R) * 4, 128);
   g.off_control = 0;
   g.off_work = align_up(sizeof(OpControl));
   g.local_bytes = align_up(g.off_work + (2 + R * static_cast<std::size_t>(g.max_chunks)) * 4);

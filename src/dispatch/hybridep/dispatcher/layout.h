@@ -88,13 +88,14 @@ DispatchGeometry dispatch_geometry(const BufferConfig& c);
 //   window: partials [R][T][H] bf16 (owner rank's level-1 sums, row (s, t) for source s's token
 //           t; combine_backward stages grad_out [T][H] at the same offset), then prob grads
 //           [R][T][width] f32 (dispatch_backward)
-//   flags:  ready [R][max_chunks], then consumed [R]
+//   flags:  ready [R][max_chunks], then consumed [R], then abort [R] and abort_arg [R] (the
+//           epoch of a call that producer rank failed its checks in, and its FailedArg)
 //   local:  the OpControl, then the kernels' work counters [2 + R * max_chunks] uint32
 struct CombineGeometry {
   BufferConfig cfg;
   int width = 1, max_chunks = 1;
   std::size_t off_partials = 0, off_grads = 0, window_bytes = 0;
-  std::size_t flag_ready = 0, flag_consumed = 0, flag_bytes = 0;
+  std::size_t flag_ready = 0, flag_consumed = 0, flag_abort = 0, flag_abort_arg = 0, flag_bytes = 0;
   std::size_t off_control = 0, off_work = 0, local_bytes = 0;
 };
 CombineGeometry combine_geometry(const BufferConfig& c);

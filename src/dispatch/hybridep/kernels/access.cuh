@@ -78,6 +78,14 @@ __device__ __forceinline__ unsigned* ready_flag(const CombineView& v, int owner,
 __device__ __forceinline__ unsigned* consumed_flag(const CombineView& v, int owner, int reader) {
   return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_consumed + reader;
 }
+// Rank `producer` failed its checks in the operation of this epoch on the combine buffer, and the
+// argument (FailedArg); written on `owner` before the producer releases any flag there.
+__device__ __forceinline__ unsigned* abort_flag(const CombineView& v, int owner, int producer) {
+  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_abort + producer;
+}
+__device__ __forceinline__ unsigned* abort_arg_flag(const CombineView& v, int owner, int producer) {
+  return reinterpret_cast<unsigned*>(v.peers.flags[owner]) + v.flag_abort_arg + producer;
+}
 
 // ---- tokens of a rank in this call --------------------------------------------------------------------
 

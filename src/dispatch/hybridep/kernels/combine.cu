@@ -302,6 +302,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
                      unsigned dispatch_epoch, int pipe, int lane) {
   const int R = v.ranks, me = v.rank;
   const int pipelines = static_cast<int>(gridDim.x) * S::pipes;
+  const bool failed = c.failed_arg != 0;
   Ring::Slot j;  // the next job's stage
   const WaitContext reuse{v.status, v.timeout_ns, c.reuse_phase};
   // Nobody still reads the partials we are about to overwrite (every rank's previous operation on
@@ -316,8 +317,9 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
     const auto read_item = [&](long long i) {
       Part p;
       parts_of_ranks(R, split1, tokens, all, i, &p);
-      // This rank's own tokens have no jobs here when level 2 sums them.
-      return read_part(h, v, p, p.source != me || !own_sums_at_level2(v, c), lane);
+      // This rank's own tokens have no jobs here when level 2 sums them. A rank whose checks failed
+      // posts no rows at all, only the part ends: its flags still tell every source the chunk is done.
+      return read_part(h, v, p, !failed && (p.source != me || !own_sums_at_level2(v, c)), lane);
     };
     long long i = items1.next(lane);
     PartRecords cur;
@@ -335,10 +337,11 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
       i = next;
       cur = ahead;
     }
-    // Level 2: this rank's tokens, once every rank has published the chunk's partials.
+    // Level 2: this rank's tokens, once every rank has published the chunk's partials. A rank whose
+    // checks failed has no output to write (its handle may be the bad argument).
     const WaitContext wait{v.status, v.timeout_ns, c.data_phase};
     const PartSplit split2 = part_split(num_chunks(h.tokens), pipelines, v.part_tokens);
-    const long long parts2 = static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
+    const long long parts2 = failed ? 0 : static_cast<long long>(num_chunks(h.tokens)) * split2.per_chunk;
     ItemQueue items2{&v.work[kWorkSecond], parts2, pipe, pipelines};
     const auto read_item2 = [&](long long i) {
       return read_out_part(v, h, c, part_in_rank(i, split2, h.tokens, me), lane);
@@ -351,6 +354,12 @@ __device__ void load(const CombineView& v, const HandleView& h, const CombineCal
       // Every rank publishes every chunk of ours (also with no token of ours): lane d waits for
       // rank d's flag, all at once.
       if (!warp_wait_ranks(ready_flag(v, me, 0, out.chunk), v.max_chunks, R, epoch, wait, lane)) break;
+      // A rank that failed its checks in this call released its flags without partials, its abort
+      // word (this epoch) written before them: the call fails on this rank as an argument error of
+      // that rank (lane d acquired rank d's flag above). The sums still run, on rows of no meaning.
+      if (lane < R && ld_sys(abort_flag(v, me, lane), ::cuda::memory_order_relaxed) == epoch)
+        report_status(v.status, StatusCode::abort, c.data_phase, lane,
+                      ld_sys(abort_arg_flag(v, me, lane), ::cuda::memory_order_relaxed), 0);
       if (lane == 0) tma::fence_proxy_global();  // the bulk loads below read what the flags published
       long long next = parts2;
       OutPart ahead;
@@ -407,8 +416,13 @@ __device__ void compute(const CombineView& v, const HandleView& h, const Combine
       // fence; the writer-side proxy fence here is the conservative other half.
       tma::fence_proxy_global();
       tma::named_sync(1 + pipe, kComputeThreads);
-      if (tid == 0 && count_part(&v.work[kWorkChunks + job.a * v.max_chunks + job.b], job.c))
+      if (tid == 0 && count_part(&v.work[kWorkChunks + job.a * v.max_chunks + job.b], job.c)) {
+        if (c.failed_arg != 0) {  // before the flag's release: the source reads them after its acquire
+          st_sys(abort_arg_flag(v, job.a, me), static_cast<unsigned>(c.failed_arg), ::cuda::memory_order_relaxed);
+          st_sys(abort_flag(v, job.a, me), epoch, ::cuda::memory_order_relaxed);
+        }
         st_sys(ready_flag(v, job.a, me, job.b), epoch, ::cuda::memory_order_release);
+      }
       ring.release(pos);  // this thread is done with the stage (one arrival per thread: ring.cuh)
       ring.advance(pos);
       continue;

@@ -57,6 +57,7 @@ struct Env {
   unsigned epoch, dispatch_epoch;
   int pipelines;
   std::uint32_t row_bytes;
+  int failed_arg;  // FailedArg: this rank's checks failed; it stages and pulls nothing, its flags say why
 };
 
 // ---- loader -----------------------------------------------------------------------------------------------
@@ -90,13 +91,17 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
   unsigned j = 0;
   const WaitContext reuse{v.status, v.timeout_ns, Phase::combine_backward_reuse};
   if (warp_wait_ranks(consumed_flag(v, me, 0), 1, R, env.epoch - 1, reuse, lane)) {
-    // Stage: this rank's grad_out rows into its window, where the expert ranks pull them.
-    const PartSplit split1 = part_split(num_chunks(h.tokens), env.pipelines, v.part_tokens);
-    const long long parts1 = static_cast<long long>(num_chunks(h.tokens)) * split1.per_chunk;
+    // Stage: this rank's grad_out rows into its window, where the expert ranks pull them. A rank
+    // whose checks failed stages nothing but still ends every part, so that every chunk flag the
+    // expert ranks wait for is released (its T is the dispatch's: the handle may be the bad argument).
+    const bool failed = env.failed_arg != 0;
+    const long long tokens_here = failed ? tokens_of(h.control, me, h.max_tokens) : h.tokens;
+    const PartSplit split1 = part_split(num_chunks(tokens_here), env.pipelines, v.part_tokens);
+    const long long parts1 = static_cast<long long>(num_chunks(tokens_here)) * split1.per_chunk;
     ItemQueue items1{&v.work[kWorkFirst], parts1, pipe, env.pipelines};
     for (long long i = items1.next(lane); i < parts1; i = items1.next(lane)) {
-      const Part p = part_in_rank(i, split1, h.tokens, me);
-      for (long long t = p.t0; t < p.t1; ++t) {
+      const Part p = part_in_rank(i, split1, tokens_here, me);
+      for (long long t = p.t0; t < (failed ? p.t0 : p.t1); ++t) {
         ring.acquire(j, lane);
         if (lane == 0)
           post_row(ring, j, Job{kStage, 0, static_cast<int>(t), 0, 0, 0, 0, 0}, grad_out + t * words, env.row_bytes);
@@ -114,7 +119,7 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
     auto none = [](int) { return false; };
     auto tokens = [&h](int s) { return tokens_of(h.control, s, h.max_tokens); };
     const PartSplit split2 = part_split(chunks_of_ranks(R, tokens, none), env.pipelines, v.part_tokens);
-    const long long parts2 = parts_of_ranks(R, split2, tokens, none);
+    const long long parts2 = failed ? 0 : parts_of_ranks(R, split2, tokens, none);
     const WaitContext wait{v.status, v.timeout_ns, Phase::combine_backward_rows};
     ItemQueue items2{&v.work[kWorkSecond], parts2, pipe, env.pipelines};
     for (long long i = items2.next(lane); i < parts2; i = items2.next(lane)) {
@@ -127,6 +132,15 @@ __device__ void load(const CombineView& v, const HandleView& h, const uint4* gra
       }
       __syncwarp();
       if (!__shfl_sync(kFullMask, ok, 0)) break;
+      // A source that failed its checks staged nothing: its abort word (this epoch, written before
+      // the flag) makes the call an argument error of that rank here, and its rows are not pulled.
+      bool aborted = false;
+      if (lane == 0 && ld_sys(abort_flag(v, me, p.source), ::cuda::memory_order_relaxed) == env.epoch) {
+        aborted = true;
+        report_status(v.status, StatusCode::abort, Phase::combine_backward_rows, p.source,
+                      ld_sys(abort_arg_flag(v, me, p.source), ::cuda::memory_order_relaxed), 0);
+      }
+      if (__shfl_sync(kFullMask, aborted, 0)) continue;
       const long long t = p.t0 + lane;
       const unsigned n = t < p.t1 ? rows_here(v, h, p.source, t, env) : 0u;
       for (unsigned m = __ballot_sync(kFullMask, n > 0); m != 0; m &= m - 1) {
@@ -168,8 +182,14 @@ __device__ void store_pulled(const CombineView& v, const HandleView& h, const un
 __device__ void publish_part(const CombineView& v, int chunk, int per_chunk, int since, const Env& env) {
   tma::wait_groups_dyn(since);
   tma::fence_proxy_global();  // the completed bulk writes before the generic fence and flags
-  if (count_part(&v.work[kWorkChunks + v.rank * v.max_chunks + chunk], per_chunk))
-    for (int d = 0; d < v.ranks; ++d) st_sys(ready_flag(v, d, v.rank, chunk), env.epoch, ::cuda::memory_order_release);
+  if (!count_part(&v.work[kWorkChunks + v.rank * v.max_chunks + chunk], per_chunk)) return;
+  for (int d = 0; d < v.ranks; ++d) {
+    if (env.failed_arg != 0) {  // before the flag's release: the puller reads them after its acquire
+      st_sys(abort_arg_flag(v, d, v.rank), static_cast<unsigned>(env.failed_arg), ::cuda::memory_order_relaxed);
+      st_sys(abort_flag(v, d, v.rank), env.epoch, ::cuda::memory_order_relaxed);
+    }
+    st_sys(ready_flag(v, d, v.rank, chunk), env.epoch, ::cuda::memory_order_release);
+  }
 }
 
 __device__ void store(const CombineView& v, const HandleView& h, uint4* out, const Ring& ring, const Env& env,
@@ -191,7 +211,8 @@ __device__ void store(const CombineView& v, const HandleView& h, uint4* out, con
 
 __global__ void __launch_bounds__(kRingThreads, 1)
     combine_backward_kernel(const __grid_constant__ CombineView v, const __grid_constant__ HandleView h,
-                               const uint4* __restrict__ grad_out, uint4* __restrict__ out, const RingLayout layout) {
+                               const uint4* __restrict__ grad_out, uint4* __restrict__ out, const RingLayout layout,
+                               int failed_arg) {
   extern __shared__ __align__(128) unsigned char smem[];
   const OpSession op(v.control);
   const unsigned epoch = op.epoch();
@@ -207,14 +228,14 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (!s_broken) {
     const Env env{epoch, s_dispatch_epoch, static_cast<int>(gridDim.x) * kPipes,
-                  static_cast<std::uint32_t>(v.hidden * 2)};
+                  static_cast<std::uint32_t>(v.hidden * 2), failed_arg};
     if (warp < 2 * kPipes) {
       const Ring ring = Ring::make(smem, layout, warp / 2);
       if (warp % 2 == 0)
         load(v, h, grad_out, ring, env, static_cast<int>(blockIdx.x) * kPipes + warp / 2, lane);
       else
         store(v, h, out, ring, env, lane);
-    } else if (warp == kZeroWarp) {
+    } else if (warp == kZeroWarp && failed_arg == 0) {
       const bool valid = h.control->abort == 0;  // an aborted dispatch placed no rows: all zero
       zero_unfilled_rows(out, nullptr, v.hidden / 8, h.begin, h.kept, h.tpe, h.local_experts,
                          valid ? h.control->used_rows : 0, h.rows, static_cast<int>(blockIdx.x),
@@ -239,12 +260,12 @@ bool combine_backward_supported(long long hidden) { return layout_for(hidden).st
 void prepare_combine_backward() { raise_smem_limit(combine_backward_kernel); }
 
 void launch_combine_backward(const CombineView& v, const HandleView& h, const void* grad_out, void* out, int grid,
-                                cudaStream_t stream) {
+                             cudaStream_t stream, int failed_arg) {
   const RingLayout layout = layout_for(v.hidden);
   FLEXEP_CHECK(layout.stages >= kMinStages, "hybridep combine_backward: H = ", v.hidden,
                " does not fit its rings (internal error: combine_backward_supported decides)");
   launch_kernel(combine_backward_kernel, grid, kRingThreads, layout.total_bytes(), stream, false, v, h,
-                static_cast<const uint4*>(grad_out), static_cast<uint4*>(out), layout);
+                static_cast<const uint4*>(grad_out), static_cast<uint4*>(out), layout, failed_arg);
 }
 
 }  // namespace flexep::hybridep

@@ -105,7 +105,7 @@ struct CombineView {
   int rank = 0, ranks = 1, width = 1, max_chunks = 1;
   long long max_tokens = 0, hidden = 0;
   unsigned long long off_partials = 0, off_grads = 0;
-  int flag_ready = 0, flag_consumed = 0;
+  int flag_ready = 0, flag_consumed = 0, flag_abort = 0, flag_abort_arg = 0;
   OpControl* control = nullptr;
   unsigned* work = nullptr;  // [2 + R * max_chunks] work counters (work_items.cuh), zero between kernels
   Status* status = nullptr;
@@ -121,6 +121,7 @@ struct CombineCall {
   float* grad_weights = nullptr;      // [T, k] or [T, E] (zeroed by the caller in the multihot form)
   Phase data_phase = Phase::combine_partials;
   Phase reuse_phase = Phase::combine_reuse;
+  int failed_arg = 0;  // FailedArg: this rank's checks failed; it moves nothing and tells every peer why
 };
 
 // --- chunk_plan.cu -------------------------------------------------------------------------------------
@@ -195,10 +196,11 @@ void prepare_combine();  // as prepare_dispatch
 
 // --- combine_backward.cu ---------------------------------------------------------------------------------
 // grad_out [T, H] -> out [N, H] along the handle, with bulk copies through shared-memory rings.
-// False for rows it cannot hold (2H > 32 KB).
+// False for rows it cannot hold (2H > 32 KB). `failed_arg` (FailedArg, not none): this rank's checks
+// failed; it moves nothing, and every peer's kernel reports an abort naming this rank and the argument.
 bool combine_backward_supported(long long hidden);
 void launch_combine_backward(const CombineView& v, const HandleView& h, const void* grad_out, void* out, int grid,
-                             cudaStream_t stream);
+                             cudaStream_t stream, int failed_arg);
 void prepare_combine_backward();  // as prepare_dispatch
 
 }  // namespace flexep::hybridep
