@@ -229,6 +229,15 @@ std::unique_ptr<Communicator> Communicator::simulate(std::shared_ptr<HostWorld> 
   FLEXEP_CHECK_ARG(!lazy_module_loading(), "CUDA_MODULE_LOADING",
                    "must be EAGER (set before CUDA starts) for simulated ranks: with lazy loading, loading a rank's "
                    "kernel may wait for another rank's running kernel, which waits for it");
+  // The ranks share this GPU's memory pool. By default the pool may hand a block that one rank freed
+  // behind a kernel still waiting for its peers to another rank, making that rank's stream wait for
+  // the kernel (an internal dependency): the peer's next kernel then waits for it, and the two wait
+  // for each other until the deadline (seen once as a combine timeout under load). Blocks whose
+  // free has completed are still reused.
+  cudaMemPool_t pool = nullptr;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetMemPool(&pool, device));
+  int allow = 0;
+  FLEXEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &allow));
   return std::unique_ptr<Communicator>(new Communicator(std::move(world), rank, device, options));
 }
 

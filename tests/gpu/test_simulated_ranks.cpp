@@ -57,6 +57,23 @@ TEST(SimulatedRanksComm, CollectivesGiveEveryRankTheSameValues) {
   }
 }
 
+// Simulated ranks share GPU 0's memory pool: it must never make one rank's stream wait for another
+// rank's kernels to reuse a block (that kernel may be waiting for this rank).
+TEST(SimulatedRanksComm, TheSharedPoolNeverMakesOneRankWaitForAnother) {
+  if (!require_gpus(1)) return;
+  const Simulate sim(2);
+  std::vector<int> allowed(2, -1);
+  const auto errors = run_gpu_ranks(2, [&](GpuRank& g) {
+    cudaMemPool_t pool = nullptr;
+    FLEXEP_CUDA_CHECK(cudaDeviceGetMemPool(&pool, g.device));
+    int allow = -1;
+    FLEXEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &allow));
+    allowed[static_cast<std::size_t>(g.rank)] = allow;
+  });
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_EQ(allowed, (std::vector<int>{0, 0}));
+}
+
 // Every rank writes its rank into word `rank` of every peer's window and flag buffer through the
 // peer table; afterwards each rank's own memory holds 0, 1, ..., R-1.
 TEST(SimulatedRanksComm, SymmetricBufferPeersAreTheRanksOwnMemory) {
