@@ -3,10 +3,12 @@
 // our source.
 #pragma once
 
+#include <charconv>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace flexep {
@@ -46,11 +48,41 @@ class TimeoutError : public Error {
 };
 
 namespace detail {
+// One piece of a message, as `std::ostream <<` writes it by default (bool as 1 / 0, floating point
+// as %g with 6 digits). Numbers and text do not go through iostreams: their formatting reads the
+// stream's locale facets, whose layout belongs to the libstdc++ the headers came from, and a process
+// may run an older one (the Python interpreter loads the system's before it imports us: built with
+// a newer GCC, a message with a number crashed the interpreter there).
+template <class T>
+void append(std::string& out, const T& v) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_same_v<U, bool>) {
+    out += v ? '1' : '0';
+  } else if constexpr (std::is_same_v<U, char> || std::is_same_v<U, signed char> || std::is_same_v<U, unsigned char>) {
+    out += static_cast<char>(v);
+  } else if constexpr (std::is_integral_v<U> || std::is_floating_point_v<U>) {
+    char buf[64];
+    std::to_chars_result r;
+    if constexpr (std::is_integral_v<U>) {
+      r = std::to_chars(buf, buf + sizeof buf, v);
+    } else {
+      r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general, 6);
+    }
+    out.append(buf, r.ptr);
+  } else if constexpr (std::is_convertible_v<const U&, std::string_view>) {
+    out += std::string_view(v);
+  } else {
+    std::ostringstream os;
+    os << v;
+    out += os.str();
+  }
+}
+
 template <class... Args>
 std::string concat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
+  std::string out;
+  (append(out, args), ...);
+  return out;
 }
 }  // namespace detail
 
