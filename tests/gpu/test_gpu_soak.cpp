@@ -1,0 +1,187 @@
+// Soak of the GPU backends on two simulated ranks: thousands of call sequences (dispatch, combine,
+// combine_backward, dispatch_backward: four collective calls each) with random token counts (0 included), k, pad multiples,
+// routings (uniform, Zipf, every token to one expert), index dtypes, the multihot form (hybridep;
+// deepep takes top-k only) and budget mode with drops, each bitwise against the host backend; one dispatcher per rank and H for the
+// whole run, so state carried from call to call (epochs, flags, work counters, pools) is exercised;
+// the library's device pool and the process's resident memory flat across the run.
+// FLEXEP_SOAK_CALLS sets the sequences per backend (default 2500: 20,000 calls over the two backends).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "flexep/dispatch/deepep.h"
+#include "flexep/dispatch/hybridep.h"
+#include "gpu/dispatch_harness.h"
+#include "gpu/gpu_test_util.h"
+#include "gpu/multi_gpu.h"
+
+namespace flexep::testing {
+namespace {
+
+constexpr int kRanks = 2, kExpertsPerRank = 4, kMaxTokens = 24, kMaxPad = 16;
+constexpr std::int64_t kHiddens[] = {8, 64, 512};
+constexpr int kBatch = 250;  // sequences between comparisons (host references kept in memory)
+
+int soak_calls() {
+  const char* text = std::getenv("FLEXEP_SOAK_CALLS");
+  return text != nullptr && std::atoi(text) > 0 ? std::atoi(text) : 2500;
+}
+
+std::int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+Config random_config(std::mt19937& rng, int i, bool multihot_allowed) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  Config c;
+  c.name = "soak sequence " + std::to_string(i);
+  c.experts_per_rank = kExpertsPerRank;
+  c.k = pick(1, 4);
+  c.hidden = kHiddens[pick(0, 2)];
+  c.tokens.clear();
+  for (int r = 0; r < kRanks; ++r) c.tokens.push_back(pick(0, 4) == 0 ? 0 : pick(1, kMaxTokens));
+  const int kind = pick(0, 3);
+  c.routing.kind = kind == 0 ? RoutingKind::hot : kind == 1 ? RoutingKind::zipf : RoutingKind::uniform;
+  c.routing.zipf_s = 1.2;
+  c.pad = std::vector<std::int64_t>{1, 2, kMaxPad}[static_cast<std::size_t>(pick(0, 2))];
+  c.multihot = multihot_allowed && pick(0, 4) == 0;
+  c.i32_indices = pick(0, 1) == 1;
+  if (pick(0, 9) < 4) {  // budget mode: room for every row (error policy), or fewer rows (drops)
+    c.mode = DispatchMode::budget;
+    c.overflow = pick(0, 1) ? OverflowPolicy::drop : OverflowPolicy::error;
+    c.budget_fraction = c.overflow == OverflowPolicy::drop ? pick(50, 100) / 100.0 : pick(100, 150) / 100.0;
+  }
+  return c;
+}
+
+// Room for any call of random_config: every token of both ranks to one rank's experts, padded.
+std::int64_t worst_recv_rows() {
+  return 2 * (kRanks * kMaxTokens * kExpertsPerRank + kExpertsPerRank * (kMaxPad - 1));
+}
+
+std::unique_ptr<HybridEpDispatcher> make_hybridep(GpuRank& g, std::int64_t H) {
+  const int E = kExpertsPerRank * g.size;
+  HybridEpOptions o;
+  o.max_tokens_per_rank = kMaxTokens;
+  o.hidden = H;
+  o.max_topk = 0;  // E slots: the multihot form too
+  o.max_pad_multiple = kMaxPad;
+  o.max_recv_rows = worst_recv_rows();
+  o.timeout_seconds = 20;
+  o.stream = g.stream;
+  return make_hybridep_dispatcher(g.comm, E, o);
+}
+
+std::unique_ptr<DeepEpDispatcher> make_deepep(GpuRank& g, std::int64_t H) {
+  const int E = kExpertsPerRank * g.size;
+  DeepEpOptions o;
+  o.max_tokens_per_rank = kMaxTokens;
+  o.hidden = H;
+  o.max_topk = 0;
+  o.max_recv_rows = worst_recv_rows();
+  o.timeout_seconds = 20;
+  o.stream = g.stream;
+  return make_deepep_dispatcher(g.comm, E, o);
+}
+
+template <class Dispatcher>
+Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c) {
+  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
+  auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+  auto dropped = [&](const DispatchResult& r) { return c.mode == DispatchMode::budget ? d.last_dropped() : r.dropped; };
+  Outputs out =
+      run_sequence(d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
+  d.check_errors();
+  return out;
+}
+
+// `make(g, H)`: a dispatcher of the backend under test on rank g for rows of width H.
+template <class Make>
+void soak(const std::string& backend, Make make) {
+  if (!require_gpus(gpus_for_ranks(kRanks))) return;
+  const int calls = soak_calls();
+  std::mt19937 rng(20261207);
+  std::vector<Config> configs;
+  for (int i = 0; i < calls; ++i) configs.push_back(random_config(rng, i, backend == "hybridep"));
+  std::vector<std::vector<Outputs>> want(kBatch), got(kBatch, std::vector<Outputs>(kRanks));
+  std::int64_t pool_after_warmup = -1, resident_after_warmup = -1, drops = 0, budget_calls = 0, multihot_calls = 0;
+  std::int64_t pool_at_end = 0, resident_at_end = 0;
+  const auto errors = run_gpu_ranks(
+      kRanks,
+      [&](GpuRank& g) {
+        std::map<std::int64_t, decltype(make(g, 0))> by_hidden;  // created once each
+        for (std::int64_t H : kHiddens) by_hidden[H] = make(g, H);
+        for (int first = 0; first < calls; first += kBatch) {
+          const int n = std::min(kBatch, calls - first);
+          if (g.rank == 0)
+            for (int i = 0; i < n; ++i) want[static_cast<std::size_t>(i)] = run_host(configs[first + i], kRanks);
+          g.comm->barrier("soak: host references");
+          for (int i = 0; i < n; ++i) {
+            const Config& c = configs[static_cast<std::size_t>(first + i)];
+            got[static_cast<std::size_t>(i)][static_cast<std::size_t>(g.rank)] = run_one(g, *by_hidden.at(c.hidden), c);
+          }
+          g.comm->barrier("soak: results");
+          if (g.rank == 0) {
+            for (int i = 0; i < n; ++i) {
+              const Config& c = configs[static_cast<std::size_t>(first + i)];
+              expect_equal(want[static_cast<std::size_t>(i)], got[static_cast<std::size_t>(i)], backend + " " + c.name);
+              budget_calls += c.mode == DispatchMode::budget;
+              multihot_calls += c.multihot;
+              for (const Outputs& o : got[static_cast<std::size_t>(i)]) drops += o.dropped;
+            }
+            const bool warm = first + n >= calls / 10 && pool_after_warmup < 0;
+            FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+            if (warm) {
+              pool_after_warmup = static_cast<std::int64_t>(cuda::pool_used_bytes(g.device));
+              resident_after_warmup = resident_bytes();
+            }
+            pool_at_end = static_cast<std::int64_t>(cuda::pool_used_bytes(g.device));
+            resident_at_end = resident_bytes();
+          }
+          g.comm->barrier("soak: next batch");
+        }
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  EXPECT_GT(budget_calls, calls / 4);
+  if (backend == "hybridep") {
+    EXPECT_GT(multihot_calls, calls / 10);
+  }
+  EXPECT_GT(drops, 0);
+  // After the first tenth (pools and caches warm) neither the device pool nor the process grows: a
+  // tensor leaked per call would show as megabytes.
+  EXPECT_LT(pool_at_end - pool_after_warmup, 16ll << 20) << "device pool grew by " << pool_at_end - pool_after_warmup;
+  EXPECT_LT(resident_at_end - resident_after_warmup, 64ll << 20)
+      << "resident memory grew by " << resident_at_end - resident_after_warmup;
+}
+
+// Two ranks simulated on GPU 0 (the suite's name gives it ctest's simulated-rank environment).
+struct SimulateTwo {
+  SimulateTwo() : previous(simulated_ranks()) { simulated_ranks() = kRanks; }
+  ~SimulateTwo() { simulated_ranks() = previous; }
+  int previous;
+};
+
+TEST(SimulatedRanksSoak, HybridEpSequencesMatchTheHostBackendWithFlatMemory) {
+  const SimulateTwo sim;
+  soak("hybridep", make_hybridep);
+}
+
+TEST(SimulatedRanksSoak, DeepEpSequencesMatchTheHostBackendWithFlatMemory) {
+  const SimulateTwo sim;
+  soak("deepep", make_deepep);
+}
+
+}  // namespace
+}  // namespace flexep::testing
