@@ -24,14 +24,20 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
+def require_strided(t: torch.Tensor, name: str) -> None:
+    """An ArgumentError naming `name` for a sparse (or other non-strided) tensor, whose reshape and
+    .contiguous() would otherwise raise PyTorch's own errors."""
+    if t.layout != torch.strided:
+        raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': a {t.layout} tensor; "
+                                    "allowed: dense (torch.strided) tensors")
+
+
 def _dense(t, name: str):
     """t as the library takes it (dense, C-contiguous, with data), or an ArgumentError naming it: a
     sparse tensor's .contiguous() and a meta tensor's missing data would otherwise surface as
     PyTorch's or DLPack's errors."""
     if isinstance(t, torch.Tensor):
-        if t.layout != torch.strided:
-            raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': a {t.layout} tensor; "
-                                        "allowed: dense (torch.strided) tensors")
+        require_strided(t, name)
         if t.is_meta:
             raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': on the meta device, which holds no "
                                         "data; allowed: tensors on cpu or cuda")
