@@ -1,5 +1,6 @@
 """The Python dispatch API under random (often invalid) arguments, with hypothesis: shapes, dtypes,
-strides, aliasing, out-of-range ids and options on the host backend (one simulated rank). Every call
+strides, aliasing, sparse and meta tensors, out-of-range ids and options on the host backend (one
+simulated rank). Every call
 either succeeds with outputs of consistent shapes whose combine gives the analytic result, or raises
 flexep.ArgumentError naming an argument: never another exception, never a crash.
 """
@@ -49,6 +50,8 @@ def calls(draw):
         budget=draw(st.integers(-1, 40)) if spoilt() else max(pad, 1) * draw(st.integers(0, 20)),
         overflow="bogus" if spoilt() else draw(st.sampled_from(["error", "drop"])),
         alias=spoilt(),
+        # one argument sparse (COO) or on the meta device (no data)
+        odd=(draw(st.sampled_from(["x", "idx", "w"])), draw(st.sampled_from(["sparse", "meta"]))) if spoilt() else None,
     )
 
 
@@ -61,6 +64,14 @@ def test_dispatch_gives_results_or_named_errors(c):
         x = x.t().contiguous().t()  # same values, column-major strides
     if c["alias"] and w.shape == idx.shape and w.dtype == idx.dtype:
         w = idx  # one tensor passed twice
+    if c["odd"] is not None:
+        which, kind = c["odd"]
+        t = {"x": x, "idx": idx, "w": w}[which]
+        try:
+            t = t.to_sparse() if kind == "sparse" else t.to("meta")
+        except (RuntimeError, TypeError):  # a dtype with no sparse form: the call stays as drawn
+            pass
+        x, idx, w = (t if which == "x" else x), (t if which == "idx" else idx), (t if which == "w" else w)
     try:
         tokens, probs, tpe, handle = ft.dispatch(d, x, idx, w, pad_multiple=c["pad"], mode=c["mode"],
                                                  budget_rows=c["budget"], overflow=c["overflow"])

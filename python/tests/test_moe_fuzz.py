@@ -60,12 +60,13 @@ def cases(draw):
     width = max(dim, 1) if not spoilt() else draw(st.integers(0, 14))
     shape = draw(st.sampled_from([(T, width), (2, T, width)])) if not spoilt() else draw(
         st.sampled_from([(width,), (1, 1, T, width)]))
-    x_dtype = torch.float32 if not spoilt() else draw(st.sampled_from([torch.float64, torch.int64, torch.float16]))
+    x_dtype = torch.float32 if not spoilt() else draw(st.sampled_from([torch.float64, torch.int64, torch.float16,
+                                                                        torch.complex64]))
     mask = None
     if draw(st.booleans()):
         mask_shape = shape[:-1] if not spoilt() else (T + 1,)
         mask = torch.rand(mask_shape) < 0.3
-    return cfg, shape, x_dtype, mask, draw(st.booleans())
+    return cfg, shape, x_dtype, mask, draw(st.booleans()), spoilt()
 
 
 def _named(e: Exception) -> bool:
@@ -76,7 +77,7 @@ def _named(e: Exception) -> bool:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_moe_runs_or_names_the_error(case):
-    cfg, shape, x_dtype, mask, transpose = case
+    cfg, shape, x_dtype, mask, transpose, sparse = case
     try:
         moe = ft.MoE(ft.MoEConfig(**cfg))
     except (ValueError, TypeError) as e:
@@ -86,6 +87,8 @@ def test_moe_runs_or_names_the_error(case):
     x = torch.randn(*shape).to(x_dtype)
     if transpose and x.dim() == 2 and x.is_floating_point():
         x = x.t().contiguous().t()  # same values, column-major strides
+    if sparse:
+        x = x.to_sparse()  # a COO tensor of the same values
     x.requires_grad_(x.is_floating_point())
     try:
         out = moe(x, padding_mask=mask)

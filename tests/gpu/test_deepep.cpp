@@ -808,13 +808,6 @@ TEST_P(DeepEpMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
         const DispatchResult res = d->dispatch(in.view(), rm);
         const std::int64_t N = res.tokens.size(0);
         const Device dev = Device::cuda(g.device);
-        auto attempt = [&](std::exception_ptr& into, const std::function<void()>& call) {
-          try {
-            call();
-          } catch (...) {
-            into = std::current_exception();
-          }
-        };
         const int last = g.size - 1;
         attempt(combine[r], [&] {  // the last rank's expert_out has one row too many
           const Tensor bad = Tensor::zeros({N + 1, H}, DType::bf16, dev);

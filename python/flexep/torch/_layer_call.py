@@ -27,6 +27,7 @@ import torch.distributed as dist
 from flexep import _flexep
 from flexep.torch.config import MoEConfig
 from flexep.torch.dispatcher import HostRank, get_dispatcher
+from flexep.torch.functions import require_strided
 from flexep.torch.fake_gate import FakeBalancedGate, fake_gate_routing
 
 
@@ -296,6 +297,10 @@ def _record_gate_state(gate, outputs: _Outputs, training: bool) -> None:
 def run_moe(moe, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Automodel's MoE.forward: x [..., dim] -> the same shape, padding_mask [...] True = padding."""
     shape, dim = x.shape, moe._flexep_config.dim
+    require_strided(x, "x")
+    if not x.dtype.is_floating_point:
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'x': dtype {x.dtype}; allowed: floating point "
+                                    "(torch.float32, torch.float64, torch.bfloat16)")
     if x.dim() < 1 or shape[-1] != dim:
         raise _flexep.ArgumentError(f"flexep: invalid argument 'x': has shape {list(shape)}; expected [..., {dim}] "
                                     "(the last dimension the config's dim)")

@@ -24,6 +24,27 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
+def require_strided(t: torch.Tensor, name: str) -> None:
+    """An ArgumentError naming `name` for a sparse (or other non-strided) tensor, whose reshape and
+    .contiguous() would otherwise raise PyTorch's own errors."""
+    if t.layout != torch.strided:
+        raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': a {t.layout} tensor; "
+                                    "allowed: dense (torch.strided) tensors")
+
+
+def _dense(t, name: str):
+    """t as the library takes it (dense, C-contiguous, with data), or an ArgumentError naming it: a
+    sparse tensor's .contiguous() and a meta tensor's missing data would otherwise surface as
+    PyTorch's or DLPack's errors."""
+    if isinstance(t, torch.Tensor):
+        require_strided(t, name)
+        if t.is_meta:
+            raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': on the meta device, which holds no "
+                                        "data; allowed: tensors on cpu or cuda")
+        return t.contiguous()
+    return t
+
+
 def _out(obj) -> Optional[torch.Tensor]:
     return None if obj is None else torch.from_dlpack(obj)
 
@@ -33,11 +54,11 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, x, weights, indices, routing_map, dispatcher, options):
         # Top-k form (indices/weights) or multihot form (routing_map/probs in `weights`).
         if routing_map is None:
-            res = dispatcher.dispatch(x.contiguous(), indices=indices.contiguous(), weights=weights.contiguous(),
-                                      stream=_stream(x), **options)
+            res = dispatcher.dispatch(_dense(x, "hidden"), indices=_dense(indices, "indices"),
+                                      weights=_dense(weights, "weights"), stream=_stream(x), **options)
         else:
-            res = dispatcher.dispatch(x.contiguous(), routing_map=routing_map.contiguous(),
-                                      probs=weights.contiguous(), stream=_stream(x), **options)
+            res = dispatcher.dispatch(_dense(x, "hidden"), routing_map=_dense(routing_map, "routing_map"),
+                                      probs=_dense(weights, "probs"), stream=_stream(x), **options)
         tokens, probs, tokens_per_expert, dropped, handle = res
         ctx.dispatcher, ctx.handle = dispatcher, handle
         tokens, probs, tpe = _out(tokens), _out(probs), _out(tokens_per_expert)
@@ -56,7 +77,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, dispatcher, handle):
         ctx.dispatcher, ctx.handle = dispatcher, handle
-        return _out(dispatcher.combine(handle, expert_out.contiguous(), stream=_stream(expert_out)))
+        return _out(dispatcher.combine(handle, _dense(expert_out, "expert_out"), stream=_stream(expert_out)))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -94,8 +115,8 @@ class _RankMajorDispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, indices, dispatcher, options, holder):
-        res = dispatcher.dispatch_rank_major(x.contiguous(), indices.contiguous(), weights.contiguous(),
-                                             stream=_stream(x), **options)
+        res = dispatcher.dispatch_rank_major(_dense(x, "hidden"), _dense(indices, "indices"),
+                                             _dense(weights, "weights"), stream=_stream(x), **options)
         recv_x, recv_idx, recv_w, tpe, expert_rows, dropped, handle = res
         ctx.dispatcher, ctx.handle = dispatcher, handle
         holder.handle = handle
