@@ -4,7 +4,10 @@
 // deepep takes top-k only) and budget mode with drops, each bitwise against the host backend; one dispatcher per rank and H for the
 // whole run, so state carried from call to call (epochs, flags, work counters, pools) is exercised;
 // the library's device pool and the process's resident memory flat across the run.
-// FLEXEP_SOAK_CALLS sets the sequences per backend (default 2500: 20,000 calls over the two backends).
+// FLEXEP_SOAK_CALLS sets the sequences per backend (default 2500: 20,000 calls over the two backends);
+// to narrow a failure down: FLEXEP_SOAK_MODE=1 (blocking calls only) or 2 (budget mode only),
+// FLEXEP_SOAK_SYNC=1 (every rank synchronised after every call: a failure that goes away is a race
+// between ranks out of step), FLEXEP_SOAK_TIMEOUT (the dispatchers' deadline, 20 s).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,6 +45,11 @@ std::int64_t resident_bytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
+int env_int(const char* name, int fallback) {
+  const char* text = std::getenv(name);
+  return text != nullptr && *text != 0 ? std::atoi(text) : fallback;
+}
+
 Config random_config(std::mt19937& rng, int i, bool multihot_allowed) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   Config c;
@@ -57,12 +65,26 @@ Config random_config(std::mt19937& rng, int i, bool multihot_allowed) {
   c.pad = std::vector<std::int64_t>{1, 2, kMaxPad}[static_cast<std::size_t>(pick(0, 2))];
   c.multihot = multihot_allowed && pick(0, 4) == 0;
   c.i32_indices = pick(0, 1) == 1;
-  if (pick(0, 9) < 4) {  // budget mode: room for every row (error policy), or fewer rows (drops)
+  const int budget_draw = pick(0, 9);
+  const int mode = env_int("FLEXEP_SOAK_MODE", 0);  // 1: blocking only, 2: budget only
+  if (mode == 2 || (mode == 0 && budget_draw < 4)) {  // budget mode: room for every row (error policy), or fewer rows (drops)
     c.mode = DispatchMode::budget;
     c.overflow = pick(0, 1) ? OverflowPolicy::drop : OverflowPolicy::error;
     c.budget_fraction = c.overflow == OverflowPolicy::drop ? pick(50, 100) / 100.0 : pick(100, 150) / 100.0;
   }
   return c;
+}
+
+std::string describe(const Config& c) {
+  const char* kinds[] = {"uniform", "zipf", "hot"};
+  std::string s = c.name + ": k " + std::to_string(c.k) + ", H " + std::to_string(c.hidden) + ", T";
+  for (std::int64_t t : c.tokens) s += " " + std::to_string(t);
+  s += std::string(", ") + kinds[static_cast<int>(c.routing.kind)] + ", pad " + std::to_string(c.pad) +
+       (c.multihot ? ", multihot" : "") + (c.i32_indices ? ", i32" : "");
+  if (c.mode == DispatchMode::budget)
+    s += std::string(", budget ") + std::to_string(c.budget_fraction) +
+         (c.overflow == OverflowPolicy::drop ? " drop" : " error");
+  return s;
 }
 
 // Room for any call of random_config: every token of both ranks to one rank's experts, padded.
@@ -78,7 +100,7 @@ std::unique_ptr<HybridEpDispatcher> make_hybridep(GpuRank& g, std::int64_t H) {
   o.max_topk = 0;  // E slots: the multihot form too
   o.max_pad_multiple = kMaxPad;
   o.max_recv_rows = worst_recv_rows();
-  o.timeout_seconds = 20;
+  o.timeout_seconds = env_int("FLEXEP_SOAK_TIMEOUT", 20);
   o.stream = g.stream;
   return make_hybridep_dispatcher(g.comm, E, o);
 }
@@ -90,7 +112,7 @@ std::unique_ptr<DeepEpDispatcher> make_deepep(GpuRank& g, std::int64_t H) {
   o.hidden = H;
   o.max_topk = 0;
   o.max_recv_rows = worst_recv_rows();
-  o.timeout_seconds = 20;
+  o.timeout_seconds = env_int("FLEXEP_SOAK_TIMEOUT", 20);
   o.stream = g.stream;
   return make_deepep_dispatcher(g.comm, E, o);
 }
@@ -98,7 +120,13 @@ std::unique_ptr<DeepEpDispatcher> make_deepep(GpuRank& g, std::int64_t H) {
 template <class Dispatcher>
 Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c) {
   auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
-  auto down = [&](const Tensor& t) { return t.device().is_cpu() ? t : cuda::to_host(t, g.stream); };
+  auto down = [&](const Tensor& t) {
+    if (env_int("FLEXEP_SOAK_SYNC", 0) != 0) {  // the ranks in step after every call
+      FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+      g.comm->barrier("soak: in step");
+    }
+    return t.device().is_cpu() ? t : cuda::to_host(t, g.stream);
+  };
   auto dropped = [&](const DispatchResult& r) { return c.mode == DispatchMode::budget ? d.last_dropped() : r.dropped; };
   Outputs out =
       run_sequence(d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, down, dropped);
@@ -117,6 +145,8 @@ void soak(const std::string& backend, Make make) {
   std::vector<std::vector<Outputs>> want(kBatch), got(kBatch, std::vector<Outputs>(kRanks));
   std::int64_t pool_after_warmup = -1, resident_after_warmup = -1, drops = 0, budget_calls = 0, multihot_calls = 0;
   std::int64_t pool_at_end = 0, resident_at_end = 0;
+  // Each rank's sequences so far: a hang names the sequence it stopped in and the ones before it.
+  std::vector<std::vector<int>> started(kRanks);
   const auto errors = run_gpu_ranks(
       kRanks,
       [&](GpuRank& g) {
@@ -129,6 +159,7 @@ void soak(const std::string& backend, Make make) {
           g.comm->barrier("soak: host references");
           for (int i = 0; i < n; ++i) {
             const Config& c = configs[static_cast<std::size_t>(first + i)];
+            started[static_cast<std::size_t>(g.rank)].push_back(first + i);
             got[static_cast<std::size_t>(i)][static_cast<std::size_t>(g.rank)] = run_one(g, *by_hidden.at(c.hidden), c);
           }
           g.comm->barrier("soak: results");
@@ -153,7 +184,16 @@ void soak(const std::string& backend, Make make) {
         }
       },
       test_comm_options());
-  ASSERT_TRUE(all_ok(errors));
+  if (const ::testing::AssertionResult ok = all_ok(errors); !ok) {
+    std::string where;
+    for (int r = 0; r < kRanks; ++r) {
+      const auto& seq = started[static_cast<std::size_t>(r)];
+      where += "rank " + std::to_string(r) + "'s last sequences:\n";
+      for (std::size_t j = seq.size() > 4 ? seq.size() - 4 : 0; j < seq.size(); ++j)
+        where += "  " + describe(configs[static_cast<std::size_t>(seq[j])]) + "\n";
+    }
+    FAIL() << where << ok.message();
+  }
   EXPECT_GT(budget_calls, calls / 4);
   if (backend == "hybridep") {
     EXPECT_GT(multihot_calls, calls / 10);
