@@ -31,6 +31,10 @@ one() {
     "$bin" --gtest_filter="$test" > "$log" 2>&1
   local rc=$? errors
   errors="$(grep -oE 'ERROR SUMMARY: [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$')"
+  # A test that passed without touching the GPU gives the sanitizer nothing to check: clean.
+  if grep -q "terminated before first instrumented API call" "$log" && grep -q '^\[  PASSED  \]' "$log"; then
+    rc=0 errors=0
+  fi
   echo "$tool $test rc=$rc errors=${errors:-?}"
 }
 export -f one
