@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -230,6 +231,16 @@ inline DeviceInputs device_inputs(GpuRank& g, int E, std::int64_t T, std::int64_
   in.indices = cuda::to_device(tk.indices, g.device, g.stream);
   in.weights = cuda::to_device(tk.weights, g.device, g.stream);
   return in;
+}
+
+// Runs `call`, keeping what it raised in `into` (null when nothing).
+template <class Call>
+void attempt(std::exception_ptr& into, Call&& call) {
+  try {
+    call();
+  } catch (...) {
+    into = std::current_exception();
+  }
 }
 
 template <class Check>

@@ -240,6 +240,10 @@ TEST_P(DeepEpMultiGpu, ExpertMajorBudgetModeMatchesHost) {
              RoutingKind::uniform, 4),
       config("expert-major budget drop zipf k8 H7168 T0", 8, 8, 7168, tokens_for(R, {0, 90}), RoutingKind::zipf),
       config("expert-major budget drop hot k2 H128 pad 8", 2, 2, 128, tokens_for(R, {40, 40}), RoutingKind::hot, 8),
+      // Half of 2 rows rounded down to the pad: a budget of 0 entries, every pair dropped; the
+      // received rows still get their (zero) weight gradients back.
+      config("expert-major budget drop to no entries hot k1 H64 pad 2", 4, 1, 64, tokens_for(R, {0, 2}),
+             RoutingKind::hot, 2),
   };
   for (std::size_t i = 0; i < configs.size(); ++i) {
     configs[i].mode = DispatchMode::budget;
@@ -808,13 +812,6 @@ TEST_P(DeepEpMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
         const DispatchResult res = d->dispatch(in.view(), rm);
         const std::int64_t N = res.tokens.size(0);
         const Device dev = Device::cuda(g.device);
-        auto attempt = [&](std::exception_ptr& into, const std::function<void()>& call) {
-          try {
-            call();
-          } catch (...) {
-            into = std::current_exception();
-          }
-        };
         const int last = g.size - 1;
         attempt(combine[r], [&] {  // the last rank's expert_out has one row too many
           const Tensor bad = Tensor::zeros({N + 1, H}, DType::bf16, dev);

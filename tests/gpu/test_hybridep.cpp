@@ -801,13 +801,6 @@ TEST_P(HybridEpMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
         const std::int64_t N = res.tokens.size(0);
         const Device dev = Device::cuda(g.device);
         const Tensor before = cuda::to_host(d->combine(res.handle, res.tokens), g.stream);
-        auto attempt = [&](std::exception_ptr& into, const std::function<void()>& call) {
-          try {
-            call();
-          } catch (...) {
-            into = std::current_exception();
-          }
-        };
         const int last = g.size - 1;
         attempt(combine[r], [&] {  // the last rank's expert_out has one row too many
           const Tensor bad = Tensor::zeros({N + 1, H}, DType::bf16, dev);

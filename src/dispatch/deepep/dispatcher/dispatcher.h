@@ -158,6 +158,7 @@ class Dispatcher final : public DeepEpDispatcher {
   // The error every rank raises for an aborted budget-mode call, from the count exchange's words;
   // returns without raising when this rank's own failure was raised already.
   void raise_abort();
+  std::string epochs(const Status& st) const;  // a timeout's epochs, for its message
   // A combine or backward that a peer stopped (its own checks failed): the error every other rank
   // raises, naming that rank and its argument. The dispatcher stays usable.
   [[noreturn]] void raise_peer_failure(const Status& st, const std::string& op);

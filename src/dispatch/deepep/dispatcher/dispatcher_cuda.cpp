@@ -158,9 +158,31 @@ void Dispatcher::check(cudaStream_t s, const std::string& op) {
   if (st.code == static_cast<int>(hybridep::StatusCode::timeout))
     throw TimeoutError(phase_name(st.phase), st.peer,
                        detail::concat("rank ", comm_->rank(), ": ", op, " waited ", options_.timeout_seconds,
-                                      " s for rank ", st.peer, "'s rows (DeepEpOptions::timeout_seconds)"));
+                                      " s for rank ", st.peer, "'s rows (DeepEpOptions::timeout_seconds); ",
+                                      epochs(st)));
   throw Error(detail::concat("rank ", comm_->rank(), ": deepep ", op, " failed on the device (status ", st.code,
                              ", phase ", phase_name(st.phase), ", rank ", st.peer, ")"));
+}
+
+std::string Dispatcher::epochs(const Status& st) const {
+  // What a hang looks like from here: the epoch the wait wanted, what the peer's flags hold and how
+  // many operations of each kind this rank ran (ranks out of step differ in these).
+  const int R = world_size();
+  std::vector<unsigned> flags(static_cast<std::size_t>(kKinds * R));
+  std::vector<OpControl> ops(kKinds);
+  if (cudaMemcpy(flags.data(), own_flags(), flags.size() * sizeof(unsigned), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(ops.data(), ops_, ops.size() * sizeof(OpControl), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return "epochs unreadable";
+  const char* names[kKinds] = {"dispatch", "combine", "dispatch_backward", "combine_backward",
+                               "counts", "low_latency_dispatch", "low_latency_combine"};
+  std::string own, peer;
+  for (int k = 0; k < kKinds; ++k) {
+    own += detail::concat(k ? ", " : "", names[k], " ", ops[static_cast<std::size_t>(k)].epoch);
+    if (st.peer >= 0 && st.peer < R)
+      peer += detail::concat(k ? ", " : "", names[k], " ", flags[static_cast<std::size_t>(k * R + st.peer)]);
+  }
+  return detail::concat("waited for epoch ", st.value, "; rank ", st.peer, "'s flags here: ", peer,
+                        "; this rank's operations: ", own);
 }
 
 void Dispatcher::raise_peer_failure(const Status& st, const std::string& op) {

@@ -55,7 +55,9 @@ __global__ void __launch_bounds__(kThreads) sum_rows_kernel(SumRowsCall c) {
       for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[i]);
       static_cast<uint4*>(c.out)[r * vectors + v] = packed;
     }
-    if (c.grad_probs != nullptr)
+    // Keyed on grad_w, not grad_probs: a budget of 0 entries leaves grad_probs empty (null) while
+    // every received row still needs its zero weight gradients.
+    if (c.grad_w != nullptr)
       for (int j = lane; j < c.k; j += 32) {
         const int p = c.slot_pos[r * c.k + j];
         c.grad_w[r * c.k + j] = p >= 0 ? c.grad_probs[p] : 0.0f;

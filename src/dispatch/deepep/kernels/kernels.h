@@ -302,7 +302,8 @@ void launch_gather_scales(const float* scales, const int* index, std::int64_t en
 
 // Level 1 of the combine (docs/semantics.md, "Combine"): out[r] = the sum of entries[row_order[r *
 // k + n]] over n in order (ascending local expert) until -1, in fp32, rounded to bf16 once. With
-// grad_probs, also grad_w[r * k + j] = grad_probs[slot_pos[r * k + j]] (0 where -1). One warp per row.
+// grad_w, also grad_w[r * k + j] = grad_probs[slot_pos[r * k + j]] (0 where -1; grad_probs may be
+// null when there are no entries). One warp per row.
 // With a budget call's layout, rows at or past layout[received] are left alone (never read).
 struct SumRowsCall {
   const void* entries = nullptr;  // [M, H] bf16
@@ -311,9 +312,9 @@ struct SumRowsCall {
   std::int64_t rows = 0, hidden = 0;
   int k = 0;
   void* out = nullptr;               // [rows, H] bf16
-  const float* grad_probs = nullptr;  // [M] or null
+  const float* grad_probs = nullptr;  // [M] (null when M = 0)
   const int* slot_pos = nullptr;      // [rows * k]
-  float* grad_w = nullptr;            // [rows * k]
+  float* grad_w = nullptr;            // [rows * k], or null: no weight gradients
 };
 void launch_sum_rows(const SumRowsCall& c, cudaStream_t stream);
 

@@ -54,12 +54,7 @@ void Dispatcher::stop_together(Phase data, Phase reuse, FailedArg why) {
   if (!dispatch_ || !combine_) return;
   const cudaStream_t s = stream();
   // The handle may be the bad argument: the kernel reads only the last dispatch's token counts.
-  HandleView h;
-  const DispatchGeometry& g = dispatch_->geometry();
-  h.records = reinterpret_cast<const unsigned char*>(dispatch_->window() + g.off_records);
-  h.record_bytes = g.record_bytes;
-  h.max_tokens = g.cfg.max_tokens;
-  h.control = dispatch_->control();
+  const HandleView h = storage_view(*dispatch_);
   CombineView view = combine_->view(status_, options_.timeout_seconds);
   view.part_tokens = options_.part_tokens;
   if (data == Phase::combine_backward_rows) {

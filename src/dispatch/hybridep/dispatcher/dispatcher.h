@@ -119,6 +119,8 @@ class Dispatcher final : public HybridEpDispatcher {
   void wrap_rows(DispatchResult& result, std::int64_t rows, std::int64_t hidden, bool fp8, Tensor* scales_out);
   std::shared_ptr<HepHandle> make_handle(const Routing& rt, std::int64_t rows, DispatchMode mode);
   HandleView handle_view(const HepHandle& h) const;
+  // The part of a HandleView that the dispatch buffer alone gives (records, token counts, epoch).
+  static HandleView storage_view(const DispatchStorage& st);
   void run_combine(const HepHandle& h, const TensorView& rows, const TensorView& out, const TensorView& grad_probs,
                    const TensorView& grad_weights, Phase data, Phase reuse, cudaStream_t s);
   void run_combine_backward(const HepHandle& h, const TensorView& grad_out, const TensorView& out, cudaStream_t s);

@@ -376,14 +376,20 @@ std::int64_t Dispatcher::last_dropped() {
   return readback_->dropped;
 }
 
-HandleView Dispatcher::handle_view(const HepHandle& h) const {
-  const DispatchStorage& st = *h.storage;
+HandleView Dispatcher::storage_view(const DispatchStorage& st) {
   const DispatchGeometry& g = st.geometry();
   HandleView v;
   v.records = reinterpret_cast<const unsigned char*>(st.window() + g.off_records);
   v.record_bytes = g.record_bytes;
   v.max_tokens = g.cfg.max_tokens;
   v.control = st.control();
+  return v;
+}
+
+HandleView Dispatcher::handle_view(const HepHandle& h) const {
+  const DispatchStorage& st = *h.storage;
+  const DispatchGeometry& g = st.geometry();
+  HandleView v = storage_view(st);
   v.tpe = st.at<long long>(g.off_tpe);
   v.begin = st.at<long long>(g.off_begin);
   v.kept = st.at<long long>(g.off_kept);
