@@ -1,19 +1,16 @@
 #include "flexep/comm/host_world.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <sstream>
+#include <thread>
 
 #include "flexep/core/checks.h"
 
 namespace flexep {
 
 namespace {
-std::string fmt_seconds(double s) {
-  std::ostringstream os;
-  os << s << " s";
-  return os.str();
-}
+std::string fmt_seconds(double s) { return detail::concat(s, " s"); }
 
 void check_rank(int rank, int size) {
   FLEXEP_CHECK_ARG(rank >= 0 && rank < size, "rank", rank, " is out of range [0, ", size, ")");
@@ -34,8 +31,38 @@ bool HostWorld::broken() const {
   return !broken_reason_.empty();
 }
 
+void HostWorld::inject(Fault fault) {
+  check_rank(fault.rank, size_);
+  FLEXEP_CHECK_ARG(!fault.phase.empty(), "fault.phase", "must name a collective (e.g. 'combine:exchange')");
+  const std::lock_guard<std::mutex> lock(mutex_);
+  faults_.push_back(std::move(fault));
+}
+
+void HostWorld::fire_fault(int rank, const std::string& phase) {
+  double stall = 0.0;
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = std::find_if(faults_.begin(), faults_.end(),
+                                 [&](const Fault& f) { return f.rank == rank && f.phase == phase; });
+    if (it == faults_.end()) return;
+    stall = it->stall_seconds;
+    faults_.erase(it);
+  }
+  if (stall >= 0.0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(stall));
+    return;
+  }
+  // A dead rank never arrives, and its memory stays where it was: peers may still read what it
+  // published (the exchange before a ":done" barrier). It unwinds once the others have given up
+  // on it, which they do only from inside the barrier, after their reads.
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return !broken_reason_.empty(); });
+  throw InjectedFault(detail::concat("flexep: injected fault: rank ", rank, " stopped at '", phase, "'"));
+}
+
 void HostWorld::barrier(int rank, const std::string& phase) {
   check_rank(rank, size_);
+  fire_fault(rank, phase);
   std::unique_lock<std::mutex> lock(mutex_);
   if (!broken_reason_.empty())
     throw_error("host world is broken (", broken_reason_, "); rank ", rank, " cannot enter '", phase,
@@ -47,10 +74,8 @@ void HostWorld::barrier(int rank, const std::string& phase) {
   } else if (phase != phase_) {
     // Ranks in different collectives would pair unrelated exchanges and read each other's data
     // wrongly; stop everyone instead.
-    std::ostringstream os;
-    os << "rank " << rank << " entered '" << phase << "' while other ranks wait in '" << phase_
-       << "'; every rank must make the same collective calls in the same order";
-    broken_reason_ = os.str();
+    broken_reason_ = detail::concat("rank ", rank, " entered '", phase, "' while other ranks wait in '", phase_,
+                                    "'; every rank must make the same collective calls in the same order");
     cv_.notify_all();
     throw_error("host world: ", broken_reason_);
   }
@@ -75,18 +100,16 @@ void HostWorld::barrier(int rank, const std::string& phase) {
     throw_error("host world is broken (", broken_reason_, "); rank ", rank, " was waiting in '", phase, "'");
   }
   int missing = -1;
-  std::ostringstream present;
+  std::string present;
   for (int r = 0; r < size_; ++r) {
     if (present_[static_cast<std::size_t>(r)])
-      present << (present.tellp() > 0 ? ", " : "") << r;
+      present += detail::concat(present.empty() ? "" : ", ", r);
     else if (missing < 0)
       missing = r;
   }
-  std::ostringstream reason;
-  reason << "rank " << missing << " did not arrive at '" << phase << "' after " << fmt_seconds(timeout)
-         << "; ranks present: " << present.str() << " of " << size_
-         << " (a rank crashed, returned early, or made a different collective call)";
-  broken_reason_ = reason.str();
+  broken_reason_ = detail::concat("rank ", missing, " did not arrive at '", phase, "' after ", fmt_seconds(timeout),
+                                  "; ranks present: ", present, " of ", size_,
+                                  " (a rank crashed, returned early, or made a different collective call)");
   broken_phase_ = phase;
   broken_peer_ = missing;
   cv_.notify_all();
@@ -95,6 +118,7 @@ void HostWorld::barrier(int rank, const std::string& phase) {
 
 std::vector<const void*> HostWorld::all_gather_ptr(int rank, const void* mine, const std::string& phase) {
   check_rank(rank, size_);
+  fire_fault(rank, phase);  // before publishing: a stopped rank leaves nothing behind for the others
   std::size_t parity;
   {
     // A fast rank may publish its next exchange while a slow one still reads this one; the next

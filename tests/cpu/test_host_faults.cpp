@@ -81,3 +81,55 @@ TEST(HostFaults, AStoppedRankTimesOutEveryOtherRankNamingPhaseAndPeer) {
       }));
     }
 }
+
+// Every collective of a dispatch sequence, including those in the middle of a call (the rows'
+// exchange after the counts', the barriers that end each call): a rank that dies there (its
+// thread stops, as a crashed process would) or stalls past the deadline makes every other rank
+// raise a TimeoutError naming that collective and that rank; the stalled rank, arriving late, gets
+// the broken world's error instead of waiting. Nothing leaks (the sanitizer build checks).
+TEST(HostFaults, ARankThatDiesOrStallsInAnyCollectiveTimesOutTheOthers) {
+  const char* phases[] = {"dispatch:count-exchange",    "dispatch:row-exchange",    "dispatch:done",
+                          "combine:exchange",           "combine:done",             "dispatch_backward:exchange",
+                          "dispatch_backward:done",     "combine_backward:exchange", "combine_backward:done"};
+  const double deadline = 0.3;
+  for (DispatchLayout layout : {DispatchLayout::expert_major, DispatchLayout::rank_major})
+    for (const char* phase : phases)
+      for (const bool dies : {true, false}) {
+        const int R = 3, faulty = 1;
+        SCOPED_TRACE(std::string(phase) + (dies ? ", dies" : ", stalls") +
+                     (layout == DispatchLayout::rank_major ? ", rank-major" : ""));
+        Spec s;
+        s.ranks = R;
+        s.experts = 2 * R;
+        s.topk = 2;
+        s.hidden = 16;
+        s.tokens = {5, 0, 7};
+        const auto in = make_inputs(s);
+        DispatchOptions o;
+        o.layout = layout;
+        Group g(R, s.experts, deadline);
+        g.world->inject({faulty, phase, dies ? -1.0 : 2 * deadline});
+        const auto start = std::chrono::steady_clock::now();
+        const auto errors = g.run([&](int r, TokenDispatcher& d) {
+          run_until(d, in[static_cast<std::size_t>(r)], o, Step::combine_backward, false);
+        });
+        EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+        for (int r = 0; r < R; ++r) {
+          try {
+            std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+          } catch (const TimeoutError& e) {
+            EXPECT_NE(r, faulty) << e.what();
+            EXPECT_EQ(e.phase(), phase) << e.what();
+            EXPECT_EQ(e.peer(), faulty) << e.what();
+          } catch (const InjectedFault& e) {
+            EXPECT_TRUE(r == faulty && dies) << "rank " << r << ": " << e.what();
+          } catch (const Error& e) {
+            // The stalled rank arrives after the deadline broke the world.
+            EXPECT_TRUE(r == faulty && !dies) << "rank " << r << ": " << e.what();
+            EXPECT_NE(std::string(e.what()).find("broken"), std::string::npos) << e.what();
+          } catch (...) {
+            ADD_FAILURE() << "rank " << r << ": " << what_of(errors[static_cast<std::size_t>(r)]);
+          }
+        }
+      }
+}

@@ -30,7 +30,21 @@ class HostWorld {
   std::vector<const void*> all_gather_ptr(int rank, const void* mine, const std::string& phase);
   bool broken() const;
 
+  // Fault injection, for tests: the next time `rank` reaches the collective `phase` (a barrier or
+  // an all-gather of that name) it stops there as a dead rank would, never arriving
+  // (stall_seconds < 0; its thread throws InjectedFault once the others' deadline broke the world),
+  // or sleeps stall_seconds and then enters as a stalled one would. Each fault fires once.
+  struct Fault {
+    int rank = 0;
+    std::string phase;
+    double stall_seconds = -1.0;
+  };
+  void inject(Fault fault);
+
  private:
+  void fire_fault(int rank, const std::string& phase);
+
+
   const int size_;
   double timeout_seconds_;
   mutable std::mutex mutex_;
@@ -44,6 +58,13 @@ class HostWorld {
   std::string phase_;          // phase of the barrier being filled (a mismatch is a protocol error)
   std::string broken_phase_;   // set when a timeout broke the world: ranks waiting in that barrier
   int broken_peer_ = -1;       // get the TimeoutError, later callers a plain Error
+  std::vector<Fault> faults_;  // injected, not yet fired
+};
+
+// What a rank stopped by HostWorld::inject throws.
+class InjectedFault : public Error {
+ public:
+  using Error::Error;
 };
 
 // ProcessGroup over a HostWorld (one object per rank).
