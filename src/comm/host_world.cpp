@@ -38,10 +38,23 @@ void HostWorld::inject(Fault fault) {
   faults_.push_back(std::move(fault));
 }
 
+void HostWorld::trace(bool on) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  tracing_ = on;
+  if (on) traced_.assign(static_cast<std::size_t>(size_), {});
+}
+
+std::vector<std::string> HostWorld::traced(int rank) const {
+  check_rank(rank, size_);
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return traced_.empty() ? std::vector<std::string>{} : traced_[static_cast<std::size_t>(rank)];
+}
+
 void HostWorld::fire_fault(int rank, const std::string& phase) {
   double stall = 0.0;
   {
     const std::lock_guard<std::mutex> lock(mutex_);
+    if (tracing_) traced_[static_cast<std::size_t>(rank)].push_back(phase);
     const auto it = std::find_if(faults_.begin(), faults_.end(),
                                  [&](const Fault& f) { return f.rank == rank && f.phase == phase; });
     if (it == faults_.end()) return;
@@ -63,6 +76,10 @@ void HostWorld::fire_fault(int rank, const std::string& phase) {
 void HostWorld::barrier(int rank, const std::string& phase) {
   check_rank(rank, size_);
   fire_fault(rank, phase);
+  meet(rank, phase);
+}
+
+void HostWorld::meet(int rank, const std::string& phase) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (!broken_reason_.empty())
     throw_error("host world is broken (", broken_reason_, "); rank ", rank, " cannot enter '", phase,
@@ -127,7 +144,7 @@ std::vector<const void*> HostWorld::all_gather_ptr(int rank, const void* mine, c
     parity = static_cast<std::size_t>(exchanges_[static_cast<std::size_t>(rank)]++ & 1u);
     slots_[parity][static_cast<std::size_t>(rank)] = mine;
   }
-  barrier(rank, phase);
+  meet(rank, phase);
   std::lock_guard<std::mutex> lock(mutex_);
   return slots_[parity];
 }

@@ -92,6 +92,22 @@ TEST(HostFaults, ARankThatDiesOrStallsInAnyCollectiveTimesOutTheOthers) {
                           "combine:exchange",           "combine:done",             "dispatch_backward:exchange",
                           "dispatch_backward:done",     "combine_backward:exchange", "combine_backward:done"};
   const double deadline = 0.3;
+  {  // the list is every collective the sequence makes, in order
+    Group g(3, 6, deadline);
+    Spec s;
+    s.ranks = 3;
+    s.experts = 6;
+    s.topk = 2;
+    s.hidden = 16;
+    s.tokens = {5, 0, 7};
+    const auto in = make_inputs(s);
+    g.world->trace(true);
+    const auto errors = g.run([&](int r, TokenDispatcher& d) {
+      run_until(d, in[static_cast<std::size_t>(r)], DispatchOptions(), Step::combine_backward, false);
+    });
+    ASSERT_TRUE(all_ok(errors));
+    EXPECT_EQ(g.world->traced(1), std::vector<std::string>(std::begin(phases), std::end(phases)));
+  }
   for (DispatchLayout layout : {DispatchLayout::expert_major, DispatchLayout::rank_major})
     for (const char* phase : phases)
       for (const bool dies : {true, false}) {

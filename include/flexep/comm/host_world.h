@@ -40,9 +40,13 @@ class HostWorld {
     double stall_seconds = -1.0;
   };
   void inject(Fault fault);
+  // The collectives each rank entered while tracing was on, in order (to find where to inject).
+  void trace(bool on);
+  std::vector<std::string> traced(int rank) const;
 
  private:
   void fire_fault(int rank, const std::string& phase);
+  void meet(int rank, const std::string& phase);  // the barrier itself
 
 
   const int size_;
@@ -59,6 +63,8 @@ class HostWorld {
   std::string broken_phase_;   // set when a timeout broke the world: ranks waiting in that barrier
   int broken_peer_ = -1;       // get the TimeoutError, later callers a plain Error
   std::vector<Fault> faults_;  // injected, not yet fired
+  bool tracing_ = false;
+  std::vector<std::vector<std::string>> traced_;  // per rank
 };
 
 // What a rank stopped by HostWorld::inject throws.
