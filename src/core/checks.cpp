@@ -1,20 +1,15 @@
 #include "flexep/core/checks.h"
 
 #include <cmath>
-#include <sstream>
 #include <vector>
 
 namespace flexep::check {
 
 namespace {
 std::string list_dtypes(std::initializer_list<DType> allowed) {
-  std::ostringstream os;
-  bool first = true;
-  for (DType t : allowed) {
-    os << (first ? "" : ", ") << dtype_name(t);
-    first = false;
-  }
-  return os.str();
+  std::string s;
+  for (DType t : allowed) s += detail::concat(s.empty() ? "" : ", ", dtype_name(t));
+  return s;
 }
 }  // namespace
 
@@ -32,16 +27,13 @@ void shape(const TensorView& t, std::initializer_list<std::int64_t> expected, co
   int i = 0;
   for (std::int64_t e : expected) {
     if (e >= 0 && t.size(i) != e) {
-      std::ostringstream want;
-      want << '[';
-      int j = 0;
+      std::string want = "[";
       for (std::int64_t x : expected) {
-        want << (j ? ", " : "");
-        if (x >= 0) want << x; else want << '*';
-        ++j;
+        if (want.size() > 1) want += ", ";
+        want += x >= 0 ? detail::concat(x) : "*";
       }
-      want << ']';
-      throw_argument_error(arg, "expected shape ", want.str(), ", got ", t.shape.str(), " (dimension ", i,
+      want += "]";
+      throw_argument_error(arg, "expected shape ", want, ", got ", t.shape.str(), " (dimension ", i,
                            " must be ", e, ")");
     }
     ++i;

@@ -3,7 +3,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <sstream>
 
 namespace flexep {
 
@@ -29,11 +28,9 @@ std::int64_t Shape::numel() const {
 
 std::string Shape::str() const {
   if (rank_ < 0) return "undefined";
-  std::ostringstream os;
-  os << '[';
-  for (int i = 0; i < rank_; ++i) os << (i ? ", " : "") << dims_[static_cast<std::size_t>(i)];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (int i = 0; i < rank_; ++i) s += detail::concat(i ? ", " : "", dims_[static_cast<std::size_t>(i)]);
+  return s + "]";
 }
 
 bool operator==(const Shape& a, const Shape& b) {

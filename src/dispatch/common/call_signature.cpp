@@ -1,6 +1,5 @@
 #include "dispatch/common/call_signature.h"
 
-#include <sstream>
 
 namespace flexep::call_signature {
 
@@ -50,9 +49,8 @@ std::exception_ptr compare_headers(const std::vector<CallSignature>& h) {
   int r = -1;
   auto fail = [&](const std::string& arg, const std::string& what_r, const std::string& what_0,
                   const std::string& rule) {
-    std::ostringstream os;
-    os << "rank " << r << " has " << what_r << " but rank 0 has " << what_0 << "; all ranks must " << rule;
-    return std::make_exception_ptr(ArgumentError(arg, os.str()));
+    return std::make_exception_ptr(
+        ArgumentError(arg, detail::concat("rank ", r, " has ", what_r, " but rank 0 has ", what_0, "; all ranks must ", rule)));
   };
   if ((r = first_different(h, [](const auto& x) { return x.experts; })) >= 0)
     return fail("num_experts", num("E", h[r].experts), num("E", h0.experts),
@@ -95,14 +93,11 @@ std::exception_ptr compare_headers(const std::vector<CallSignature>& h) {
 }
 
 std::string index_violation(const CallSignature& h) {
-  std::ostringstream os;
   if (h.device_value >= -1 && h.device_value < h.device_limit)
-    os << "token " << h.device_row << " lists expert " << h.device_value
-       << " twice; each expert may appear once per token";
-  else
-    os << "value " << h.device_value << " at [" << h.device_row << ", " << h.device_column
-       << "] is out of range; allowed: -1 (no expert) <= id < " << h.device_limit;
-  return os.str();
+    return detail::concat("token ", h.device_row, " lists expert ", h.device_value,
+                          " twice; each expert may appear once per token");
+  return detail::concat("value ", h.device_value, " at [", h.device_row, ", ", h.device_column,
+                        "] is out of range; allowed: -1 (no expert) <= id < ", h.device_limit);
 }
 
 std::exception_ptr peer_failure(const std::vector<CallSignature>& headers, int me, DescribeViolation describe) {

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <sstream>
 
 #include "dispatch/hybridep/kernels/chunk_plan_math.h"
 #include "flexep/core/error.h"
@@ -14,10 +13,8 @@ namespace {
 // the same words as cuda::DeviceErrors::check.
 std::string device_violation(const RankHeader& h) {
   if (h.device_arg != 2) return call_signature::index_violation(h);
-  std::ostringstream os;
-  os << "token " << h.device_row << " routes to " << h.device_value << " experts, more than the " << h.device_limit
-     << " slots per token the hybridep buffers hold (HybridEpOptions::max_topk)";
-  return os.str();
+  return detail::concat("token ", h.device_row, " routes to ", h.device_value, " experts, more than the ",
+                        h.device_limit, " slots per token the hybridep buffers hold (HybridEpOptions::max_topk)");
 }
 std::string device_arg_name(int arg) { return arg == 2 ? "routing_map" : "indices"; }
 
