@@ -48,7 +48,6 @@ class HostWorld {
   void fire_fault(int rank, const std::string& phase);
   void meet(int rank, const std::string& phase);  // the barrier itself
 
-
   const int size_;
   double timeout_seconds_;
   mutable std::mutex mutex_;
