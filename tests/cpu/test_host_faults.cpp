@@ -40,6 +40,17 @@ void run_until(TokenDispatcher& d, const RankInput& in, const DispatchOptions& o
   d.combine_backward(res.handle, in.hidden);
 }
 
+// Three ranks, one of them without tokens, two experts each, top-2.
+Spec three_ranks() {
+  Spec s;
+  s.ranks = 3;
+  s.experts = 6;
+  s.topk = 2;
+  s.hidden = 16;
+  s.tokens = {5, 0, 7};
+  return s;
+}
+
 }  // namespace
 
 TEST(HostFaults, AStoppedRankTimesOutEveryOtherRankNamingPhaseAndPeer) {
@@ -47,12 +58,7 @@ TEST(HostFaults, AStoppedRankTimesOutEveryOtherRankNamingPhaseAndPeer) {
     for (Step at : {Step::dispatch, Step::combine, Step::dispatch_backward, Step::combine_backward}) {
       const int R = 3, missing = 2;
       SCOPED_TRACE(std::string(phase_of(at)) + (layout == DispatchLayout::rank_major ? ", rank-major" : ""));
-      Spec s;
-      s.ranks = R;
-      s.experts = 2 * R;
-      s.topk = 2;
-      s.hidden = 16;
-      s.tokens = {5, 0, 7};
+      const Spec s = three_ranks();
       const auto in = make_inputs(s);
       DispatchOptions o;
       o.layout = layout;
@@ -93,13 +99,8 @@ TEST(HostFaults, ARankThatDiesOrStallsInAnyCollectiveTimesOutTheOthers) {
                           "dispatch_backward:done",     "combine_backward:exchange", "combine_backward:done"};
   const double deadline = 0.3;
   {  // the list is every collective the sequence makes, in order
-    Group g(3, 6, deadline);
-    Spec s;
-    s.ranks = 3;
-    s.experts = 6;
-    s.topk = 2;
-    s.hidden = 16;
-    s.tokens = {5, 0, 7};
+    const Spec s = three_ranks();
+    Group g(s.ranks, s.experts, deadline);
     const auto in = make_inputs(s);
     g.world->trace(true);
     const auto errors = g.run([&](int r, TokenDispatcher& d) {
@@ -114,12 +115,7 @@ TEST(HostFaults, ARankThatDiesOrStallsInAnyCollectiveTimesOutTheOthers) {
         const int R = 3, faulty = 1;
         SCOPED_TRACE(std::string(phase) + (dies ? ", dies" : ", stalls") +
                      (layout == DispatchLayout::rank_major ? ", rank-major" : ""));
-        Spec s;
-        s.ranks = R;
-        s.experts = 2 * R;
-        s.topk = 2;
-        s.hidden = 16;
-        s.tokens = {5, 0, 7};
+        const Spec s = three_ranks();
         const auto in = make_inputs(s);
         DispatchOptions o;
         o.layout = layout;

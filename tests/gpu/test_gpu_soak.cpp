@@ -35,11 +35,6 @@ constexpr int kRanks = 2, kExpertsPerRank = 4, kMaxTokens = 24, kMaxPad = 16;
 constexpr std::int64_t kHiddens[] = {8, 64, 512};
 constexpr int kBatch = 250;  // sequences between comparisons (host references kept in memory)
 
-int soak_calls() {
-  const char* text = std::getenv("FLEXEP_SOAK_CALLS");
-  return text != nullptr && std::atoi(text) > 0 ? std::atoi(text) : 2500;
-}
-
 std::int64_t resident_bytes() {
   std::ifstream statm("/proc/self/statm");
   std::int64_t size = 0, resident = 0;
@@ -52,7 +47,15 @@ int env_int(const char* name, int fallback) {
   return text != nullptr && *text != 0 ? std::atoi(text) : fallback;
 }
 
-Config random_config(std::mt19937& rng, int i, bool multihot_allowed) {
+// The run's settings, read once (the header says what each does).
+struct Settings {
+  int calls = env_int("FLEXEP_SOAK_CALLS", 0) > 0 ? env_int("FLEXEP_SOAK_CALLS", 0) : 2500;
+  int mode = env_int("FLEXEP_SOAK_MODE", 0);  // 1: blocking only, 2: budget only
+  bool in_step = env_int("FLEXEP_SOAK_SYNC", 1) != 0;
+  int timeout_seconds = env_int("FLEXEP_SOAK_TIMEOUT", 20);
+};
+
+Config random_config(std::mt19937& rng, int i, bool multihot_allowed, int mode) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   Config c;
   c.name = "soak sequence " + std::to_string(i);
@@ -68,7 +71,6 @@ Config random_config(std::mt19937& rng, int i, bool multihot_allowed) {
   c.multihot = multihot_allowed && pick(0, 4) == 0;
   c.i32_indices = pick(0, 1) == 1;
   const int budget_draw = pick(0, 9);
-  const int mode = env_int("FLEXEP_SOAK_MODE", 0);  // 1: blocking only, 2: budget only
   if (mode == 2 || (mode == 0 && budget_draw < 4)) {  // budget mode: room for every row (error policy), or fewer rows (drops)
     c.mode = DispatchMode::budget;
     c.overflow = pick(0, 1) ? OverflowPolicy::drop : OverflowPolicy::error;
@@ -94,7 +96,7 @@ std::int64_t worst_recv_rows() {
   return 2 * (kRanks * kMaxTokens * kExpertsPerRank + kExpertsPerRank * (kMaxPad - 1));
 }
 
-std::unique_ptr<HybridEpDispatcher> make_hybridep(GpuRank& g, std::int64_t H) {
+std::unique_ptr<HybridEpDispatcher> make_hybridep(GpuRank& g, std::int64_t H, const Settings& set) {
   const int E = kExpertsPerRank * g.size;
   HybridEpOptions o;
   o.max_tokens_per_rank = kMaxTokens;
@@ -102,28 +104,28 @@ std::unique_ptr<HybridEpDispatcher> make_hybridep(GpuRank& g, std::int64_t H) {
   o.max_topk = 0;  // E slots: the multihot form too
   o.max_pad_multiple = kMaxPad;
   o.max_recv_rows = worst_recv_rows();
-  o.timeout_seconds = env_int("FLEXEP_SOAK_TIMEOUT", 20);
+  o.timeout_seconds = set.timeout_seconds;
   o.stream = g.stream;
   return make_hybridep_dispatcher(g.comm, E, o);
 }
 
-std::unique_ptr<DeepEpDispatcher> make_deepep(GpuRank& g, std::int64_t H) {
+std::unique_ptr<DeepEpDispatcher> make_deepep(GpuRank& g, std::int64_t H, const Settings& set) {
   const int E = kExpertsPerRank * g.size;
   DeepEpOptions o;
   o.max_tokens_per_rank = kMaxTokens;
   o.hidden = H;
   o.max_topk = 0;
   o.max_recv_rows = worst_recv_rows();
-  o.timeout_seconds = env_int("FLEXEP_SOAK_TIMEOUT", 20);
+  o.timeout_seconds = set.timeout_seconds;
   o.stream = g.stream;
   return make_deepep_dispatcher(g.comm, E, o);
 }
 
 template <class Dispatcher>
-Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c) {
+Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c, bool in_step) {
   auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
   auto down = [&](const Tensor& t) {
-    if (env_int("FLEXEP_SOAK_SYNC", 1) != 0) {  // the ranks in step after every call (see above)
+    if (in_step) {  // the ranks in step after every call (see above)
       FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
       g.comm->barrier("soak: in step");
     }
@@ -136,14 +138,15 @@ Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c) {
   return out;
 }
 
-// `make(g, H)`: a dispatcher of the backend under test on rank g for rows of width H.
+// `make(g, H, settings)`: a dispatcher of the backend under test on rank g for rows of width H.
 template <class Make>
 void soak(const std::string& backend, Make make) {
   if (!require_gpus(gpus_for_ranks(kRanks))) return;
-  const int calls = soak_calls();
+  const Settings set;
+  const int calls = set.calls;
   std::mt19937 rng(20261207);
   std::vector<Config> configs;
-  for (int i = 0; i < calls; ++i) configs.push_back(random_config(rng, i, backend == "hybridep"));
+  for (int i = 0; i < calls; ++i) configs.push_back(random_config(rng, i, backend == "hybridep", set.mode));
   std::vector<std::vector<Outputs>> want(kBatch), got(kBatch, std::vector<Outputs>(kRanks));
   std::int64_t pool_after_warmup = -1, resident_after_warmup = -1, drops = 0, budget_calls = 0, multihot_calls = 0;
   std::int64_t pool_at_end = 0, resident_at_end = 0;
@@ -152,8 +155,8 @@ void soak(const std::string& backend, Make make) {
   const auto errors = run_gpu_ranks(
       kRanks,
       [&](GpuRank& g) {
-        std::map<std::int64_t, decltype(make(g, 0))> by_hidden;  // created once each
-        for (std::int64_t H : kHiddens) by_hidden[H] = make(g, H);
+        std::map<std::int64_t, decltype(make(g, 0, set))> by_hidden;  // created once each
+        for (std::int64_t H : kHiddens) by_hidden[H] = make(g, H, set);
         for (int first = 0; first < calls; first += kBatch) {
           const int n = std::min(kBatch, calls - first);
           if (g.rank == 0)
@@ -162,7 +165,7 @@ void soak(const std::string& backend, Make make) {
           for (int i = 0; i < n; ++i) {
             const Config& c = configs[static_cast<std::size_t>(first + i)];
             started[static_cast<std::size_t>(g.rank)].push_back(first + i);
-            got[static_cast<std::size_t>(i)][static_cast<std::size_t>(g.rank)] = run_one(g, *by_hidden.at(c.hidden), c);
+            got[static_cast<std::size_t>(i)][static_cast<std::size_t>(g.rank)] = run_one(g, *by_hidden.at(c.hidden), c, set.in_step);
           }
           g.comm->barrier("soak: results");
           if (g.rank == 0) {
