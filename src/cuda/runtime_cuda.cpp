@@ -119,11 +119,21 @@ DeviceGuard::DeviceGuard(int device) {
 }
 DeviceGuard::~DeviceGuard() { cudaSetDevice(previous_); }
 
+namespace {
+// A copy from or to pageable host memory is staged by the driver, which may hold the calling
+// thread inside the driver until the stream's earlier work is done. With simulated ranks in one
+// process, that earlier work can be a kernel waiting for a peer whose own thread must launch into
+// the same driver first: the ranks then wait on each other. Waiting for the stream here, outside
+// the copy, lets the peer's launch through.
+void wait_before_pageable_copy(cudaStream_t stream) { FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+}  // namespace
+
 Tensor to_device(const TensorView& host, int device, cudaStream_t stream) {
   FLEXEP_CHECK(host.device.is_cpu(), "to_device: the source must be a CPU tensor");
   init();
   StreamGuard sg(stream);
   Tensor t = Tensor::empty(host.shape, host.dtype, Device::cuda(device));
+  wait_before_pageable_copy(stream);
   if (host.nbytes()) FLEXEP_CUDA_CHECK(cudaMemcpyAsync(t.raw(), host.data, host.nbytes(), cudaMemcpyHostToDevice, stream));
   // The source is pageable host memory the caller may free right after: finish the copy.
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -133,6 +143,7 @@ Tensor to_device(const TensorView& host, int device, cudaStream_t stream) {
 Tensor to_host(const TensorView& d, cudaStream_t stream) {
   FLEXEP_CHECK(d.device.is_cuda(), "to_host: the source must be a CUDA tensor");
   Tensor t = Tensor::empty(d.shape, d.dtype);
+  wait_before_pageable_copy(stream);
   if (d.nbytes()) FLEXEP_CUDA_CHECK(cudaMemcpyAsync(t.raw(), d.data, d.nbytes(), cudaMemcpyDeviceToHost, stream));
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
   return t;
