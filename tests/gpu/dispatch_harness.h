@@ -40,6 +40,7 @@ struct Config {
   bool multihot = false;
   bool separate_stream = false;  // alltoall: NCCL on its own stream
   bool i32_indices = false;
+  bool unrouted = false;  // every slot -1: no token goes anywhere, every count is 0
 };
 
 inline Config config(std::string name, int experts_per_rank, int k, std::int64_t H, std::vector<std::int64_t> tokens,
@@ -70,6 +71,7 @@ inline Inputs make_inputs(const Config& c, int R, int r, std::uint64_t seed = 12
   spec.hot_expert = E - 1;  // everything goes to the last rank
   TopK tk = synthetic_topk(T, c.k, E, spec, seed, r);
   drop_some_slots(tk.indices);
+  if (c.unrouted) std::fill_n(tk.indices.data<std::int64_t>(), tk.indices.numel(), std::int64_t{-1});
   Inputs in;
   in.hidden = random_tensor({T, c.hidden}, DType::bf16, seed + 99, "hidden", r);
   in.indices = c.i32_indices ? tk.indices.to(DType::i32) : tk.indices;

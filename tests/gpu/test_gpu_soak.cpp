@@ -1,6 +1,6 @@
 // Soak of the GPU backends on two simulated ranks: thousands of call sequences (dispatch, combine,
 // combine_backward, dispatch_backward: four collective calls each) with random token counts (0 included), k, pad multiples,
-// routings (uniform, Zipf, every token to one expert), index dtypes, the multihot form (hybridep;
+// routings (uniform, Zipf, every token to one expert, none routed), index dtypes, the multihot form (hybridep;
 // deepep takes top-k only) and budget mode with drops, each bitwise against the host backend; one dispatcher per rank and H for the
 // whole run, so state carried from call to call (epochs, flags, work counters, pools) is exercised;
 // the library's device pool and the process's resident memory flat across the run.
@@ -70,6 +70,7 @@ Config random_config(std::mt19937& rng, int i, bool multihot_allowed, int mode) 
   c.pad = std::vector<std::int64_t>{1, 2, kMaxPad}[static_cast<std::size_t>(pick(0, 2))];
   c.multihot = multihot_allowed && pick(0, 4) == 0;
   c.i32_indices = pick(0, 1) == 1;
+  c.unrouted = pick(0, 19) == 0;
   const int budget_draw = pick(0, 9);
   if (mode == 2 || (mode == 0 && budget_draw < 4)) {  // budget mode: room for every row (error policy), or fewer rows (drops)
     c.mode = DispatchMode::budget;
@@ -84,7 +85,7 @@ std::string describe(const Config& c) {
   std::string s = c.name + ": k " + std::to_string(c.k) + ", H " + std::to_string(c.hidden) + ", T";
   for (std::int64_t t : c.tokens) s += " " + std::to_string(t);
   s += std::string(", ") + kinds[static_cast<int>(c.routing.kind)] + ", pad " + std::to_string(c.pad) +
-       (c.multihot ? ", multihot" : "") + (c.i32_indices ? ", i32" : "");
+       (c.multihot ? ", multihot" : "") + (c.i32_indices ? ", i32" : "") + (c.unrouted ? ", unrouted" : "");
   if (c.mode == DispatchMode::budget)
     s += std::string(", budget ") + std::to_string(c.budget_fraction) +
          (c.overflow == OverflowPolicy::drop ? " drop" : " error");
