@@ -86,6 +86,8 @@ class Communicator : public ProcessGroup {
   // The NCCL communicator; a simulated one has none and refuses, naming the caller's need.
   ncclComm_t get() const;
   bool simulated() const { return world_ != nullptr; }
+  // The world simulated ranks meet in (null for real ones): tests inject faults into its collectives.
+  const std::shared_ptr<HostWorld>& simulated_world() const { return world_; }
   // SMs this rank's kernels may take: the GPU's, or with R simulated ranks on one GPU 1 / (2R) of
   // them, so that every rank's preprocess and dispatch grids (which may overlap) are resident at once.
   int sms_per_rank() const;
