@@ -51,11 +51,17 @@ constexpr int kChunk = 8;  // bf16 per 16-byte copy
 
 using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                            make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
-// B is stored [K, M] with M contiguous: "MN-major" for wgmma; atoms along K first, as CUTLASS lays it.
-using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                           make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
+// B stored [K, M] (M contiguous) is "MN-major" for wgmma: atoms along K first, as CUTLASS lays it.
+// B stored [M, K] (K contiguous: the transposed weights of a data gradient) is K-major, laid out as A.
+template <bool kBT>
+using SmemLayoutB = std::conditional_t<
+    kBT, decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}))),
+    decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}),
+                           Step<_2, _1, _3>{}))>;
+template <bool kBT>
 using TiledMma = decltype(make_tiled_mma(
-    SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<cute::Shape<_2, _1, _1>>{}));
+    SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, kBT ? GMMA::Major::K : GMMA::Major::MN>{},
+    Layout<cute::Shape<_2, _1, _1>>{}));
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 constexpr int kBoxN = 64;                                  // one 128-byte swizzle span of B's rows
@@ -75,9 +81,11 @@ struct StageState {
   }
 };
 
+static_assert(cosize_v<SmemLayoutB<false>> == cosize_v<SmemLayoutB<true>>);
+
 struct SharedStorage {
   alignas(1024) Element a[cosize_v<SmemLayoutA>];
-  alignas(1024) Element b[cosize_v<SmemLayoutB>];
+  alignas(1024) Element b[cosize_v<SmemLayoutB<false>>];  // both layouts: kBN x kBK x kStages
   std::uint64_t full[kStages];   // loads landed: 128 cp.async arrivals + 1 expect_tx arrival and B's bytes
   std::uint64_t empty[kStages];  // the 8 wgmma warps of each CTA sharing the stage are done reading it
   int tile_start[kGatherGemmMaxGroups + 1];  // the first work unit of each group; [G] = all units
@@ -85,7 +93,7 @@ struct SharedStorage {
 };
 
 struct Params {
-  CUtensorMap b_map;  // B as [G][K][M], boxes of 64 (M) x 64 (K)
+  CUtensorMap b_map;  // B as [G][K][M], boxes of 64 (M) x 64 (K); transposed: [G][M][K], boxes of 64 (K) x 256 or 128 rows
   CUtensorMap a_map;  // a_by_tma: A as [R][K], boxes of 64 (K) x 128 rows
   bool a_by_tma;      // no row table: a tile's rows are contiguous, so A comes by TMA as B does
   const Element* a;
@@ -183,16 +191,25 @@ __device__ __forceinline__ std::int64_t source_row(const Params& p, const Tile& 
 }
 
 // Thread 0 of the loaders: announces the stage's 32 KB of B (plus `a_bytes` when A comes by TMA too),
-// then issues B's 64 x 256 block as four TMA boxes; with kPair only the two boxes of this CTA's rank,
-// multicast to both CTAs of the cluster (the other two come from the peer, into this CTA's stage and
-// onto its full barrier).
-template <bool kPair>
+// then issues B's 64 x 256 block as four TMA boxes (transposed B: one box of 256 K-major rows); with
+// kPair only this CTA's half, multicast to both CTAs of the cluster (the other half comes from the
+// peer, into this CTA's stage and onto its full barrier).
+template <bool kPair, bool kBT>
 __device__ __forceinline__ void load_b(const Params& p, SharedStorage& s, const Tile& tile, int stage, int k0,
                                        std::uint32_t a_bytes = 0) {
   FullBarrier::arrive_and_expect_tx(&s.full[stage], kStageBBytes + a_bytes);
   Element* b_stage = s.b + stage * (kBN * kBK);
   const int n0 = tile.n_tile * kBN;
-  if constexpr (kPair) {
+  if constexpr (kBT) {  // rows of 128 bytes (64 K), one after another: a box fills a row range
+    if constexpr (kPair) {
+      const int rank = static_cast<int>(block_rank_in_cluster());
+      constexpr int kHalf = kBN / 2;
+      SM90_TMA_LOAD_MULTICAST_3D::copy(&p.b_map, &s.full[stage], std::uint16_t{0b11}, 0, b_stage + rank * (kHalf * kBK),
+                                       k0, n0 + rank * kHalf, tile.group);
+    } else {
+      SM90_TMA_LOAD_3D::copy(&p.b_map, &s.full[stage], 0, b_stage, k0, n0, tile.group);
+    }
+  } else if constexpr (kPair) {
     const int rank = static_cast<int>(block_rank_in_cluster());
 #pragma unroll
     for (int j = rank; j < kBN / kBoxN; j += 2)
@@ -209,7 +226,7 @@ __device__ __forceinline__ void load_b(const Params& p, SharedStorage& s, const 
 // Warpgroup 0. Thread t copies 16-byte column chunk t % 8 of A's rows t / 8 + 16 i (i < 8): a warp
 // reads four rows' 128 bytes. Each thread's cp.async.mbarrier.arrive.noinc is one of the full barrier's
 // 129 arrivals (the 129th is thread 0's expect_tx for B).
-template <bool kPair>
+template <bool kPair, bool kBT>
 __device__ void load_tiles(const Params& p, SharedStorage& s, int total_units) {
   auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
   const int t = threadIdx.x;
@@ -233,7 +250,7 @@ __device__ void load_tiles(const Params& p, SharedStorage& s, int total_units) {
       EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
       const int stage = state.index;
       const int k0 = kt * kBK;
-      if (t == 0) load_b<kPair>(p, s, tile, stage, k0);
+      if (t == 0) load_b<kPair, kBT>(p, s, tile, stage, k0);
       const bool a_k_ok = k0 + a_col < p.k;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -249,7 +266,7 @@ __device__ void load_tiles(const Params& p, SharedStorage& s, int total_units) {
 // Thread 0 of the loaders when there is no row table: a tile's 128 rows are contiguous, so A's stage
 // is one TMA box too (K's tail and rows past A zero-filled; rows of the next group read but never
 // stored), and the stage has a single arrival.
-template <bool kPair>
+template <bool kPair, bool kBT>
 __device__ void load_tiles_tma_a(const Params& p, SharedStorage& s, int total_units) {
   const int k_tiles = (p.k + kBK - 1) / kBK;
   const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
@@ -261,7 +278,7 @@ __device__ void load_tiles_tma_a(const Params& p, SharedStorage& s, int total_un
       EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
       const int stage = state.index;
       const int k0 = kt * kBK;
-      load_b<kPair>(p, s, tile, stage, k0, kStageABytes);
+      load_b<kPair, kBT>(p, s, tile, stage, k0, kStageABytes);
       SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[stage], 0, s.a + stage * (kBM * kBK), k0, row0);
       state.advance();
     }
@@ -283,12 +300,12 @@ __device__ __forceinline__ void release_stage(SharedStorage& s, int stage) {
 }
 
 // Warpgroups 1 and 2: rows [64 w, 64 w + 64) of each tile.
-template <bool kPair>
+template <bool kPair, bool kBT>
 __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
   auto sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
-  auto sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+  auto sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB<kBT>{});
   const int mma_thread = threadIdx.x - kLoadThreads;
-  TiledMma tiled_mma;
+  TiledMma<kBT> tiled_mma;
   // The descriptors are per warpgroup (sliced at its first thread); the accumulator layout per thread.
   auto wg_mma = tiled_mma.get_slice(mma_thread / cutlass::NumThreadsPerWarpGroup * cutlass::NumThreadsPerWarpGroup);
   auto tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
@@ -344,7 +361,7 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
   }
 }
 
-template <bool kPair>
+template <bool kPair, bool kBT>
 __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const __grid_constant__ Params p) {
   extern __shared__ char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage*>(
@@ -365,10 +382,10 @@ __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const 
   if constexpr (kPair) cute::cluster_sync();
   const int total_units = s.tile_start[p.groups];
   if (threadIdx.x < kLoadThreads) {
-    if (!p.a_by_tma) load_tiles<kPair>(p, s, total_units);
-    else if (threadIdx.x == 0) load_tiles_tma_a<kPair>(p, s, total_units);
+    if (!p.a_by_tma) load_tiles<kPair, kBT>(p, s, total_units);
+    else if (threadIdx.x == 0) load_tiles_tma_a<kPair, kBT>(p, s, total_units);
   } else {
-    mma_tiles<kPair>(p, s, total_units);
+    mma_tiles<kPair, kBT>(p, s, total_units);
   }
   if constexpr (kPair) cute::cluster_sync();
 }
@@ -417,7 +434,8 @@ int persistent_grid(int device, bool pair, const cudaLaunchConfig_t& config) {
     int clusters = 0;
     cudaLaunchConfig_t query = config;
     query.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
-    FLEXEP_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, gather_grouped_gemm_kernel<true>, &query));
+    // Both B layouts take the same resources: one query serves them.
+    FLEXEP_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, gather_grouped_gemm_kernel<true, false>, &query));
     FLEXEP_CHECK(clusters >= 1, "gather_grouped_gemm: no cluster of two CTAs fits on device ", device);
     grid = std::min(clusters, sms / 2) * 2;
   }
@@ -431,14 +449,17 @@ void set_gather_gemm_b_sharing(GatherGemmB sharing) { g_b_sharing.store(sharing,
 GatherGemmB gather_gemm_b_sharing() { return g_b_sharing.load(std::memory_order_relaxed); }
 
 void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const TensorView& offsets,
-                         const TensorView& b, const TensorView& c, cudaStream_t stream, DeviceErrorRecord* errors) {
+                         const TensorView& b, const TensorView& c, cudaStream_t stream, DeviceErrorRecord* errors,
+                         GatherGemmBLayout b_layout) {
+  const bool bt = b_layout == GatherGemmBLayout::m_by_k;
   check_cuda_tensor(a, DType::bf16, 2, "a", a.device);
   const Device dev = a.device;
   check_cuda_tensor(b, DType::bf16, 3, "b", dev);
   check_cuda_tensor(c, DType::bf16, 2, "c", dev);
   check_cuda_tensor(offsets, DType::i64, 1, "offsets", dev);
-  const std::int64_t K = a.shape[1], G = b.shape[0], M = b.shape[2], N = c.shape[0];
-  check::shape(b, {G, K, M}, "b");
+  const std::int64_t K = a.shape[1], G = b.shape[0], M = b.shape[bt ? 1 : 2], N = c.shape[0];
+  if (bt) check::shape(b, {G, M, K}, "b");
+  else check::shape(b, {G, K, M}, "b");
   check::shape(c, {N, M}, "c");
   check::shape(offsets, {G + 1}, "offsets");
   if (row_ids.shape.defined()) {
@@ -451,7 +472,7 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   FLEXEP_CHECK_ARG(G >= 1 && G <= kGatherGemmMaxGroups, "b", "must hold 1 to ", kGatherGemmMaxGroups,
                    " groups, got ", G);
   FLEXEP_CHECK_ARG(K >= 8 && K % 8 == 0, "a", "needs K (its columns) a positive multiple of 8, got ", K);
-  FLEXEP_CHECK_ARG(M >= 8 && M % 8 == 0, "b", "needs M (its last dimension) a positive multiple of 8, got ", M);
+  FLEXEP_CHECK_ARG(M >= 8 && M % 8 == 0, "b", "needs M (c's columns) a positive multiple of 8, got ", M);
   FLEXEP_CHECK_ARG(K <= INT32_MAX && M <= INT32_MAX, "b", "K and M must be < 2^31, got ", K, " and ", M);
   // Tile ids are int: at most N / 128 + G row blocks per column of 256.
   FLEXEP_CHECK_ARG((N / kBM + G) * ((M + kBN - 1) / kBN) < (std::int64_t{1} << 31), "c", "has too many rows (", N,
@@ -462,13 +483,25 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
 
   DeviceGuard guard(dev.index);
   const bool pair = g_b_sharing.load(std::memory_order_relaxed) == GatherGemmB::pair_multicast;
-  const auto kernel = pair ? gather_grouped_gemm_kernel<true> : gather_grouped_gemm_kernel<false>;
-  FLEXEP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kSmemBytes)));
+  static const bool attributes_set = [] {  // every kernel, before any launch or occupancy query
+    for (const auto k : {gather_grouped_gemm_kernel<false, false>, gather_grouped_gemm_kernel<false, true>,
+                         gather_grouped_gemm_kernel<true, false>, gather_grouped_gemm_kernel<true, true>})
+      FLEXEP_CUDA_CHECK(
+          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
+    return true;
+  }();
+  (void)attributes_set;
+  const auto kernel = pair ? (bt ? gather_grouped_gemm_kernel<true, true> : gather_grouped_gemm_kernel<true, false>)
+                           : (bt ? gather_grouped_gemm_kernel<false, true> : gather_grouped_gemm_kernel<false, false>);
   Params p{};
-  // B as a 3-D tensor [G][K][M] (M innermost): reads past K or M are zero-filled by the TMA unit.
-  encode_bf16_map(p.b_map, b, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)},
-                  {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
+  // B as a 3-D tensor, innermost first: [G][K][M], boxes of 64 M x 64 K, or transposed [G][M][K],
+  // boxes of 64 K x 256 rows (a CTA pair: 128 each). Reads past K or M are zero-filled by the TMA unit.
+  const auto g = static_cast<cuuint64_t>(G), k = static_cast<cuuint64_t>(K), m = static_cast<cuuint64_t>(M);
+  if (bt)
+    encode_bf16_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1},
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
+  else
+    encode_bf16_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
   // Without a row table A's tiles are contiguous rows: boxes of 128 rows (row coordinates are int32).
   p.a_by_tma = !row_ids.shape.defined() && a.shape[0] <= INT32_MAX - 2 * kBM;
   if (p.a_by_tma)

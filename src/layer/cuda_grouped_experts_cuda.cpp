@@ -1,5 +1,6 @@
 #include "flexep/layer/cuda_grouped_experts.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -66,6 +67,24 @@ void down_forward(const TensorView& a, const TensorView& w, const std::vector<st
   }
 }
 
+std::atomic<ExpertDgrad> g_dgrad{ExpertDgrad::cublas};
+
+// The data gradient c = d W^T per expert (w [E, K, M] as the forward reads it, d [A, M], c [A, K]): on
+// the Hopper kernel when chosen and its shapes allow (as down_forward), else cuBLAS.
+void data_grad(const TensorView& d, const TensorView& w, const std::vector<std::int64_t>& counts,
+               const Tensor& offsets, const TensorView& out, cudaStream_t stream) {
+  const bool fits = g_dgrad.load(std::memory_order_relaxed) == ExpertDgrad::gather_gemm && d.size(1) % 8 == 0 &&
+                    w.size(1) % 8 == 0 && static_cast<std::int64_t>(counts.size()) <= cuda::kGatherGemmMaxGroups &&
+                    reinterpret_cast<std::uintptr_t>(d.data) % 16 == 0 &&
+                    reinterpret_cast<std::uintptr_t>(w.data) % 16 == 0 &&
+                    reinterpret_cast<std::uintptr_t>(out.data) % 16 == 0;
+  if (fits) {
+    cuda::gather_grouped_gemm(d, TensorView(), offsets, w, out, stream, nullptr, cuda::GatherGemmBLayout::m_by_k);
+  } else {
+    cuda::grouped_gemm_dgrad(d, w, counts, out, stream);
+  }
+}
+
 // The gradient of p (`dtype`, same shape), zero-allocated on first use; undefined when p has no value
 // or does not require grad.
 TensorView grad_of(Parameter& p, DType dtype) {
@@ -107,6 +126,9 @@ void upload_as_bf16(const Tensor& host, const TensorView& dst, cudaStream_t stre
 }
 
 }  // namespace
+
+void set_expert_dgrad(ExpertDgrad kernel) { g_dgrad.store(kernel, std::memory_order_relaxed); }
+ExpertDgrad expert_dgrad() { return g_dgrad.load(std::memory_order_relaxed); }
 
 CudaGroupedExpertsCompute::CudaGroupedExpertsCompute(const MoEConfig& config, int num_local_experts, int device,
                                                      std::string name)
@@ -424,7 +446,7 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
 
   // Down projection: the gradient reaching a_p, and W_down's gradient.
   Tensor gap = Tensor::empty({A, inter}, DType::bf16, dev);
-  cuda::grouped_gemm_dgrad(g, weights.down_projs, counts, gap, stream);
+  data_grad(g, weights.down_projs, counts, s.offsets, gap, stream);
   if (g_wd.defined()) weight_grad(s.ap, g, g_wd);
   // Activation (writes grad_probs), then the down bias (adds to grad_probs).
   Tensor gh = Tensor::empty({A, up}, DType::bf16, dev);
@@ -441,7 +463,7 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
     }
     weight_grad(s.row_ids.defined() ? gathered.view() : s.x.view().rows(0, A), gh, g_wgu);
   }
-  cuda::grouped_gemm_dgrad(gh, weights.gate_and_up_projs, counts, gx.view().rows(0, A), stream);
+  data_grad(gh, weights.gate_and_up_projs, counts, s.offsets, gx.view().rows(0, A), stream);
 
   CudaExpertsGrads out;
   out.tokens = std::move(gx);

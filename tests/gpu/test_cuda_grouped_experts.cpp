@@ -314,6 +314,33 @@ TEST(CudaGroupedExperts, GatheredRowsAfterDown) {
   check_case(Activation::swiglu, true, 64, 32, {7, 9, 0}, 16, true, GradMode::accumulate_f32, opt);
 }
 
+// Backward's data gradients on either kernel (ExpertDgrad: cuBLAS, or flexep's grouped GEMM reading
+// the weights transposed), each against the CPU reference: ragged groups with an empty expert, copied
+// and gathered rows, the prob after the down projection, no rows, and widths the Hopper kernel does
+// not take (not multiples of 8: cuBLAS then).
+TEST(CudaGroupedExperts, DataGradientsOnEitherKernel) {
+  if (!testing::require_gpus(1)) return;
+  struct Chosen {
+    explicit Chosen(ExpertDgrad k) : previous(expert_dgrad()) { set_expert_dgrad(k); }
+    ~Chosen() { set_expert_dgrad(previous); }
+    ExpertDgrad previous;
+  };
+  for (const ExpertDgrad kernel : {ExpertDgrad::cublas, ExpertDgrad::gather_gemm}) {
+    SCOPED_TRACE(kernel == ExpertDgrad::cublas ? "cuBLAS dgrad" : "Hopper kernel dgrad");
+    const Chosen chosen(kernel);
+    check_case(Activation::swiglu, true, 64, 32, {7, 0, 12, 3}, 25, false);
+    check_case(Activation::swiglu, false, 128, 64, {300, 5, 0, 211, 1}, 520, false, GradMode::fresh_bf16_weights);
+    Options gathered;
+    gathered.gathered = true;
+    check_case(Activation::swiglu, false, 136, 72, {130, 1, 64}, 200, true, GradMode::fresh_bf16_weights, gathered);
+    Options after;
+    after.after_down = true;
+    check_case(Activation::swiglu, true, 64, 32, {7, 9, 0}, 16, true, GradMode::accumulate_f32, after);
+    check_case(Activation::quick_geglu, true, 20, 12, {5, 0, 4}, 10, false);
+    check_case(Activation::swiglu, true, 64, 32, {0, 0, 0}, 0, false);
+  }
+}
+
 TEST(CudaGroupedExperts, ZeroRows) {
   if (!testing::require_gpus(1)) return;
   check_case(Activation::swiglu, true, 64, 32, {0, 0, 0}, 0, false);

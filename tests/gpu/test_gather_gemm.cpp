@@ -1,5 +1,6 @@
 // The gathered grouped GEMM (cuda/gather_gemm.h) against a CPU fp32 loop on the same bf16 inputs
-// (relative error norm < 1e-2: bf16 outputs) and against cuBLAS's grouped GEMM on a permuted copy.
+// (relative error norm < 1e-2: bf16 outputs) and against cuBLAS's grouped GEMM on a permuted copy;
+// B as [K, M] (the forward) and as [M, K] (transposed: the data gradients, against cuBLAS's dgrad).
 // Rows outside the groups must keep their poison; bad row ids and offsets are reported by name.
 #include <gtest/gtest.h>
 
@@ -37,10 +38,10 @@ std::vector<std::int64_t> offsets_of(const std::vector<std::int64_t>& counts) {
   return off;
 }
 
-// c[i] = a[ids[i]] * b[g] in fp32 for the rows of every group; rows with id -1 are zero.
+// c[i] = a[ids[i]] * b[g] (bt: b[g]^T) in fp32 for the rows of every group; rows with id -1 are zero.
 Tensor reference(const Tensor& a, const std::vector<std::int32_t>& ids, const std::vector<std::int64_t>& off,
-                 const Tensor& b, std::int64_t N) {
-  const std::int64_t K = a.size(1), M = b.size(2);
+                 const Tensor& b, std::int64_t N, bool bt) {
+  const std::int64_t K = a.size(1), M = b.size(bt ? 1 : 2);
   Tensor c = Tensor::zeros({N, M}, DType::f32);
   for (std::size_t g = 0; g + 1 < off.size(); ++g)
     for (std::int64_t i = off[g]; i < off[g + 1]; ++i) {
@@ -49,21 +50,23 @@ Tensor reference(const Tensor& a, const std::vector<std::int32_t>& ids, const st
       for (std::int64_t m = 0; m < M; ++m) {
         float s = 0;
         for (std::int64_t k = 0; k < K; ++k)
-          s += a.data<float>()[id * K + k] * b.data<float>()[(static_cast<std::int64_t>(g) * K + k) * M + m];
+          s += a.data<float>()[id * K + k] *
+               b.data<float>()[static_cast<std::int64_t>(g) * K * M + (bt ? m * K + k : k * M + m)];
         c.data<float>()[i * M + m] = s;
       }
     }
   return c;
 }
 
-// One shape: random row ids (a permutation of a's rows with some -1 padding rows), or none.
+// One shape: random row ids (a permutation of a's rows with some -1 padding rows), or none; B as
+// [G, K, M], or with bt as [G, M, K] (GatherGemmBLayout::m_by_k).
 void check(std::int64_t R, std::int64_t K, std::int64_t M, const std::vector<std::int64_t>& counts, std::int64_t N,
-           bool gather, std::uint64_t seed) {
+           bool gather, std::uint64_t seed, bool bt = false) {
   const auto off = offsets_of(counts);
   ASSERT_LE(off.back(), N);
   const std::int64_t G = static_cast<std::int64_t>(counts.size());
   const Tensor a = bf16_exact({R, K}, seed);
-  const Tensor b = bf16_exact({G, K, M}, seed + 1, 0.2);
+  const Tensor b = bf16_exact(bt ? Shape{G, M, K} : Shape{G, K, M}, seed + 1, 0.2);
   std::vector<std::int32_t> ids;
   if (gather) {
     std::mt19937_64 rng(seed);
@@ -72,9 +75,10 @@ void check(std::int64_t R, std::int64_t K, std::int64_t M, const std::vector<std
   }
   Tensor c_d = testing::poisoned({N, M}, DType::bf16);
   cuda::gather_grouped_gemm(testing::to_gpu_bf16(a), gather ? TensorView(device_i32(ids)) : TensorView(),
-                            device_i64(off), testing::to_gpu_bf16(b), c_d, nullptr);
+                            device_i64(off), testing::to_gpu_bf16(b), c_d, nullptr, nullptr,
+                            bt ? cuda::GatherGemmBLayout::m_by_k : cuda::GatherGemmBLayout::k_by_m);
   const Tensor c = cuda::to_host(c_d, nullptr);
-  const Tensor ref = reference(a, ids, off, b, N);
+  const Tensor ref = reference(a, ids, off, b, N, bt);
   const std::int64_t lo = off.front(), hi = off.back();
   if (hi > lo) {
     EXPECT_LT(rel_error(c.to(DType::f32).view().rows(lo, hi), ref.view().rows(lo, hi)), 1e-2);
@@ -121,6 +125,15 @@ TEST_P(GatherGemm, OneGroupManyColumnTiles) {
   check(64, 72, 1032, {200}, 256, true, 3);
 }
 
+// Transposed B (K-major rows, one TMA box of 256 or, shared by a pair, 128 of them per stage): the
+// k and n tails, empty groups, through a table and without one.
+TEST_P(GatherGemm, TransposedBRaggedGroupsWithTails) {
+  if (!testing::require_gpus(1)) return;
+  check(300, 200, 264, {129, 0, 1, 70, 0, 200}, 420, true, 11, true);
+  check(200, 200, 264, {129, 0, 71}, 200, false, 12, true);
+  check(64, 72, 1032, {200}, 256, true, 13, true);
+}
+
 TEST_P(GatherGemm, NoRowsWritesNothing) {
   if (!testing::require_gpus(1)) return;
   check(16, 64, 64, {0, 0, 0}, 32, true, 4);
@@ -146,6 +159,23 @@ TEST_P(GatherGemm, MatchesCublasOnAPermutedCopy) {
   cuda::gather_grouped_gemm(testing::to_gpu_bf16(a), device_i32(ids), device_i64(offsets_of(counts)), b_d, ours,
                             nullptr);
   cuda::grouped_gemm_forward(testing::to_gpu_bf16(permuted), b_d, counts, theirs, nullptr);
+  EXPECT_LT(rel_error(testing::to_cpu_f32(ours), testing::to_cpu_f32(theirs)), 4e-3);
+}
+
+// The data gradient through the forward's weights (b [G, K, M] read as [M', K'] = [K, M]): the same
+// numbers as cuBLAS's grouped dgrad (grouped_gemm.h), at DeepSeek-V3's down-projection width.
+TEST_P(GatherGemm, TransposedBMatchesCublasDgrad) {
+  if (!testing::require_gpus(1)) return;
+  const std::int64_t K = 512, M = 7168;  // forward shapes: b [G, K, M]; the gradient d [N, M] -> c [N, K]
+  const std::vector<std::int64_t> counts{512, 300, 0, 700, 536};
+  const std::int64_t N = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
+  const Tensor d = testing::to_gpu_bf16(bf16_exact({N, M}, 14));
+  const Tensor b = testing::to_gpu_bf16(bf16_exact({static_cast<std::int64_t>(counts.size()), K, M}, 15, 0.05));
+  Tensor ours = Tensor::empty({N, K}, DType::bf16, Device::cuda(0));
+  Tensor theirs = Tensor::empty({N, K}, DType::bf16, Device::cuda(0));
+  cuda::gather_grouped_gemm(d, TensorView(), device_i64(offsets_of(counts)), b, ours, nullptr, nullptr,
+                            cuda::GatherGemmBLayout::m_by_k);
+  cuda::grouped_gemm_dgrad(d, b, counts, theirs, nullptr);
   EXPECT_LT(rel_error(testing::to_cpu_f32(ours), testing::to_cpu_f32(theirs)), 4e-3);
 }
 
@@ -186,6 +216,9 @@ TEST(GatherGemmArguments, BadArguments) {
   expect_arg_error([&] { run(fake_cuda({10, 16}, DType::f32), ids, off, b, c); }, "a");
   expect_arg_error([&] { run(fake_cuda({4, 16}, DType::bf16), TensorView(), off, b, c); }, "a");
   expect_arg_error([&] { run(TensorView(nullptr, DType::bf16, Shape{10, 16}), ids, off, b, c); }, "a");
+  // Transposed B is [G, M, K]: the forward's [G, K, M] is refused when K != M.
+  expect_arg_error([&] { cuda::gather_grouped_gemm(a, ids, off, b, c, nullptr, nullptr, cuda::GatherGemmBLayout::m_by_k); },
+                   "b");
 }
 
 INSTANTIATE_TEST_SUITE_P(BSharing, GatherGemm,

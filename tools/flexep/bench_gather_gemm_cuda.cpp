@@ -6,6 +6,9 @@
 //   gather            the gathered kernel reading 4096 tokens through a row table, each token 8 times
 //                     at random places (the permute fused into the loads; its target: >= 97% of
 //                     gather-contiguous).
+// And each GEMM's data gradient (phases gate_up-dgrad: dh [rows, 4096] * W_gu^T; down-dgrad: dy
+// [rows, 7168] * W_down^T), three ways: cublas-dense, cublas-grouped (grouped_gemm_dgrad, the
+// layer's today) and gather-contiguous, the kernel reading the weights transposed (m_by_k).
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -97,6 +100,64 @@ void run(const BenchArgs& a, BenchRun& run) {
                time_cuda([&] { cuda::gather_grouped_gemm(tokens_x, ids_d, off_d, w, c, stream); }, a.warmup, a.reps,
                          stream),
                "gathered kernel, each of rows/8 tokens read 8 times through the row table; " + how);
+      }
+      cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
+    }
+  }
+
+  for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
+    // The forward's c = x W; its data gradient dx [rows, k] = dc [rows, m] W^T.
+    Tensor dc = Tensor::empty({rows, g.m}, DType::bf16, dev), dx = Tensor::empty({rows, g.k}, DType::bf16, dev);
+    cuda::fill_random(dc, 5, 1.0f, stream);
+    const double flops = 2.0 * rows * g.k * g.m;
+    const std::string phase = std::string(g.name) + "-dgrad";
+    auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
+                      const std::string& note) {
+      BenchRecord r;
+      r.case_name = "gather-gemm";
+      r.routing = routing;
+      r.backend = backend;
+      r.phase = phase;
+      r.timing = "kernel";
+      r.tokens_per_rank = rows;
+      r.hidden = g.m;
+      r.experts = experts;
+      r.time_us = t;
+      r.tflops = flops / (t.median * 1e-6) / 1e12;
+      r.note = note;
+      run.records.push_back(r);
+    };
+    {
+      Tensor w = Tensor::empty({g.k, g.m}, DType::bf16, dev);
+      cuda::fill_random(w, 3, 0.02f, stream);
+      record("cublas-dense", "-", 1,
+             time_cuda([&] { cuda::gemm(dc, false, w, true, dx, stream); }, a.warmup, a.reps, stream),
+             "one GEMM of the same FLOPs");
+    }
+    for (const std::int64_t per_expert : {512, 1024}) {
+      const int experts = static_cast<int>(rows / per_expert);
+      const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
+      std::vector<std::int64_t> offsets(counts.size() + 1, 0);
+      std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
+      const Tensor off_d = to_device_vector(offsets, stream);
+      Tensor w = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
+      cuda::fill_random(w, 4, 0.02f, stream);
+      const std::string routing = "rows" + std::to_string(per_expert);
+      record("cublas-grouped", routing, experts,
+             time_cuda([&] { cuda::grouped_gemm_dgrad(dc, w, counts, dx, stream); }, a.warmup, a.reps, stream),
+             "cuBLAS grouped dgrad (the layer's), contiguous rows");
+      for (const cuda::GatherGemmB sharing : {cuda::GatherGemmB::own, cuda::GatherGemmB::pair_multicast}) {
+        cuda::set_gather_gemm_b_sharing(sharing);
+        const bool pair = sharing == cuda::GatherGemmB::pair_multicast;
+        record(std::string("gather-contiguous") + (pair ? "-pair" : ""), routing, experts,
+               time_cuda(
+                   [&] {
+                     cuda::gather_grouped_gemm(dc, TensorView(), off_d, w, dx, stream, nullptr,
+                                               cuda::GatherGemmBLayout::m_by_k);
+                   },
+                   a.warmup, a.reps, stream),
+               std::string("gathered kernel, no row table, weights read transposed; ") +
+                   (pair ? "CTA pairs multicasting B" : "each CTA loads its B"));
       }
       cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
     }

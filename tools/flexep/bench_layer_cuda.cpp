@@ -6,12 +6,14 @@
 // f32 gradients the layer accumulates into (accumulate_f32, Megatron's main_grad; the default) and new
 // bf16 weight gradients per backward (fresh_bf16_weights: what flexep.torch and autograd produce, so the
 // mode to set beside Automodel's layer; labels ending in -fresh-bf16).
+// Also the copied rows with backward's data gradients on flexep's grouped GEMM (-dgrad-kernel).
 #include "bench_cases.h"
 #include "bench_spin.h"
 #include "bench_timing_cuda.h"
 #include "flexep/cuda/gather_gemm.h"
 #include "flexep/cuda/layer_ops.h"
 #include "flexep/cuda/runtime.h"
+#include "flexep/layer/cuda_grouped_experts.h"
 #include "flexep/layer/cuda_moe_layer.h"
 
 namespace flexep::tools {
@@ -44,11 +46,13 @@ void run(const BenchArgs& a, BenchRun& run) {
     o.grad_mode = grad_mode;
     CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
     const bool fresh = grad_mode == GradMode::fresh_bf16_weights;
-    // Copied rows; in place; in place with CTA pairs multicasting B in the gathered GEMM (GatherGemmB).
-    for (const int variant : {0, 1, 2}) {
-      const bool in_place = variant > 0, pair = variant == 2;
+    // Copied rows; in place; in place with CTA pairs multicasting B in the gathered GEMM (GatherGemmB);
+    // copied rows with backward's data gradients on flexep's kernel instead of cuBLAS (ExpertDgrad).
+    for (const int variant : {0, 1, 2, 3}) {
+      const bool in_place = variant == 1 || variant == 2, pair = variant == 2, dgrad_kernel = variant == 3;
       layer.compute().set_rows_in_place(in_place);
       cuda::set_gather_gemm_b_sharing(pair ? cuda::GatherGemmB::pair_multicast : cuda::GatherGemmB::own);
+      set_expert_dgrad(dgrad_kernel ? ExpertDgrad::gather_gemm : ExpertDgrad::cublas);
       layer.set_timing(false);
       const TimeStats t = time_cuda([&] {
         layer.zero_grad(stream);
@@ -86,7 +90,7 @@ void run(const BenchArgs& a, BenchRun& run) {
       r.case_name = "layer-dsv3";
       r.routing = "router";
       r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (pair ? "-pair" : "") +
-                  (fresh ? "-fresh-bf16" : "");
+                  (dgrad_kernel ? "-dgrad-kernel" : "") + (fresh ? "-fresh-bf16" : "");
       r.phase = "layer_fwd_bwd";
       r.timing = "call";
       r.tokens_per_rank = T;
@@ -104,12 +108,14 @@ void run(const BenchArgs& a, BenchRun& run) {
                         : "sigmoid router, 1 shared expert on a side stream, EP size 1, the dispatcher copies the rows; "
                           "tflops counts the routed experts only";
       if (pair) r.note += "; the gathered GEMM's CTAs run in pairs multicasting B";
+      if (dgrad_kernel) r.note += "; backward's data gradients on flexep's grouped GEMM, not cuBLAS";
       r.note += fresh ? "; new bf16 weight gradients every backward (fresh_bf16_weights)"
                       : "; gradients accumulated in f32 (accumulate_f32)";
       run.records.push_back(r);
     }
   }
   cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
+  set_expert_dgrad(ExpertDgrad::cublas);
 }
 
 FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);

@@ -5,7 +5,8 @@
 //   c [N, M] bf16     c[i] = a[row_ids[i]] * b[g]   for every i in [offsets[g], offsets[g + 1])
 //
 // a [R, K] bf16 (any row table: deepep's rank-major receive rows, the layer's tokens), b [G, K, M]
-// bf16 row-major (the experts' weights as grouped_gemm.h takes them), row_ids [N] int32 (undefined:
+// bf16 row-major (the experts' weights as grouped_gemm.h takes them; [G, M, K] with
+// GatherGemmBLayout::m_by_k, c[i] = a[row_ids[i]] * b[g]^T), row_ids [N] int32 (undefined:
 // row i reads a[i], the plain grouped GEMM), offsets [G + 1] int64 on the device. fp32 accumulation,
 // one rounding to bf16. The group sizes stay on the device: no host sync, capturable in a CUDA graph.
 // Rows of c outside [offsets[0], offsets[G]) are not written.
@@ -44,8 +45,12 @@ enum class GatherGemmB { own, pair_multicast };
 void set_gather_gemm_b_sharing(GatherGemmB sharing);
 GatherGemmB gather_gemm_b_sharing();
 
+// How b holds each group's matrix: [K, M] (c = a b: the forward GEMMs), or [M, K] (c = a b^T: the
+// data gradients, which read the forward's weights transposed; wgmma takes B K-major then).
+enum class GatherGemmBLayout { k_by_m, m_by_k };
+
 void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const TensorView& offsets,
                          const TensorView& b, const TensorView& c, cudaStream_t stream,
-                         DeviceErrorRecord* errors = nullptr);
+                         DeviceErrorRecord* errors = nullptr, GatherGemmBLayout b_layout = GatherGemmBLayout::k_by_m);
 
 }  // namespace flexep::cuda

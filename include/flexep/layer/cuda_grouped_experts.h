@@ -32,6 +32,15 @@ namespace flexep {
 class GroupedExperts;
 class CudaGroupedExpertsCompute;
 
+// Which kernel runs backward's two data-gradient GEMMs (dh W_gu^T and dy W_down^T) where its shapes
+// allow: cuBLAS (grouped_gemm_dgrad, per-expert GEMMs) or flexep's Hopper grouped GEMM reading the
+// weights transposed (gather_gemm.h, GatherGemmBLayout::m_by_k; the group sizes stay on the device).
+// Process-wide, for measuring both in one run (flexep bench experts / layer); docs/experts.md says
+// which is faster where.
+enum class ExpertDgrad { cublas, gather_gemm };
+void set_expert_dgrad(ExpertDgrad kernel);
+ExpertDgrad expert_dgrad();
+
 // Where backward puts the parameter gradients (Parameter::grad), fixed at construction.
 enum class GradMode {
   // f32 buffers owned by the module: allocated zero on the first backward, then every backward adds
