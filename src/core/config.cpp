@@ -210,10 +210,11 @@ Normalization normalize(BackendConfig& c, int ep_size) {
                                         "' dispatcher is enabled in config, but the expert-parallel size is 1; "
                                         "falling back to the local path"));
   }
-  if (c.rows_in_place && ep_size > 1) {
-    n.messages.push_back(detail::concat("rows_in_place reads the tokens in place on one GPU only; with an "
-                                        "expert-parallel size of ",
-                                        ep_size, " the experts take the dispatcher's rows"));
+  if (c.rows_in_place && ep_size > 1 && c.dispatcher != DispatcherKind::deepep) {
+    n.messages.push_back(detail::concat("rows_in_place reads the rows in place on one GPU or with the deepep "
+                                        "dispatcher; with dispatcher='",
+                                        to_string(c.dispatcher), "' and an expert-parallel size of ", ep_size,
+                                        " the experts take the dispatcher's rows"));
     c.rows_in_place = false;
   }
   return n;

@@ -119,8 +119,8 @@ Tensor in_dtype_of(const Tensor& grad32, const TensorView& weight, cudaStream_t 
 }  // namespace
 
 std::string CudaMoECompute::rows_in_place_requirements() {
-  return fmt::format("the single-GPU dispatcher (EP size 1), a token width and expert widths that are multiples of 8, "
-                     "and at most {} local experts",
+  return fmt::format("the single-GPU dispatcher (EP size 1) or deepep's, a token width and expert widths that are "
+                     "multiples of 8, and at most {} local experts",
                      cuda::kGatherGemmMaxGroups);
 }
 
@@ -149,12 +149,13 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   // The CPU gate's configuration checks (the router repeats them, plus its kernel limits, per call).
   if (!backend_.fake_balanced_gate) static_cast<void>(GateCompute(config_, backend_.gate_precision));
 
-  // The single-GPU dispatcher can leave the tokens in place for experts that read them through the
-  // row table (gather_gemm.h): no permuted copy is made or kept for backward. Off by default while the
-  // gathered kernel is slower than cuBLAS on copied rows (docs/experts.md): backend.rows_in_place, or
-  // set_rows_in_place.
+  // The single-GPU dispatcher can leave the tokens in place, deepep its received rank-major rows, for
+  // experts that read them through the row table (gather_gemm.h): no expert-major copy is made or
+  // kept for backward. Off by default while the gathered kernel is slower than cuBLAS on copied rows
+  // (docs/experts.md): backend.rows_in_place, or set_rows_in_place.
   const std::int64_t width = config_.latent() ? config_.moe_latent_size : config_.dim;
-  rows_in_place_supported_ = dispatcher_->backend() == "local" && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
+  const std::string_view kind = dispatcher_->backend();
+  rows_in_place_supported_ = (kind == "local" || kind == "deepep") && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
                              num_local_experts() <= cuda::kGatherGemmMaxGroups;
   rows_in_place_ = backend_.rows_in_place && rows_in_place_supported_;
   if (backend_.rows_in_place && !rows_in_place_supported_)
@@ -241,7 +242,8 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   // forward reads the caller's x and keeps no copy, unless x is not 16-byte aligned (the dispatchers
   // move rows as 16-byte words; the copy is).
   const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0;
-  const bool keep_x = shared_.has_value() || router || config_.latent() || !aligned || rows_in_place_;
+  const bool keep_x = shared_.has_value() || router || config_.latent() || !aligned ||
+                      (rows_in_place_ && dispatcher_->backend() == "local");  // the experts read x itself then
   if (keep_x) {
     s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
     cuda::copy_async(s->x, x, stream);
@@ -337,9 +339,10 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   s->dispatched = dispatcher_->dispatch(in, options);
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
   if (rows_in_place_ && s->dispatched.expert_rows.defined()) {
-    // dispatched.tokens is a view of in.hidden; the experts keep the owning tensor for backward.
-    s->experts = experts_->forward_gathered(w.experts, config_.latent() ? latent_x : s->x, s->dispatched.expert_rows,
-                                            s->dispatched.token_probs,
+    // The single-GPU dispatcher's tokens are a view of in.hidden: the experts keep the owning tensor
+    // for backward. deepep's are its own copy of the received rows.
+    const Tensor& source = dispatcher_->backend() != "local" ? s->dispatched.tokens : config_.latent() ? latent_x : s->x;
+    s->experts = experts_->forward_gathered(w.experts, source, s->dispatched.expert_rows, s->dispatched.token_probs,
                                             host_counts(s->dispatched.tokens_per_expert, stream), stream);
   } else {
     s->experts = experts_->forward(w.experts, s->dispatched.tokens, s->dispatched.token_probs,

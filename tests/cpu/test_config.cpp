@@ -179,7 +179,7 @@ TEST(BackendConfig, ExpertsRewriteWithHostAtEpOneIsTheOnlyMessage) {
 
 // rows_in_place: parsed and written as a JSON boolean, kept at EP size 1, turned off with a message
 // above it; anything but a boolean is a named error.
-TEST(BackendConfig, RowsInPlaceIsOneGpuOnlyAndSaysSo) {
+TEST(BackendConfig, RowsInPlaceNeedsOneGpuOrDeepEpAndSaysSo) {
   EXPECT_FALSE(BackendConfig{}.rows_in_place);
   BackendConfig c = backend_config_from_json(R"({"rows_in_place": true, "dispatcher": "hybridep"})");
   EXPECT_TRUE(c.rows_in_place);
@@ -191,8 +191,12 @@ TEST(BackendConfig, RowsInPlaceIsOneGpuOnlyAndSaysSo) {
   EXPECT_FALSE(c.rows_in_place);
   ASSERT_EQ(n.messages.size(), 1u);
   EXPECT_EQ(n.messages[0],
-            "rows_in_place reads the tokens in place on one GPU only; with an expert-parallel size of 4 the experts "
-            "take the dispatcher's rows");
+            "rows_in_place reads the rows in place on one GPU or with the deepep dispatcher; with "
+            "dispatcher='hybridep' and an expert-parallel size of 4 the experts take the dispatcher's rows");
+  // deepep hands the experts its received rows and their table at any EP size.
+  BackendConfig d = backend_config_from_json(R"({"rows_in_place": true, "dispatcher": "deepep"})");
+  EXPECT_TRUE(normalize(d, 4).messages.empty());
+  EXPECT_TRUE(d.rows_in_place);
   expect_arg_error([] { backend_config_from_json(R"({"rows_in_place": 1})"); }, "backend.rows_in_place", "");
 }
 

@@ -20,6 +20,7 @@
 #include "flexep/core/random.h"
 #include "flexep/core/routing.h"
 #include "flexep/core/synthetic_routing.h"
+#include "flexep/cuda/permute.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/dispatch/host.h"
 #include "gpu/multi_gpu.h"
@@ -41,6 +42,7 @@ struct Config {
   bool separate_stream = false;  // alltoall: NCCL on its own stream
   bool i32_indices = false;
   bool unrouted = false;  // every slot -1: no token goes anywhere, every count is 0
+  bool rows_in_place = false;  // DispatchOptions::rows_in_place (backends that cannot ignore it)
 };
 
 inline Config config(std::string name, int experts_per_rank, int k, std::int64_t H, std::vector<std::int64_t> tokens,
@@ -93,6 +95,7 @@ inline DispatchOptions dispatch_options(const Config& c, int R) {
   o.pad_multiple = c.pad;
   o.mode = c.mode;
   o.overflow = c.overflow;
+  o.rows_in_place = c.rows_in_place;
   if (c.mode == DispatchMode::budget) {
     std::int64_t most = 0;
     for (std::int64_t n : required_rows(c, R)) most = std::max(most, n);
@@ -105,8 +108,9 @@ inline DispatchOptions dispatch_options(const Config& c, int R) {
 // ---- one sequence of calls, on any backend ----------------------------------------------------------
 
 struct Outputs {
-  Tensor tokens, probs, tokens_per_expert;
+  Tensor tokens, probs, tokens_per_expert;  // tokens: expert-major (gathered through the table when in place)
   std::int64_t dropped = 0;
+  std::int64_t source_rows = -1;  // rows in place: the rows the table points into; -1: copied as usual
   Tensor combined, grad_expert_out, grad_hidden, grad_weights;
 };
 
@@ -132,7 +136,15 @@ Outputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, cons
   }
   DispatchResult res = d.dispatch(di, o);
   Outputs out;
-  out.tokens = down(res.tokens);
+  if (o.rows_in_place && o.layout == DispatchLayout::expert_major && res.expert_rows.defined()) {
+    // The rows in place: gathered through the table they must be the expert-major rows.
+    out.source_rows = res.tokens.size(0);
+    Tensor rows = Tensor::empty({res.expert_rows.size(0), c.hidden}, res.tokens.dtype(), res.tokens.device());
+    cuda::gather_rows(res.tokens, res.expert_rows, rows, cuda::current_stream());
+    out.tokens = down(rows);
+  } else {
+    out.tokens = down(res.tokens);
+  }
   out.probs = down(res.token_probs);
   out.tokens_per_expert = down(res.tokens_per_expert);
   out.dropped = dropped(res);

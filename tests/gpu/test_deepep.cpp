@@ -225,6 +225,52 @@ TEST_P(DeepEpMultiGpu, ExpertMajorMatchesHost) {
   check_against_host(configs, run_deepep_expert_major);
 }
 
+// rows_in_place on the expert-major layout (blocking mode, bf16): no expert-major copy; the received
+// rank-major rows, copied out of the window, and the experts' table into them. Gathered through the
+// table they are the host's expert-major rows, bit for bit, and combine and the backwards are
+// unchanged; a token comes once per rank, so with k > 1 there are fewer rows than entries. Budget
+// mode ignores the request (its listing is scratch that a later dispatch rewrites) and copies.
+TEST_P(DeepEpMultiGpu, ExpertMajorRowsInPlaceMatchHost) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  std::vector<Config> configs = {
+      config("in place uniform k2 H64", 2, 2, 64, tokens_for(R, {40, 23})),
+      config("in place zipf k8 H7168 pad 16", 8, 8, 7168, tokens_for(R, {200, 0}), RoutingKind::zipf, 16),
+      config("in place hot k1 H8", 2, 1, 8, tokens_for(R, {31, 9}), RoutingKind::hot),
+      config("in place no tokens anywhere", 2, 2, 8, tokens_for(R, {0})),
+      config("in place asked in budget mode", 2, 2, 64, tokens_for(R, {40, 23})),
+  };
+  configs.back().mode = DispatchMode::budget;
+  for (Config& c : configs) c.rows_in_place = true;
+  std::vector<std::vector<Outputs>> want;
+  for (const Config& c : configs) want.push_back(run_host(c, R));
+  std::vector<std::vector<Outputs>> got(configs.size(), std::vector<Outputs>(static_cast<std::size_t>(R)));
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        for (std::size_t i = 0; i < configs.size(); ++i)
+          got[i][static_cast<std::size_t>(g.rank)] = run_deepep_expert_major(g, configs[i]);
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    expect_equal(want[i], got[i], configs[i].name);
+    const bool budget = configs[i].mode == DispatchMode::budget;
+    for (int r = 0; r < R; ++r) {
+      const Outputs& o = got[i][static_cast<std::size_t>(r)];
+      SCOPED_TRACE(configs[i].name + ", rank " + std::to_string(r));
+      if (budget) {
+        EXPECT_EQ(o.source_rows, -1) << "budget mode must copy";
+        continue;
+      }
+      ASSERT_GE(o.source_rows, 0) << "the rows were copied, not left in place";
+      if (configs[i].k > 1 && o.tokens.size(0) > 0) {
+        EXPECT_LT(o.source_rows, o.tokens.size(0));
+      }
+    }
+  }
+}
+
 // The expert-major layout in budget mode: every rank-major row received, the budget counting
 // expert-major entries as the host's plan does (the tail -1 / zero, prob 0); with the drop policy a
 // prefix of each receiver's entries is kept and the dropped pairs are the host's (last_dropped).

@@ -155,7 +155,8 @@ void validate_ep(const MoEConfig& c, int ep_size);
 // - te/gmm experts without an EP dispatcher become torch_mm (and a deepep/hybridep-less
 //   dispatcher stays as it is);
 // - EP size 1 with an EP dispatcher falls back to the local path (`local_fallback` set);
-// - rows_in_place with EP size > 1 is turned off (the experts take the dispatcher's rows).
+// - rows_in_place with EP size > 1 is turned off unless the dispatcher is deepep (the experts take
+//   the dispatcher's rows).
 struct Normalization {
   std::vector<std::string> messages;
   bool local_fallback = false;

@@ -31,10 +31,12 @@ struct DispatchOptions {
   std::int64_t pad_multiple = 1;
   bool check_finite = true;  // CPU reference: reject NaN/Inf in hidden and weights
   DispatchLayout layout = DispatchLayout::expert_major;
-  // expert_major: the backend may leave the rows where they are. Then `tokens` is the input hidden
-  // itself (a view: the caller keeps it alive until the backwards) and `expert_rows` the source
-  // token of each expert-major row, -1 for padding, for experts that read the rows in place
-  // (gather_gemm.h). Backends that cannot (all but the single-GPU one) copy as usual and leave
+  // expert_major: the backend may skip the expert-major copy of the rows. Then `tokens` holds the
+  // rows once each and `expert_rows` is the row of `tokens` behind each expert-major row, -1 for
+  // padding, for experts that read the rows in place (gather_gemm.h). The single-GPU backend returns
+  // the input hidden itself as `tokens` (a view: the caller keeps it alive until the backwards);
+  // deepep (blocking mode, bf16) its received rank-major rows, a token once per rank rather than
+  // once per local expert. Other backends, and deepep in budget mode or FP8, copy as usual and leave
   // expert_rows undefined.
   bool rows_in_place = false;
 };
@@ -79,8 +81,8 @@ struct DispatchResult {
   Tensor topk_weights;  // recv_topk_weights [N, k], dtype of the weights: 0 where -1
   Tensor expert_rows;   // [sum tokens_per_expert] int32 (budget: expert_rows_capacity) rows of
                         // recv_x per local expert, end to end in expert order; -1 = padding.
-                        // expert_major with rows_in_place (single-GPU backend): [N] int32, the
-                        // source token of each row of `tokens`' expert-major layout, -1 = padding
+                        // expert_major with rows_in_place (single-GPU backend, deepep): [N] int32,
+                        // the row of `tokens` behind each expert-major row, -1 = padding
 };
 
 // An FP8 dispatch (hybridep's and deepep's dispatch_fp8): `dispatch.tokens` [N, H] e4m3 and `scales`

@@ -94,9 +94,10 @@ class CudaMoECompute {
                        double aux_loss_scale, const CudaMoEGradTargets& targets, cudaStream_t stream);
 
   void set_timing(bool on) { timing_ = on; }
-  // Whether the routed experts read the tokens in place through the dispatch's row table
-  // (docs/experts.md), where the dispatcher can (one GPU) and the sizes allow: about 470 MB less kept
-  // for backward at the DeepSeek-V3-like shape, but the layer is ~1 ms slower today, so it is off
+  // Whether the routed experts read their rows in place through the dispatch's row table
+  // (docs/experts.md), where the dispatcher can (one GPU: the tokens themselves; deepep in blocking
+  // mode: its received rank-major rows) and the sizes allow: about 470 MB less kept for backward at
+  // the DeepSeek-V3-like shape on one GPU, but the layer is ~1 ms slower there today, so it is off
   // unless BackendConfig::rows_in_place asks for it. Off: the dispatcher copies the rows and the
   // experts keep the copy.
   bool rows_in_place() const { return rows_in_place_; }

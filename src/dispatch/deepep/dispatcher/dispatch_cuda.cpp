@@ -11,7 +11,10 @@
 //   3. the send kernel: each (token, destination) row placed from the masks and stored once into
 //      the destination's window, with its slots; dest_row written for the way back;
 //   4. the listing kernel(s): every source's flag acquired, each local expert's rows listed;
-//   5. the expert-major layout only: the rows gathered into their experts' lists (no communication).
+//   5. the expert-major layout only: the rows gathered into their experts' lists (no communication);
+//      with rows_in_place (blocking, bf16) the rank-major rows are copied out of the window instead,
+//      compact (a token once per rank, not once per expert), and the listing is the experts' row
+//      table into them.
 #include <algorithm>
 #include <iterator>
 #include <utility>
@@ -230,7 +233,19 @@ DispatchResult Dispatcher::dispatch_rows(const DispatchInput& input, const Tenso
   listing.src_rows = N;
   move_rows(*h, payload, &h->slot_expert, input.weights, win_.x, kDispatch, Phase::dispatch_tokens, &listing,
             &places);
-  if (expert_major) {
+  // Rows in place (DispatchOptions::rows_in_place): blocking mode only, whose listing and probs are
+  // this call's own tensors (budget mode's are scratch a later dispatch rewrites), and bf16 rows.
+  const bool in_place = expert_major && options.rows_in_place && !budget && !fp8;
+  if (in_place) {
+    // 5. The received rows out of the window (a later dispatch rewrites it), as they are: the experts
+    //    read them through the listing.
+    result.tokens = Tensor::empty({N, rt.hidden}, DType::bf16, dev);
+    if (N > 0)
+      FLEXEP_CUDA_CHECK(cudaMemcpyAsync(result.tokens.raw(), window() + win_.x,
+                                        static_cast<std::size_t>(N) * payload.row_bytes, cudaMemcpyDeviceToDevice, s));
+    result.expert_rows = expert_rows;
+    h->expert_rows = std::move(expert_rows);
+  } else if (expert_major) {
     // 5. Each entry's row out of the window; the window itself is rewritten by a later dispatch.
     const DType row_dtype = fp8 ? DType::e4m3 : DType::bf16;
     result.tokens = budget ? Tensor::wrap(TensorView(scratch(true, Scratch::entry_rows, lay.entries * payload.row_bytes / 2,
