@@ -8,9 +8,11 @@
 #   FLEXEP_CMAKE_ARGS=...   extra configure arguments
 #   FLEXEP_BUILD_TARGETS=.. build only these targets (e.g. flexep: the benchmarks, no tests)
 #   FLEXEP_PYTHON=1         also build the Python extension, then run the one-GPU PyTorch tests
-#                           (python/tests/gpu/test_torch_1gpu.py, test_deepep_1gpu.py) and bench/automodel_layer_bench.py
+#                           (python/tests/gpu/test_torch_1gpu.py, test_deepep_1gpu.py, test_fuzz_1gpu.py) and
+#                           bench/automodel_layer_bench.py
 #                           against NeMo Automodel 0.7.0, installed (--no-deps) from the wheel in .whl/
 #                           (pip download --no-deps nemo-automodel==0.7.0 -d .whl; carry .whl)
+#   FLEXEP_TORCH_BENCH=0    with FLEXEP_PYTHON=1: the PyTorch tests without the Automodel benchmark
 set -uo pipefail
 # NVLink multicast can take the host's GPUs out of service: never let anything enable it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -76,12 +78,14 @@ if [ "${FLEXEP_PYTHON:-0}" = 1 ]; then
   fi
   export PYTHONPATH="$build/python:$site${PYTHONPATH:+:$PYTHONPATH}"
   timeout "${FLEXEP_PYTEST_TIMEOUT:-300}" python3 -m pytest -q -s "$root/python/tests/gpu/test_torch_1gpu.py" "$root/python/tests/gpu/test_deepep_1gpu.py" \
-    > "$out/pytest-gpu.log" 2>&1
+    "$root/python/tests/gpu/test_fuzz_1gpu.py" > "$out/pytest-gpu.log" 2>&1
   rc=$?; grep -E "passed|failed|agree|losses|Error" "$out/pytest-gpu.log" | tail -12; [ $rc = 0 ] || status=$rc
-  mkdir -p "$root/bench/results"
-  timeout "${FLEXEP_TORCH_BENCH_TIMEOUT:-240}" python3 "$root/bench/automodel_layer_bench.py" --out "$root/bench/results" \
-    > "$out/automodel-bench.log" 2>&1
-  rc=$?; tail -8 "$out/automodel-bench.log"; [ $rc = 0 ] || status=$rc
+  if [ "${FLEXEP_TORCH_BENCH:-1}" = 1 ]; then
+    mkdir -p "$root/bench/results"
+    timeout "${FLEXEP_TORCH_BENCH_TIMEOUT:-240}" python3 "$root/bench/automodel_layer_bench.py" --out "$root/bench/results" \
+      > "$out/automodel-bench.log" 2>&1
+    rc=$?; tail -8 "$out/automodel-bench.log"; [ $rc = 0 ] || status=$rc
+  fi
 fi
 
 if [ "${FLEXEP_BENCH:-1}" = 1 ] && [ -f "$root/bench/device-cases.txt" ]; then

@@ -156,6 +156,12 @@ def fused_dispatch(x, token_indices, token_probs, num_experts, group, async_fini
                 f"flexep: invalid argument 'x': a tensor on {x.device}; fused_dispatch over a torch.distributed "
                 "group runs flexep's deepep backend, which takes CUDA tensors (simulated CPU ranks: "
                 "group=HostRank(world, rank))")
+        # The buffer is sized from x's rows and token_indices' columns: their ranks first, named.
+        for name, t in (("x", x), ("token_indices", token_indices)):
+            if t.dim() != 2:
+                raise _flexep.ArgumentError(
+                    f"flexep: invalid argument '{name}': a tensor of shape {tuple(t.shape)}; fused_dispatch takes "
+                    "it 2-D ([T, H] for x, [T, k] for token_indices)")
         d = _dispatchers.deepep_buffer(group, int(num_experts), x, token_indices.size(1))
     holder = F._HandleHolder()
     recv_x, recv_idx, recv_w, tpe, _ = F._RankMajorDispatch.apply(x, token_probs.float(), token_indices, d, {},
