@@ -12,6 +12,8 @@
 // each loads two of B's four boxes and multicasts them to both, so each SM reads 32 KB a stage from
 // L2 instead of 48. A stage may then be refilled only when both CTAs' consumers have released it:
 // every consumer warp arrives on the empty barrier of both CTAs.
+// kBT (GatherGemmBLayout::m_by_k): B stored [G][M][K] is read transposed, K-major like A, one TMA box
+// of 256 rows (a pair: 128 each) per stage.
 // The barriers are CUTLASS's mbarrier wrappers, the layouts, wgmma descriptors and TMA copies CuTe's,
 // the TMA descriptor is made by cuTensorMapEncodeTiled through CUTLASS's driver-entry-point adapter.
 // The loaders run ahead by up to four stages, also across tiles, so the next tile's loads overlap this

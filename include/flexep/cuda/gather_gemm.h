@@ -22,7 +22,8 @@
 // copy A's rows with 16-byte cp.async into the 128-byte-swizzled layout wgmma reads (each thread
 // holds eight row addresses for the whole tile, so the gather costs one table read per row and
 // tile); without row_ids a tile's rows are contiguous and come as one TMA box instead. B's block
-// comes by TMA into the same layout, shared by pairs of CTAs (below); four stages of 48 KB. The
+// comes by TMA into the same layout (transposed B: K-major, as A), shared by pairs of CTAs (below);
+// four stages of 48 KB. The
 // epilogue converts the fp32 accumulators to bf16 and stores them from registers. a and b must be
 // 16-byte aligned.
 #pragma once
