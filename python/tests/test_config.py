@@ -116,15 +116,17 @@ def test_ep_size_one_falls_back_to_local_path():
     assert fallback and any("expert-parallel size is 1" in m for m in messages)
 
 
-def test_rows_in_place_is_a_boolean_for_one_gpu():
+def test_rows_in_place_is_a_boolean_for_one_gpu_or_deepep():
     assert BackendConfig().rows_in_place is False
     b = BackendConfig(rows_in_place=True)
     assert b.to_cpp()["rows_in_place"] is True
     _, messages, _ = b.normalized(1)
     assert messages == []
     _, messages, _ = b.normalized(2)
-    assert messages == ["rows_in_place reads the tokens in place on one GPU only; with an expert-parallel size of 2 "
-                        "the experts take the dispatcher's rows"]
+    assert messages == ["rows_in_place reads the rows in place on one GPU or with the deepep dispatcher; with "
+                        "dispatcher='alltoall' and an expert-parallel size of 2 the experts take the dispatcher's rows"]
+    _, messages, _ = BackendConfig(rows_in_place=True, dispatcher="deepep").normalized(2)
+    assert messages == []
     with pytest.raises(flexep.ArgumentError, match=r"'backend.rows_in_place'.*boolean.*\"yes\""):
         BackendConfig(rows_in_place="yes")
 
