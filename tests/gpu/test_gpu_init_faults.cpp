@@ -102,8 +102,13 @@ CommunicatorOptions deadline_options() {
   return co;
 }
 
+// Free device memory once the pool has handed back what it holds unused (it keeps freed blocks for
+// reuse, which would read as memory left behind).
 std::size_t free_device_bytes() {
   FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaMemPool_t pool = nullptr;
+  FLEXEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
+  FLEXEP_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
   std::size_t free = 0, total = 0;
   FLEXEP_CUDA_CHECK(cudaMemGetInfo(&free, &total));
   return free;
