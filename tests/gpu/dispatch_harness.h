@@ -136,7 +136,8 @@ Outputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, cons
   }
   DispatchResult res = d.dispatch(di, o);
   Outputs out;
-  if (o.rows_in_place && o.layout == DispatchLayout::expert_major && res.expert_rows.defined()) {
+  const bool in_place = o.rows_in_place && o.layout == DispatchLayout::expert_major && res.expert_rows.defined();
+  if (in_place) {
     // The rows in place: gathered through the table they must be the expert-major rows.
     out.source_rows = res.tokens.size(0);
     Tensor rows = Tensor::empty({res.expert_rows.size(0), c.hidden}, res.tokens.dtype(), res.tokens.device());
@@ -148,7 +149,8 @@ Outputs run_sequence(TokenDispatcher& d, const Inputs& in, const Config& c, cons
   out.probs = down(res.token_probs);
   out.tokens_per_expert = down(res.tokens_per_expert);
   out.dropped = dropped(res);
-  const std::int64_t N = res.tokens.size(0), T = in.hidden.size(0), H = c.hidden;
+  // Expert-major rows: the table's when the rows stayed in place.
+  const std::int64_t N = in_place ? res.expert_rows.size(0) : res.tokens.size(0), T = in.hidden.size(0), H = c.hidden;
   // Expert outputs and gradients: random everywhere, padding rows included (they must be ignored);
   // the expert outputs of wide range, so that the combine's order of additions is checked.
   const Tensor expert_out = wide_range_rows(N, H, 5, "expert_out", r);

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flexep/dispatch/deepep.h"
@@ -27,7 +28,7 @@ namespace {
 
 constexpr int kRanks = 2, kFaulty = 1, kExpertsPerRank = 2;
 constexpr std::int64_t kTokens = 512, kHidden = 2048;  // windows of megabytes: a leaked one shows
-constexpr double kDeadline = 1.0;                     // the host world's, for every collective
+constexpr double kDeadline = 0.5;                     // the host world's, for every collective
 
 enum class Step { create, call, resize, release, remake, end };
 const char* const kStepNames[] = {"create", "call", "resize", "release", "remake"};
@@ -206,8 +207,14 @@ void SimulatedRanksInitFaults::every_collective_of_the_life_cycle(const std::str
       }
     }
     // Nothing left behind: the windows and flag buffers are megabytes each (cudaMalloc, 2 MB
-    // granules), pool tensors are counted exactly.
-    EXPECT_GE(free_device_bytes() + (4u << 20), baseline_free) << "device memory left behind";
+    // granules), pool tensors are counted exactly. The driver may hand memory back a little after
+    // the frees (once, 200 MiB came back by the next case): a leak is what has not come back in 2 s.
+    std::size_t free = free_device_bytes();
+    for (int i = 0; i < 10 && free + (4u << 20) < baseline_free; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      free = free_device_bytes();
+    }
+    EXPECT_GE(free + (4u << 20), baseline_free) << "device memory left behind";
     EXPECT_LE(cuda::pool_used_bytes(0), baseline_pool) << "pool tensors left behind";
   }
 }
