@@ -49,7 +49,8 @@ void run(const BenchArgs& a, BenchRun& run) {
     // Copied rows; in place; in place with CTA pairs multicasting B in the gathered GEMM (GatherGemmB);
     // copied rows with backward's data gradients on flexep's kernel instead of cuBLAS (ExpertDgrad).
     for (const int variant : {0, 1, 2, 3}) {
-      const bool in_place = variant == 1 || variant == 2, pair = variant == 2, dgrad_kernel = variant == 3;
+      // The dgrad kernel with B shared by CTA pairs (its faster way: bench gather-gemm's -dgrad rows).
+      const bool in_place = variant == 1 || variant == 2, pair = variant >= 2, dgrad_kernel = variant == 3;
       layer.compute().set_rows_in_place(in_place);
       cuda::set_gather_gemm_b_sharing(pair ? cuda::GatherGemmB::pair_multicast : cuda::GatherGemmB::own);
       set_expert_dgrad(dgrad_kernel ? ExpertDgrad::gather_gemm : ExpertDgrad::cublas);
@@ -89,7 +90,7 @@ void run(const BenchArgs& a, BenchRun& run) {
       BenchRecord r;
       r.case_name = "layer-dsv3";
       r.routing = "router";
-      r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (pair ? "-pair" : "") +
+      r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (pair && in_place ? "-pair" : "") +
                   (dgrad_kernel ? "-dgrad-kernel" : "") + (fresh ? "-fresh-bf16" : "");
       r.phase = "layer_fwd_bwd";
       r.timing = "call";
@@ -108,7 +109,7 @@ void run(const BenchArgs& a, BenchRun& run) {
                         : "sigmoid router, 1 shared expert on a side stream, EP size 1, the dispatcher copies the rows; "
                           "tflops counts the routed experts only";
       if (pair) r.note += "; the gathered GEMM's CTAs run in pairs multicasting B";
-      if (dgrad_kernel) r.note += "; backward's data gradients on flexep's grouped GEMM, not cuBLAS";
+      if (dgrad_kernel) r.note += "; backward's data gradients on flexep's grouped GEMM (CTA pairs), not cuBLAS";
       r.note += fresh ? "; new bf16 weight gradients every backward (fresh_bf16_weights)"
                       : "; gradients accumulated in f32 (accumulate_f32)";
       run.records.push_back(r);
