@@ -49,18 +49,22 @@ void check_cuda_tensor(const TensorView& t, std::initializer_list<std::int64_t> 
 
 bool has_grad(const Parameter& p) { return p.value.defined() && p.requires_grad; }
 
+// Whether flexep's Hopper kernel (gather_gemm.h) takes a grouped GEMM of a's rows, `groups` groups and
+// `m` output columns: 16-byte rows and addresses, few enough groups.
+bool gather_gemm_fits(const TensorView& a, const TensorView& w, std::int64_t m, std::size_t groups,
+                      const TensorView& out) {
+  auto aligned = [](const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0; };
+  return a.size(1) % 8 == 0 && m % 8 == 0 && static_cast<std::int64_t>(groups) <= cuda::kGatherGemmMaxGroups &&
+         aligned(a) && aligned(w) && aligned(out);
+}
+
 // The down projection on the experts' contiguous rows: flexep's Hopper kernel without a row table (A
 // and B by TMA, the groups' offsets read on the device) where its shapes allow, 3-6% faster than
 // cuBLAS's grouped GEMM at DeepSeek-V3's sizes on an H100 (docs/experts.md, "Measured"); else cuBLAS.
 // The gate/up projection stays on cuBLAS, where the kernel is ~10% slower.
 void down_forward(const TensorView& a, const TensorView& w, const std::vector<std::int64_t>& counts,
                   const Tensor& offsets, const TensorView& out, cudaStream_t stream) {
-  const bool fits = a.size(1) % 8 == 0 && w.size(2) % 8 == 0 &&
-                    static_cast<std::int64_t>(counts.size()) <= cuda::kGatherGemmMaxGroups &&
-                    reinterpret_cast<std::uintptr_t>(a.data) % 16 == 0 &&
-                    reinterpret_cast<std::uintptr_t>(w.data) % 16 == 0 &&
-                    reinterpret_cast<std::uintptr_t>(out.data) % 16 == 0;
-  if (fits) {
+  if (gather_gemm_fits(a, w, w.size(2), counts.size(), out)) {
     cuda::gather_grouped_gemm(a, TensorView(), offsets, w, out, stream);
   } else {
     cuda::grouped_gemm_forward(a, w, counts, out, stream);
@@ -73,12 +77,8 @@ std::atomic<ExpertDgrad> g_dgrad{ExpertDgrad::cublas};
 // the Hopper kernel when chosen and its shapes allow (as down_forward), else cuBLAS.
 void data_grad(const TensorView& d, const TensorView& w, const std::vector<std::int64_t>& counts,
                const Tensor& offsets, const TensorView& out, cudaStream_t stream) {
-  const bool fits = g_dgrad.load(std::memory_order_relaxed) == ExpertDgrad::gather_gemm && d.size(1) % 8 == 0 &&
-                    w.size(1) % 8 == 0 && static_cast<std::int64_t>(counts.size()) <= cuda::kGatherGemmMaxGroups &&
-                    reinterpret_cast<std::uintptr_t>(d.data) % 16 == 0 &&
-                    reinterpret_cast<std::uintptr_t>(w.data) % 16 == 0 &&
-                    reinterpret_cast<std::uintptr_t>(out.data) % 16 == 0;
-  if (fits) {
+  if (g_dgrad.load(std::memory_order_relaxed) == ExpertDgrad::gather_gemm &&
+      gather_gemm_fits(d, w, w.size(1), counts.size(), out)) {
     cuda::gather_grouped_gemm(d, TensorView(), offsets, w, out, stream, nullptr, cuda::GatherGemmBLayout::m_by_k);
   } else {
     cuda::grouped_gemm_dgrad(d, w, counts, out, stream);

@@ -157,6 +157,7 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
   const std::string_view kind = dispatcher_->backend();
   rows_in_place_supported_ = (kind == "local" || kind == "deepep") && width % 8 == 0 && config_.up_dim() % 8 == 0 &&
                              num_local_experts() <= cuda::kGatherGemmMaxGroups;
+  in_place_rows_are_x_ = kind == "local";
   rows_in_place_ = backend_.rows_in_place && rows_in_place_supported_;
   if (backend_.rows_in_place && !rows_in_place_supported_)
     warn_once("rows_in_place needs " + rows_in_place_requirements() + "; the experts take the dispatcher's rows");
@@ -243,7 +244,7 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   // move rows as 16-byte words; the copy is).
   const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0;
   const bool keep_x = shared_.has_value() || router || config_.latent() || !aligned ||
-                      (rows_in_place_ && dispatcher_->backend() == "local");  // the experts read x itself then
+                      (rows_in_place_ && in_place_rows_are_x_);  // the experts read x itself then
   if (keep_x) {
     s->x = Tensor::empty({T, config_.dim}, DType::bf16, dev);
     cuda::copy_async(s->x, x, stream);
@@ -341,7 +342,7 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   if (rows_in_place_ && s->dispatched.expert_rows.defined()) {
     // The single-GPU dispatcher's tokens are a view of in.hidden: the experts keep the owning tensor
     // for backward. deepep's are its own copy of the received rows.
-    const Tensor& source = dispatcher_->backend() != "local" ? s->dispatched.tokens : config_.latent() ? latent_x : s->x;
+    const Tensor& source = !in_place_rows_are_x_ ? s->dispatched.tokens : config_.latent() ? latent_x : s->x;
     s->experts = experts_->forward_gathered(w.experts, source, s->dispatched.expert_rows, s->dispatched.token_probs,
                                             host_counts(s->dispatched.tokens_per_expert, stream), stream);
   } else {

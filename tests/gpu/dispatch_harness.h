@@ -204,8 +204,10 @@ inline CommunicatorOptions test_comm_options() {
 
 // Every config on the host backend, then on the GPUs (one communicator per GPU for all configs),
 // then compared. run_rank(g, config) runs one config on GPU rank g with the backend under test.
+// `outputs` (when given) gets the GPU's, [config][rank], for checks of the test's own.
 inline void check_against_host(const std::vector<Config>& configs,
-                               const std::function<Outputs(GpuRank&, const Config&)>& run_rank) {
+                               const std::function<Outputs(GpuRank&, const Config&)>& run_rank,
+                               std::vector<std::vector<Outputs>>* outputs = nullptr) {
   const int R = gpu_ranks();
   std::vector<std::vector<Outputs>> want;
   for (const Config& c : configs) want.push_back(run_host(c, R));
@@ -219,6 +221,7 @@ inline void check_against_host(const std::vector<Config>& configs,
       test_comm_options());
   ASSERT_TRUE(all_ok(errors));
   for (std::size_t i = 0; i < configs.size(); ++i) expect_equal(want[i], got[i], configs[i].name);
+  if (outputs) *outputs = std::move(got);
 }
 
 // ---- errors raised on every rank ---------------------------------------------------------------------

@@ -28,6 +28,16 @@ inline int& simulated_ranks() {
   return n;
 }
 
+// Sets simulated_ranks() for a scope (a test body outside the RankVariantTest fixtures), then puts
+// the previous value back.
+struct Simulate {
+  explicit Simulate(int n) : previous(simulated_ranks()) { simulated_ranks() = n; }
+  ~Simulate() { simulated_ranks() = previous; }
+  Simulate(const Simulate&) = delete;
+  Simulate& operator=(const Simulate&) = delete;
+  int previous;
+};
+
 // Ranks of a multi-GPU test: every visible GPU, at most 4 (or the simulated ranks).
 inline int gpu_ranks() { return simulated_ranks() > 0 ? simulated_ranks() : std::min(cuda::device_count(), 4); }
 

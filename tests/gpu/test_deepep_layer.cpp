@@ -5,7 +5,6 @@
 // backward: a token's row once per rank instead of once per (token, local expert).
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +14,7 @@
 #include "flexep/dispatch/deepep.h"
 #include "flexep/layer/cuda_moe_layer.h"
 #include "gpu/dispatch_harness.h"
+#include "gpu/experts_test_util.h"
 #include "gpu/gpu_test_util.h"
 #include "gpu/multi_gpu.h"
 
@@ -40,17 +40,6 @@ struct RankResult {
   Tensor out, grad_x;
   std::vector<std::pair<std::string, Tensor>> grads;
 };
-
-double rel_error(const Tensor& got, const Tensor& want) {
-  const Tensor g = got.to(DType::f32), w = want.to(DType::f32);
-  double num = 0, den = 0;
-  for (std::int64_t i = 0; i < w.numel(); ++i) {
-    const double d = g.data<float>()[i] - w.data<float>()[i];
-    num += d * d;
-    den += static_cast<double>(w.data<float>()[i]) * w.data<float>()[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 
 // One layer per rank and way of reading the rows; a warm-up step (the dispatcher's and the pool's
 // first allocations), then the measured one. `kept` gets what both ranks' forwards keep in the pool
@@ -108,14 +97,8 @@ std::vector<RankResult> run_layers(bool in_place, std::int64_t& kept) {
   return results;
 }
 
-struct SimulateTwo {
-  SimulateTwo() : previous(simulated_ranks()) { simulated_ranks() = kRanks; }
-  ~SimulateTwo() { simulated_ranks() = previous; }
-  int previous;
-};
-
 TEST(SimulatedRanksDeepEpLayer, RowsInPlaceMatchCopiedRowsAndKeepLess) {
-  const SimulateTwo sim;
+  const Simulate sim(kRanks);
   if (!require_gpus(1)) return;
   std::int64_t kept_copied = 0, kept_in_place = 0;
   const std::vector<RankResult> copied = run_layers(false, kept_copied);

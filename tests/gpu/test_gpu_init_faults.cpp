@@ -115,23 +115,9 @@ std::size_t free_device_bytes() {
   return free;
 }
 
-class SimulatedRanksInitFaults : public ::testing::Test {
- protected:
-  void SetUp() override {
-    previous_ = simulated_ranks();
-    simulated_ranks() = kRanks;
-  }
-  void TearDown() override { simulated_ranks() = previous_; }
-
-  template <class Options>
-  void every_collective_of_the_life_cycle(const std::string& backend);
-
- private:
-  int previous_ = 0;
-};
-
 template <class Options>
-void SimulatedRanksInitFaults::every_collective_of_the_life_cycle(const std::string& backend) {
+void every_collective_of_the_life_cycle(const std::string& backend) {
+  const Simulate sim(kRanks);
   if (!require_gpus(1)) return;
   // A fault-free run, traced: which collectives each step makes. It also warms the pool, so that
   // the memory measured after it is the baseline.
@@ -219,11 +205,11 @@ void SimulatedRanksInitFaults::every_collective_of_the_life_cycle(const std::str
   }
 }
 
-TEST_F(SimulatedRanksInitFaults, DeepEpRankThatDiesOrStallsInTheBuffersLifeCycleTimesOutTheOther) {
+TEST(SimulatedRanksInitFaults, DeepEpRankThatDiesOrStallsInTheBuffersLifeCycleTimesOutTheOther) {
   every_collective_of_the_life_cycle<DeepEpOptions>("deepep");
 }
 
-TEST_F(SimulatedRanksInitFaults, HybridEpRankThatDiesOrStallsInTheBuffersLifeCycleTimesOutTheOther) {
+TEST(SimulatedRanksInitFaults, HybridEpRankThatDiesOrStallsInTheBuffersLifeCycleTimesOutTheOther) {
   every_collective_of_the_life_cycle<HybridEpOptions>("hybridep");
 }
 

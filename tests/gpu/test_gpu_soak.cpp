@@ -213,19 +213,14 @@ void soak(const std::string& backend, Make make) {
 }
 
 // Two ranks simulated on GPU 0 (the suite's name gives it ctest's simulated-rank environment).
-struct SimulateTwo {
-  SimulateTwo() : previous(simulated_ranks()) { simulated_ranks() = kRanks; }
-  ~SimulateTwo() { simulated_ranks() = previous; }
-  int previous;
-};
 
 TEST(SimulatedRanksSoak, HybridEpSequencesMatchTheHostBackendWithFlatMemory) {
-  const SimulateTwo sim;
+  const Simulate sim(kRanks);
   soak("hybridep", make_hybridep);
 }
 
 TEST(SimulatedRanksSoak, DeepEpSequencesMatchTheHostBackendWithFlatMemory) {
-  const SimulateTwo sim;
+  const Simulate sim(kRanks);
   soak("deepep", make_deepep);
 }
 

@@ -23,12 +23,6 @@
 namespace flexep::testing {
 namespace {
 
-// Sets the simulated ranks for one test body.
-struct Simulate {
-  explicit Simulate(int n) { simulated_ranks() = n; }
-  ~Simulate() { simulated_ranks() = 0; }
-};
-
 TEST(SimulatedRanksComm, CollectivesGiveEveryRankTheSameValues) {
   if (!require_gpus(1)) return;
   const Simulate sim(3);

@@ -45,123 +45,74 @@ void run(const BenchArgs& a, BenchRun& run) {
     const char* name;
     int k, m;
   };
-  for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
-    Tensor x = Tensor::empty({rows, g.k}, DType::bf16, dev), c = Tensor::empty({rows, g.m}, DType::bf16, dev);
-    cuda::fill_random(x, 1, 1.0f, stream);
-    const double flops = 2.0 * rows * g.k * g.m;
-    auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
-                      const std::string& note) {
-      BenchRecord r;
-      r.case_name = "gather-gemm";
-      r.routing = routing;
-      r.backend = backend;
-      r.phase = g.name;
-      r.timing = "kernel";
-      r.tokens_per_rank = rows;
-      r.hidden = g.k;
-      r.experts = experts;
-      r.time_us = t;
-      r.tflops = flops / (t.median * 1e-6) / 1e12;
-      r.note = note;
-      run.records.push_back(r);
-    };
-    {
-      Tensor w = Tensor::empty({g.k, g.m}, DType::bf16, dev);
-      cuda::fill_random(w, 3, 0.02f, stream);
-      record("cublas-dense", "-", 1,
-             time_cuda([&] { cuda::gemm(x, false, w, false, c, stream); }, a.warmup, a.reps, stream),
-             "one GEMM of the same FLOPs");
-    }
-    for (const std::int64_t per_expert : {512, 1024}) {
-      const int experts = static_cast<int>(rows / per_expert);
-      const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
-      std::vector<std::int64_t> offsets(counts.size() + 1, 0);
-      std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
-      const Tensor off_d = to_device_vector(offsets, stream);
-      Tensor w = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
-      cuda::fill_random(w, 4, 0.02f, stream);
-      const std::string routing = "rows" + std::to_string(per_expert);
-      record("cublas-grouped", routing, experts,
-             time_cuda([&] { cuda::grouped_gemm_forward(x, w, counts, c, stream); }, a.warmup, a.reps, stream),
-             "cuBLAS grouped GEMM, contiguous rows");
-      // Both ways of sharing B (gather_gemm.h, GatherGemmB), each on contiguous rows and through the row
-      // table.
-      const TensorView tokens_x = x.view().rows(0, tokens);
-      for (const cuda::GatherGemmB sharing : {cuda::GatherGemmB::own, cuda::GatherGemmB::pair_multicast}) {
-        cuda::set_gather_gemm_b_sharing(sharing);
-        const bool pair = sharing == cuda::GatherGemmB::pair_multicast;
-        const std::string suffix = pair ? "-pair" : "";
-        const std::string how = pair ? "CTA pairs multicasting B" : "each CTA loads its B";
-        record("gather-contiguous" + suffix, routing, experts,
-               time_cuda([&] { cuda::gather_grouped_gemm(x, TensorView(), off_d, w, c, stream); }, a.warmup, a.reps,
-                         stream),
-               "gathered kernel, no row table; " + how);
-        record("gather" + suffix, routing, experts,
-               time_cuda([&] { cuda::gather_grouped_gemm(tokens_x, ids_d, off_d, w, c, stream); }, a.warmup, a.reps,
-                         stream),
-               "gathered kernel, each of rows/8 tokens read 8 times through the row table; " + how);
+  // The forward c [rows, m] = x [rows, k] W [k, m], then its data gradient dx [rows, k] = dc W^T: the
+  // same weights read transposed (m_by_k), contiguous rows only.
+  for (const bool dgrad : {false, true})
+    for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
+      const int in = dgrad ? g.m : g.k, out = dgrad ? g.k : g.m;  // a's columns (the reduction), c's
+      Tensor x = Tensor::empty({rows, in}, DType::bf16, dev), c = Tensor::empty({rows, out}, DType::bf16, dev);
+      cuda::fill_random(x, dgrad ? 5 : 1, 1.0f, stream);
+      const double flops = 2.0 * rows * g.k * g.m;
+      const std::string phase = std::string(g.name) + (dgrad ? "-dgrad" : "");
+      const auto layout = dgrad ? cuda::GatherGemmBLayout::m_by_k : cuda::GatherGemmBLayout::k_by_m;
+      auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
+                        const std::string& note) {
+        BenchRecord r;
+        r.case_name = "gather-gemm";
+        r.routing = routing;
+        r.backend = backend;
+        r.phase = phase;
+        r.timing = "kernel";
+        r.tokens_per_rank = rows;
+        r.hidden = in;
+        r.experts = experts;
+        r.time_us = t;
+        r.tflops = flops / (t.median * 1e-6) / 1e12;
+        r.note = note;
+        run.records.push_back(r);
+      };
+      {
+        Tensor w = Tensor::empty({g.k, g.m}, DType::bf16, dev);
+        cuda::fill_random(w, 3, 0.02f, stream);
+        record("cublas-dense", "-", 1,
+               time_cuda([&] { cuda::gemm(x, false, w, dgrad, c, stream); }, a.warmup, a.reps, stream),
+               "one GEMM of the same FLOPs");
       }
-      cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
-    }
-  }
-
-  for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
-    // The forward's c = x W; its data gradient dx [rows, k] = dc [rows, m] W^T.
-    Tensor dc = Tensor::empty({rows, g.m}, DType::bf16, dev), dx = Tensor::empty({rows, g.k}, DType::bf16, dev);
-    cuda::fill_random(dc, 5, 1.0f, stream);
-    const double flops = 2.0 * rows * g.k * g.m;
-    const std::string phase = std::string(g.name) + "-dgrad";
-    auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
-                      const std::string& note) {
-      BenchRecord r;
-      r.case_name = "gather-gemm";
-      r.routing = routing;
-      r.backend = backend;
-      r.phase = phase;
-      r.timing = "kernel";
-      r.tokens_per_rank = rows;
-      r.hidden = g.m;
-      r.experts = experts;
-      r.time_us = t;
-      r.tflops = flops / (t.median * 1e-6) / 1e12;
-      r.note = note;
-      run.records.push_back(r);
-    };
-    {
-      Tensor w = Tensor::empty({g.k, g.m}, DType::bf16, dev);
-      cuda::fill_random(w, 3, 0.02f, stream);
-      record("cublas-dense", "-", 1,
-             time_cuda([&] { cuda::gemm(dc, false, w, true, dx, stream); }, a.warmup, a.reps, stream),
-             "one GEMM of the same FLOPs");
-    }
-    for (const std::int64_t per_expert : {512, 1024}) {
-      const int experts = static_cast<int>(rows / per_expert);
-      const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
-      std::vector<std::int64_t> offsets(counts.size() + 1, 0);
-      std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
-      const Tensor off_d = to_device_vector(offsets, stream);
-      Tensor w = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
-      cuda::fill_random(w, 4, 0.02f, stream);
-      const std::string routing = "rows" + std::to_string(per_expert);
-      record("cublas-grouped", routing, experts,
-             time_cuda([&] { cuda::grouped_gemm_dgrad(dc, w, counts, dx, stream); }, a.warmup, a.reps, stream),
-             "cuBLAS grouped dgrad (the layer's), contiguous rows");
-      for (const cuda::GatherGemmB sharing : {cuda::GatherGemmB::own, cuda::GatherGemmB::pair_multicast}) {
-        cuda::set_gather_gemm_b_sharing(sharing);
-        const bool pair = sharing == cuda::GatherGemmB::pair_multicast;
-        record(std::string("gather-contiguous") + (pair ? "-pair" : ""), routing, experts,
-               time_cuda(
-                   [&] {
-                     cuda::gather_grouped_gemm(dc, TensorView(), off_d, w, dx, stream, nullptr,
-                                               cuda::GatherGemmBLayout::m_by_k);
-                   },
-                   a.warmup, a.reps, stream),
-               std::string("gathered kernel, no row table, weights read transposed; ") +
-                   (pair ? "CTA pairs multicasting B" : "each CTA loads its B"));
+      for (const std::int64_t per_expert : {512, 1024}) {
+        const int experts = static_cast<int>(rows / per_expert);
+        const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
+        std::vector<std::int64_t> offsets(counts.size() + 1, 0);
+        std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
+        const Tensor off_d = to_device_vector(offsets, stream);
+        Tensor w = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
+        cuda::fill_random(w, 4, 0.02f, stream);
+        const std::string routing = "rows" + std::to_string(per_expert);
+        record("cublas-grouped", routing, experts, time_cuda([&] {
+                 if (dgrad) cuda::grouped_gemm_dgrad(x, w, counts, c, stream);
+                 else cuda::grouped_gemm_forward(x, w, counts, c, stream);
+               }, a.warmup, a.reps, stream),
+               dgrad ? "cuBLAS grouped dgrad (the layer's), contiguous rows" : "cuBLAS grouped GEMM, contiguous rows");
+        // Both ways of sharing B (gather_gemm.h, GatherGemmB), each on contiguous rows and (forward)
+        // through the row table.
+        const TensorView tokens_x = x.view().rows(0, tokens);
+        for (const cuda::GatherGemmB sharing : {cuda::GatherGemmB::own, cuda::GatherGemmB::pair_multicast}) {
+          cuda::set_gather_gemm_b_sharing(sharing);
+          const bool pair = sharing == cuda::GatherGemmB::pair_multicast;
+          const std::string suffix = pair ? "-pair" : "";
+          const std::string how = pair ? "CTA pairs multicasting B" : "each CTA loads its B";
+          record("gather-contiguous" + suffix, routing, experts, time_cuda([&] {
+                   cuda::gather_grouped_gemm(x, TensorView(), off_d, w, c, stream, nullptr, layout);
+                 }, a.warmup, a.reps, stream),
+                 std::string("gathered kernel, no row table; ") + (dgrad ? "weights read transposed; " : "") + how);
+          if (dgrad) continue;
+          record("gather" + suffix, routing, experts,
+                 time_cuda([&] { cuda::gather_grouped_gemm(tokens_x, ids_d, off_d, w, c, stream); }, a.warmup, a.reps,
+                           stream),
+                 "gathered kernel, each of rows/8 tokens read 8 times through the row table; " + how);
+        }
+        cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
       }
-      cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
     }
-  }
 }
 
 FLEXEP_BENCH_CASE(gather_gemm, "gather-gemm",

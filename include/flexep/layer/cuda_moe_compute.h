@@ -119,6 +119,7 @@ class CudaMoECompute {
   BackendConfig backend_;
   DispatchOptions dispatch_;
   bool rows_in_place_supported_ = false;
+  bool in_place_rows_are_x_ = false;  // the single-GPU dispatcher's in-place rows are the layer's input
   bool rows_in_place_ = false;  // the experts read the tokens through the dispatch's row table
   int device_;
   std::shared_ptr<TokenDispatcher> dispatcher_;

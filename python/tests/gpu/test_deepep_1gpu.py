@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 
 import flexep  # noqa: E402
 import flexep.torch as ft  # noqa: E402
+from fused_chain import fused_chain  # noqa: E402
 from flexep import _flexep  # noqa: E402
 from flexep.torch import dispatcher as dispatchers  # noqa: E402
 
@@ -49,23 +50,11 @@ def _inputs(T, H, E, k, seed):
     return x, idx, w, up
 
 
-def _chain(x, idx, w, up, E, group):
-    """fused_dispatch, stand-in experts (exact elementwise arithmetic), fused_combine, backward."""
-    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    recv_x, recv_idx, recv_w, tpe, handle = ft.fused_dispatch(x, idx, w, E, group)
-    y = (recv_x.float() * 2.0 + recv_w[:, :1]).bfloat16()
-    out, none = ft.fused_combine(y, group, handle)
-    assert none is None
-    (out.float() * up.float()).sum().backward()
-    got = dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, tpe=tpe, out=out, gx=x.grad, gw=w.grad)
-    return {n: t.detach().cpu() for n, t in got.items()}
-
-
 @pytest.mark.parametrize("T,H,E,k", [(64, 64, 8, 2), (300, 7168, 16, 8), (1, 8, 4, 4), (0, 64, 8, 2)])
 def test_fused_dispatch_on_deepep_matches_host(group, T, H, E, k):
     x, idx, w, up = _inputs(T, H, E, k, seed=T + H)
-    want = _chain(x, idx, w, up, E, ft.HostRank(_flexep.HostWorld(1, 60.0), 0))
-    got = _chain(x.to(DEV), idx.to(DEV), w.to(DEV), up.to(DEV), E, group)
+    want = fused_chain(x, idx, w, up, E, ft.HostRank(_flexep.HostWorld(1, 60.0), 0))
+    got = fused_chain(x.to(DEV), idx.to(DEV), w.to(DEV), up.to(DEV), E, group)
     assert got["tpe"].device.type == "cpu" and got["recv_idx"].dtype == torch.int64
     for name in ("recv_x", "recv_idx", "recv_w", "tpe", "out", "gx"):
         assert torch.equal(got[name], want[name]), name

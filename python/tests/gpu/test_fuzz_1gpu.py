@@ -37,6 +37,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import flexep  # noqa: E402
 import flexep.torch as ft  # noqa: E402
+from fused_chain import fused_chain  # noqa: E402
 from flexep import _flexep  # noqa: E402
 from flexep.torch import dispatcher as dispatchers  # noqa: E402
 
@@ -85,18 +86,6 @@ def _ids(T, E, k, empty, unrouted, g):
     return ids
 
 
-def _chain(x, idx, w, up, E, group):
-    """fused_dispatch, stand-in experts (exact elementwise arithmetic), fused_combine, backward."""
-    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    recv_x, recv_idx, recv_w, tpe, handle = ft.fused_dispatch(x, idx, w, E, group)
-    y = (recv_x.float() * 2.0 + recv_w[:, :1]).bfloat16()
-    out, none = ft.fused_combine(y, group, handle)
-    assert none is None
-    (out.float() * up.float()).sum().backward()
-    got = dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, tpe=tpe, out=out, gx=x.grad, gw=w.grad)
-    return {n: t.detach().cpu() for n, t in got.items()}
-
-
 # -- valid calls: the deepep backend against the host backend ------------------------------------
 
 
@@ -132,8 +121,8 @@ def _valid_inputs(c):
 @given(c=valid_calls())
 def test_fuzz_fused_dispatch_on_deepep_matches_host(group, host, c):
     x, idx, w, up = _valid_inputs(c)
-    want = _chain(x, idx, w, up, c["E"], host)
-    got = _chain(x.to(DEV), idx.to(DEV), w.to(DEV), up.to(DEV), c["E"], group)
+    want = fused_chain(x, idx, w, up, c["E"], host)
+    got = fused_chain(x.to(DEV), idx.to(DEV), w.to(DEV), up.to(DEV), c["E"], group)
     _bound_buffers()
     assert got["tpe"].device.type == "cpu" and got["recv_idx"].dtype == torch.int64
     for name in ("recv_x", "recv_idx", "recv_w", "tpe", "out", "gx"):
