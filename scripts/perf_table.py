@@ -68,8 +68,9 @@ def main():
                     return f"{100 * r['tflops'] / x['tflops']:.0f}% of dense GEMM"
         if r["case"] == "gather-gemm" and r.get("tflops") and r["backend"] != "cublas-dense":
             # The gathered kernel against itself on contiguous rows (same A load), the rest against dense.
-            gathered = r["backend"].startswith("gather") and not r["backend"].startswith("gather-contiguous")
-            ref = r["backend"].replace("gather", "gather-contiguous", 1) if gathered else "cublas-dense"
+            kernel = next((k for k in ("gather", "wgrad") if r["backend"].startswith(k)), None)
+            gathered = kernel is not None and not r["backend"].startswith(kernel + "-contiguous")
+            ref = r["backend"].replace(kernel, kernel + "-contiguous", 1) if gathered else "cublas-dense"
             for x in same_run:
                 if x["backend"] == ref and x["phase"] == r["phase"] and (ref == "cublas-dense" or x["routing"] == r["routing"]):
                     return f"{100 * r['tflops'] / x['tflops']:.1f}% of {ref}"

@@ -22,34 +22,31 @@
 
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
-#include <vector>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/cuda_host_adapter.hpp>
 
 #include "flexep/core/checks.h"
 #include "flexep/core/error.h"
 #include "flexep/cuda/runtime.h"
+#include "sm90_gemm.cuh"
 
 namespace flexep::cuda {
 namespace {
 
 using namespace cute;
-using Element = cutlass::bfloat16_t;
+using sm90::copy16;
+using sm90::Element;
+using sm90::EmptyBarrier;
+using sm90::FullBarrier;
+using sm90::kChunk;
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
 constexpr int kLoadThreads = 128, kMmaThreads = 256, kThreads = kLoadThreads + kMmaThreads;
-constexpr int kChunk = 8;  // bf16 per 16-byte copy
 
 using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                            make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
@@ -64,24 +61,12 @@ template <bool kBT>
 using TiledMma = decltype(make_tiled_mma(
     SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, kBT ? GMMA::Major::K : GMMA::Major::MN>{},
     Layout<cute::Shape<_2, _1, _1>>{}));
-using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-using EmptyBarrier = cutlass::arch::ClusterBarrier;
 constexpr int kBoxN = 64;                                  // one 128-byte swizzle span of B's rows
 constexpr std::uint32_t kStageBBytes = kBN * kBK * sizeof(Element);
 constexpr std::uint32_t kStageABytes = kBM * kBK * sizeof(Element);
 constexpr int kMmaWarps = kMmaThreads / 32;
 
-// A stage index and the parity of its barriers' current phase.
-struct StageState {
-  int index = 0;
-  std::uint32_t phase = 0;
-  __device__ void advance() {
-    if (++index == kStages) {
-      index = 0;
-      phase ^= 1;
-    }
-  }
-};
+using StageState = sm90::StageState<kStages>;
 
 static_assert(cosize_v<SmemLayoutB<false>> == cosize_v<SmemLayoutB<true>>);
 
@@ -173,11 +158,6 @@ __device__ Tile tile_at(const Params& p, const SharedStorage& s, int t) {
   tile.n_tile = local / units;
   tile.m_tile = (local % units) * kCtasPerUnit<kPair> + (kPair ? static_cast<int>(block_rank_in_cluster()) : 0);
   return tile;
-}
-
-__device__ __forceinline__ void copy16(const Element* src, Element* dst, bool valid) {
-  SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src),
-                                                   *reinterpret_cast<uint128_t*>(dst), valid);
 }
 
 // The source row of tile row `row` (-1: a zero row), checked before any address is formed from it.
@@ -287,20 +267,6 @@ __device__ void load_tiles_tma_a(const Params& p, SharedStorage& s, int total_un
   }
 }
 
-// A consumer warp is done reading a stage: one arrival per warp on the stage's empty barrier of every
-// CTA whose loads fill it (this one; with kPair also the peer, whose B boxes land here too).
-template <bool kPair>
-__device__ __forceinline__ void release_stage(SharedStorage& s, int stage) {
-  __syncwarp();
-  if (threadIdx.x % 32 != 0) return;
-  if constexpr (kPair) {
-    EmptyBarrier::arrive(&s.empty[stage], 0u, 1u);
-    EmptyBarrier::arrive(&s.empty[stage], 1u, 1u);
-  } else {
-    EmptyBarrier::arrive(&s.empty[stage]);
-  }
-}
-
 // Warpgroups 1 and 2: rows [64 w, 64 w + 64) of each tile.
 template <bool kPair, bool kBT>
 __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
@@ -340,14 +306,14 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
       warpgroup_wait<1>();
       warpgroup_fence_operand(accum);
       if (kt > 0) {
-        release_stage<kPair>(s, release.index);
+        sm90::release_stage<kPair>(s.empty, release.index);
         release.advance();
       }
       read.advance();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
-    release_stage<kPair>(s, release.index);
+    sm90::release_stage<kPair>(s.empty, release.index);
 
     // Epilogue: each thread holds pairs of adjacent columns; bf16x2 stores straight from registers.
     const int m_base = tile.m_tile * kBM, n_base = tile.n_tile * kBN;
@@ -401,49 +367,7 @@ void check_cuda_tensor(const TensorView& t, DType dtype, int rank, const char* a
   FLEXEP_CHECK_ARG(t.device == device, arg, "is on ", t.device.str(), " but 'a' is on ", device.str());
 }
 
-// A row-major bf16 tensor of rank 2 or 3 (dims innermost first, packed) as a TMA map with the 128-byte
-// swizzle; reads outside it are zero-filled.
-void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64_t> dims, std::vector<cuuint32_t> box,
-                     CUtensorMapL2promotion promotion, const char* arg) {
-  const auto rank = static_cast<cuuint32_t>(dims.size());
-  std::vector<cuuint64_t> strides(rank - 1);
-  cuuint64_t stride = sizeof(Element);
-  for (cuuint32_t i = 0; i + 1 < rank; ++i) strides[i] = stride *= dims[i];
-  const std::vector<cuuint32_t> unit(rank, 1);
-  const CUresult made = cutlass::call_cuTensorMapEncodeTiled(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(t.data), dims.data(), strides.data(), box.data(),
-      unit.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  FLEXEP_CHECK(made == CUDA_SUCCESS, "gather_grouped_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(made),
-               ") for ", arg, " ", t.shape.str());
-}
-
 std::atomic<GatherGemmB> g_b_sharing{GatherGemmB::pair_multicast};
-
-// Persistent CTAs: one per SM; pairs as many clusters of two as fit at once (an SM left alone in its
-// GPC cannot hold one), so that no cluster waits for another to finish. Asked once per device and
-// kind, not per call (`config` carries the cluster size and shared memory the query needs).
-int persistent_grid(int device, bool pair, const cudaLaunchConfig_t& config) {
-  static std::mutex lock;
-  static std::map<std::pair<int, bool>, int> grids;
-  const std::lock_guard<std::mutex> hold(lock);
-  const auto known = grids.find({device, pair});
-  if (known != grids.end()) return known->second;
-  int sms = 0;
-  FLEXEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int grid = sms;
-  if (pair) {
-    int clusters = 0;
-    cudaLaunchConfig_t query = config;
-    query.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
-    // Both B layouts take the same resources: one query serves them.
-    FLEXEP_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, gather_grouped_gemm_kernel<true, false>, &query));
-    FLEXEP_CHECK(clusters >= 1, "gather_grouped_gemm: no cluster of two CTAs fits on device ", device);
-    grid = std::min(clusters, sms / 2) * 2;
-  }
-  grids[{device, pair}] = grid;
-  return grid;
-}
 
 }  // namespace
 
@@ -500,15 +424,15 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   // boxes of 64 K x 256 rows (a CTA pair: 128 each). Reads past K or M are zero-filled by the TMA unit.
   const auto g = static_cast<cuuint64_t>(G), k = static_cast<cuuint64_t>(K), m = static_cast<cuuint64_t>(M);
   if (bt)
-    encode_bf16_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1},
-                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
+    sm90::encode_bf16_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1},
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "gather_grouped_gemm", "b");
   else
-    encode_bf16_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "b");
+    sm90::encode_bf16_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "gather_grouped_gemm", "b");
   // Without a row table A's tiles are contiguous rows: boxes of 128 rows (row coordinates are int32).
   p.a_by_tma = !row_ids.shape.defined() && a.shape[0] <= INT32_MAX - 2 * kBM;
   if (p.a_by_tma)
-    encode_bf16_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(a.shape[0])}, {kBK, kBM},
-                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "a");
+    sm90::encode_bf16_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(a.shape[0])}, {kBK, kBM},
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "gather_grouped_gemm", "a");
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);
@@ -520,18 +444,9 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   p.k = static_cast<int>(K);
   p.m = static_cast<int>(M);
   p.groups = static_cast<int>(G);
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = pair ? 2 : 1;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  config.gridDim = dim3(static_cast<unsigned>(persistent_grid(dev.index, pair, config)));
+  cudaLaunchAttribute cluster;
+  cudaLaunchConfig_t config = sm90::cluster_launch(kThreads, kSmemBytes, pair ? 2 : 1, stream, cluster);
+  config.gridDim = dim3(static_cast<unsigned>(sm90::persistent_grid(kernel, dev.index, pair, config)));
   FLEXEP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   FLEXEP_CUDA_CHECK(cudaGetLastError());
 }

@@ -16,6 +16,7 @@
 #include "flexep/cuda/grouped_gemm.h"
 #include "flexep/cuda/permute.h"
 #include "flexep/cuda/runtime.h"
+#include "flexep/cuda/wgrad_gemm.h"
 #include "flexep/layer/grouped_experts.h"
 
 namespace flexep {
@@ -85,6 +86,15 @@ void data_grad(const TensorView& d, const TensorView& w, const std::vector<std::
   }
 }
 
+std::atomic<ExpertWgrad> g_wgrad{ExpertWgrad::cublas};
+
+// Whether flexep's weight-gradient kernel (wgrad_gemm.h) takes grad [E, K, M] = a^T d: 16-byte rows
+// and addresses.
+bool wgrad_gemm_fits(const TensorView& a, const TensorView& d, const TensorView& grad) {
+  auto aligned = [](const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0; };
+  return a.size(1) % 8 == 0 && d.size(1) % 8 == 0 && aligned(a) && aligned(d) && aligned(grad);
+}
+
 // The gradient of p (`dtype`, same shape), zero-allocated on first use; undefined when p has no value
 // or does not require grad.
 TensorView grad_of(Parameter& p, DType dtype) {
@@ -129,6 +139,8 @@ void upload_as_bf16(const Tensor& host, const TensorView& dst, cudaStream_t stre
 
 void set_expert_dgrad(ExpertDgrad kernel) { g_dgrad.store(kernel, std::memory_order_relaxed); }
 ExpertDgrad expert_dgrad() { return g_dgrad.load(std::memory_order_relaxed); }
+void set_expert_wgrad(ExpertWgrad kernel) { g_wgrad.store(kernel, std::memory_order_relaxed); }
+ExpertWgrad expert_wgrad() { return g_wgrad.load(std::memory_order_relaxed); }
 
 CudaGroupedExpertsCompute::CudaGroupedExpertsCompute(const MoEConfig& config, int num_local_experts, int device,
                                                      std::string name)
@@ -422,9 +434,24 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
   const TensorView &g_wgu = targets.gate_and_up_projs, &g_wd = targets.down_projs;
   const TensorView &g_bgu = targets.gate_up_proj_bias, &g_bd = targets.down_proj_bias;
   // grad [E, K, M] = a^T d per expert: bf16 targets are written, f32 ones accumulated or overwritten.
-  auto weight_grad = [&](const TensorView& a, const TensorView& d, const TensorView& grad) {
+  // a's rows are `a_rows`, or with a table `a_rows[row_ids[i]]`: the kernel reads them in place, cuBLAS
+  // from a gathered copy.
+  const bool wgrad_kernel = g_wgrad.load(std::memory_order_relaxed) == ExpertWgrad::wgrad_gemm;
+  auto weight_grad = [&](const TensorView& a_rows, const TensorView& row_ids, const TensorView& d,
+                         const TensorView& grad) {
+    const bool accumulate = grad.dtype == DType::f32 && targets.accumulate_weights;
+    if (wgrad_kernel && wgrad_gemm_fits(a_rows, d, grad)) {
+      cuda::wgrad_grouped_gemm(a_rows, row_ids, d, s.offsets, grad, accumulate, stream);
+      return;
+    }
+    Tensor gathered;  // a gathered forward's rows, for this GEMM only
+    if (row_ids.defined()) {
+      gathered = Tensor::empty({row_ids.size(0), a_rows.size(1)}, DType::bf16, dev);
+      cuda::gather_rows(a_rows, row_ids, gathered, stream);
+    }
+    const TensorView a = row_ids.defined() ? gathered.view() : a_rows;
     if (grad.dtype == DType::bf16) cuda::grouped_gemm_wgrad_bf16(a, d, counts, grad, stream);
-    else cuda::grouped_gemm_wgrad(a, d, counts, grad, stream, targets.accumulate_weights);
+    else cuda::grouped_gemm_wgrad(a, d, counts, grad, stream, accumulate);
   };
 
   Tensor gx = Tensor::empty({N, dim}, DType::bf16, dev);
@@ -447,7 +474,7 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
   // Down projection: the gradient reaching a_p, and W_down's gradient.
   Tensor gap = Tensor::empty({A, inter}, DType::bf16, dev);
   data_grad(g, weights.down_projs, counts, s.offsets, gap, stream);
-  if (g_wd.defined()) weight_grad(s.ap, g, g_wd);
+  if (g_wd.defined()) weight_grad(s.ap, TensorView(), g, g_wd);
   // Activation (writes grad_probs), then the down bias (adds to grad_probs).
   Tensor gh = Tensor::empty({A, up}, DType::bf16, dev);
   cuda::activation_backward(act_, s.h, weights.gate_up_proj_bias, ffn_probs, s.offsets, gap, gh, ffn_grad_probs,
@@ -456,12 +483,8 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
     cuda::down_bias_backward(g, weights.down_proj_bias, ffn_probs, s.offsets, g_bd, ffn_grad_probs, stream);
   // Gate/up projection.
   if (g_wgu.defined()) {
-    Tensor gathered;  // a gathered forward's rows, for this GEMM only
-    if (s.row_ids.defined()) {
-      gathered = Tensor::empty({A, dim}, DType::bf16, dev);
-      cuda::gather_rows(s.x, s.row_ids.view().rows(0, A), gathered, stream);
-    }
-    weight_grad(s.row_ids.defined() ? gathered.view() : s.x.view().rows(0, A), gh, g_wgu);
+    if (s.row_ids.defined()) weight_grad(s.x, s.row_ids.view().rows(0, A), gh, g_wgu);
+    else weight_grad(s.x.view().rows(0, A), TensorView(), gh, g_wgu);
   }
   data_grad(gh, weights.gate_and_up_projs, counts, s.offsets, gx.view().rows(0, A), stream);
 

@@ -341,6 +341,41 @@ TEST(CudaGroupedExperts, DataGradientsOnEitherKernel) {
   }
 }
 
+// Backward's weight gradients on flexep's kernel (ExpertWgrad::wgrad_gemm, reading in-place rows
+// through their table), with the data gradients on either kernel, against the CPU reference: the
+// cases above, f32 gradients (added to the module's zeroed buffers) and new bf16 ones.
+TEST(CudaGroupedExperts, WeightGradientsOnTheKernel) {
+  if (!testing::require_gpus(1)) return;
+  struct Chosen {
+    Chosen(ExpertDgrad d, ExpertWgrad w) : dgrad(expert_dgrad()), wgrad(expert_wgrad()) {
+      set_expert_dgrad(d);
+      set_expert_wgrad(w);
+    }
+    ~Chosen() {
+      set_expert_dgrad(dgrad);
+      set_expert_wgrad(wgrad);
+    }
+    ExpertDgrad dgrad;
+    ExpertWgrad wgrad;
+  };
+  for (const ExpertDgrad dgrad : {ExpertDgrad::cublas, ExpertDgrad::gather_gemm}) {
+    SCOPED_TRACE(dgrad == ExpertDgrad::cublas ? "cuBLAS dgrad" : "Hopper kernel dgrad");
+    const Chosen chosen(dgrad, ExpertWgrad::wgrad_gemm);
+    check_case(Activation::swiglu, true, 64, 32, {7, 0, 12, 3}, 25, false);
+    check_case(Activation::swiglu, false, 128, 64, {300, 5, 0, 211, 1}, 520, false, GradMode::fresh_bf16_weights);
+    Options gathered;
+    gathered.gathered = true;
+    check_case(Activation::swiglu, false, 136, 72, {130, 1, 64}, 200, true, GradMode::fresh_bf16_weights, gathered);
+    check_case(Activation::swiglu, true, 64, 32, {5, 0, 11}, 20, true, GradMode::accumulate_f32, gathered);
+    Options after;
+    after.after_down = true;
+    check_case(Activation::swiglu, true, 64, 32, {7, 9, 0}, 16, true, GradMode::accumulate_f32, after);
+    check_case(Activation::quick_geglu, true, 20, 12, {5, 0, 4}, 10, false);
+    check_case(Activation::swiglu, true, 64, 32, {0, 0, 0}, 0, false);
+    check_case(Activation::relu2, true, 64, 32, {0, 0}, 5, true, GradMode::fresh_bf16_weights);
+  }
+}
+
 TEST(CudaGroupedExperts, ZeroRows) {
   if (!testing::require_gpus(1)) return;
   check_case(Activation::swiglu, true, 64, 32, {0, 0, 0}, 0, false);

@@ -64,37 +64,53 @@ void run_experts(const BenchArgs& a, BenchRun& run, int experts, const std::stri
           fwd = gathered ? ex.forward_gathered(x, row_ids, probs, counts, stream) : ex.forward(x, probs, counts, stream);
         }, a.warmup, a.reps, stream);
         // A training step's backward: zero_grad (lazy for the f32 weight gradients) then backward,
-        // with the data gradients on cuBLAS and on flexep's kernel (ExpertDgrad), side by side.
-        auto backward = [&] {
-          return time_cuda([&] {
-            ex.zero_grad(stream);
-            ex.backward(fwd, gy, stream);
-          }, a.warmup, a.reps, stream);
+        // with the data and weight gradients on cuBLAS or on flexep's kernels, side by side.
+        struct Kernels {
+          const char* suffix;
+          ExpertDgrad dgrad;
+          ExpertWgrad wgrad;
+          const char* note;
         };
-        set_expert_dgrad(ExpertDgrad::cublas);
-        const TimeStats tb = backward();
-        set_expert_dgrad(ExpertDgrad::gather_gemm);
-        const TimeStats tb_kernel = backward();
-        set_expert_dgrad(ExpertDgrad::cublas);
-        for (int pass = 0; pass < 3; ++pass) {
+        const Kernels variants[] = {
+            {"", ExpertDgrad::cublas, ExpertWgrad::cublas, ""},
+            {"-dgrad-kernel", ExpertDgrad::gather_gemm, ExpertWgrad::cublas,
+             "; data gradients on flexep's grouped GEMM (weights read transposed), not cuBLAS"},
+            {"-wgrad-kernel", ExpertDgrad::cublas, ExpertWgrad::wgrad_gemm,
+             "; weight gradients on flexep's wgrad kernel (wgrad_gemm.h), not cuBLAS"},
+            {"-kernels", ExpertDgrad::gather_gemm, ExpertWgrad::wgrad_gemm,
+             "; data and weight gradients on flexep's kernels, no cuBLAS"},
+        };
+        for (int pass = 0; pass <= 4; ++pass) {
           if (pass == 0 && fresh && !gathered) continue;  // the same forward as accumulate_f32's
+          TimeStats t = tf;
+          const Kernels& k = variants[pass == 0 ? 0 : pass - 1];
+          if (pass > 0) {
+            set_expert_dgrad(k.dgrad);
+            set_expert_wgrad(k.wgrad);
+            t = time_cuda([&] {
+              ex.zero_grad(stream);
+              ex.backward(fwd, gy, stream);
+            }, a.warmup, a.reps, stream);
+            set_expert_dgrad(ExpertDgrad::cublas);
+            set_expert_wgrad(ExpertWgrad::cublas);
+          }
           BenchRecord r;
           r.case_name = case_name;
           r.routing = routing;
           r.backend = std::string(gathered ? "gathered-fresh-bf16" : fresh ? "cublas-grouped-fresh-bf16" : "cublas-grouped") +
-                      (pass == 2 ? "-dgrad-kernel" : "");
+                      (pass > 0 ? k.suffix : "");
           r.phase = "experts";
           r.pass = pass ? "backward" : "forward";
           r.timing = "kernel";
           r.tokens_per_rank = rows;
           r.hidden = dim;
           r.experts = experts;
-          r.time_us = pass == 0 ? tf : pass == 1 ? tb : tb_kernel;
+          r.time_us = t;
           r.tflops = (pass ? 2 * fwd_flops : fwd_flops) / (r.time_us.median * 1e-6) / 1e12;
           r.note = fmt::format("{} local experts ({} rows each), swiglu, moe_inter 2048, activation and prob fused; {}{}",
                                experts, rows / experts, gathered ? "rows read in place through a shuffled row table; " : "",
                                fresh ? "new bf16 weight gradients (fresh_bf16_weights)" : "f32 gradients (accumulate_f32)");
-          if (pass == 2) r.note += "; data gradients on flexep's grouped GEMM (weights read transposed), not cuBLAS";
+          if (pass > 0) r.note += k.note;
           run.records.push_back(r);
         }
       }

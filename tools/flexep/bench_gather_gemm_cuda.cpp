@@ -9,6 +9,12 @@
 // And each GEMM's data gradient (phases gate_up-dgrad: dh [rows, 4096] * W_gu^T; down-dgrad: dy
 // [rows, 7168] * W_down^T), three ways: cublas-dense, cublas-grouped (grouped_gemm_dgrad, the
 // layer's today) and gather-contiguous, the kernel reading the weights transposed (m_by_k).
+// And each GEMM's weight gradient (phases gate_up-wgrad: x^T dh per expert into [E, 7168, 4096];
+// down-wgrad: a^T dy into [E, 2048, 7168]): cublas-dense (one GEMM of the same FLOPs), cublas-grouped
+// (f32 gradients accumulated, the layer's default: one cublasGemmEx per expert), cublas-grouped-bf16
+// (new bf16 gradients: cuBLAS's grouped call), flexep's kernel (wgrad_gemm.h) on contiguous rows
+// (wgrad-contiguous, f32 accumulated; -bf16) and, for gate/up, reading the tokens through the row
+// table (wgrad-bf16; its target, as the forward's: the same kernel on contiguous rows).
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -19,6 +25,7 @@
 #include "flexep/cuda/gather_gemm.h"
 #include "flexep/cuda/grouped_gemm.h"
 #include "flexep/cuda/layer_ops.h"
+#include "flexep/cuda/wgrad_gemm.h"
 
 namespace flexep::tools {
 namespace {
@@ -26,6 +33,83 @@ namespace {
 template <class T>
 Tensor to_device_vector(const std::vector<T>& v, cudaStream_t s) {
   return cuda::to_device(Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}), 0, s);
+}
+
+// The weight gradients: c [E, k, m] = x_e^T d_e per expert over 32768 rows (see the file's comment).
+void run_wgrad(const BenchArgs& a, BenchRun& run, const Tensor& ids_d, std::int64_t tokens, cudaStream_t stream) {
+  const Device dev = Device::cuda(0);
+  const std::int64_t rows = ids_d.size(0);
+  struct Gemm {
+    const char* name;
+    int k, m;
+  };
+  for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
+    Tensor x = Tensor::empty({rows, g.k}, DType::bf16, dev), d = Tensor::empty({rows, g.m}, DType::bf16, dev);
+    cuda::fill_random(x, 1, 1.0f, stream);
+    cuda::fill_random(d, 2, 1.0f, stream);
+    const double flops = 2.0 * rows * g.k * g.m;
+    const std::string phase = std::string(g.name) + "-wgrad";
+    auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
+                      const std::string& note) {
+      BenchRecord r;
+      r.case_name = "gather-gemm";
+      r.routing = routing;
+      r.backend = backend;
+      r.phase = phase;
+      r.timing = "kernel";
+      r.tokens_per_rank = rows;
+      r.hidden = g.k;
+      r.experts = experts;
+      r.time_us = t;
+      r.tflops = flops / (t.median * 1e-6) / 1e12;
+      r.note = note;
+      run.records.push_back(r);
+    };
+    {
+      Tensor c = Tensor::empty({g.k, g.m}, DType::bf16, dev);
+      record("cublas-dense", "-", 1,
+             time_cuda([&] { cuda::gemm(x, true, d, false, c, stream); }, a.warmup, a.reps, stream),
+             "one GEMM of the same FLOPs (x^T d)");
+    }
+    for (const std::int64_t per_expert : {512, 1024}) {
+      const int experts = static_cast<int>(rows / per_expert);
+      const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
+      std::vector<std::int64_t> offsets(counts.size() + 1, 0);
+      std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
+      const Tensor off_d = to_device_vector(offsets, stream);
+      const std::string routing = "rows" + std::to_string(per_expert);
+      Tensor c32 = Tensor::zeros({experts, g.k, g.m}, DType::f32, dev);
+      Tensor c16 = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
+      record("cublas-grouped", routing, experts,
+             time_cuda([&] { cuda::grouped_gemm_wgrad(x, d, counts, c32, stream, true); }, a.warmup, a.reps, stream),
+             "cuBLAS, one GEMM per expert, f32 gradients accumulated (the layer's default)");
+      record("cublas-grouped-bf16", routing, experts,
+             time_cuda([&] { cuda::grouped_gemm_wgrad_bf16(x, d, counts, c16, stream); }, a.warmup, a.reps, stream),
+             "cuBLAS grouped call, new bf16 gradients");
+      const TensorView tokens_x = x.view().rows(0, tokens);
+      for (const cuda::GatherGemmB sharing : {cuda::GatherGemmB::own, cuda::GatherGemmB::pair_multicast}) {
+        cuda::set_gather_gemm_b_sharing(sharing);
+        const bool pair = sharing == cuda::GatherGemmB::pair_multicast;
+        const std::string suffix = pair ? "-pair" : "";
+        const std::string how = pair ? "CTA pairs multicasting d" : "each CTA loads its d";
+        record("wgrad-contiguous" + suffix, routing, experts, time_cuda([&] {
+                 cuda::wgrad_grouped_gemm(x, TensorView(), d, off_d, c32, true, stream);
+               }, a.warmup, a.reps, stream),
+               "flexep's wgrad kernel, contiguous rows, f32 gradients accumulated; " + how);
+        record("wgrad-contiguous-bf16" + suffix, routing, experts, time_cuda([&] {
+                 cuda::wgrad_grouped_gemm(x, TensorView(), d, off_d, c16, false, stream);
+               }, a.warmup, a.reps, stream),
+               "flexep's wgrad kernel, contiguous rows, new bf16 gradients; " + how);
+        if (g.k != 7168) continue;  // the down projection's input is the experts' own, never gathered
+        record("wgrad-bf16" + suffix, routing, experts, time_cuda([&] {
+                 cuda::wgrad_grouped_gemm(tokens_x, ids_d, d, off_d, c16, false, stream);
+               }, a.warmup, a.reps, stream),
+               "flexep's wgrad kernel, each of rows/8 tokens read 8 times through the row table, new bf16 "
+               "gradients; " + how);
+      }
+      cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
+    }
+  }
 }
 
 void run(const BenchArgs& a, BenchRun& run) {
@@ -113,6 +197,7 @@ void run(const BenchArgs& a, BenchRun& run) {
         cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
       }
     }
+  run_wgrad(a, run, ids_d, tokens, stream);
 }
 
 FLEXEP_BENCH_CASE(gather_gemm, "gather-gemm",

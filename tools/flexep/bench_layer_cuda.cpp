@@ -47,13 +47,21 @@ void run(const BenchArgs& a, BenchRun& run) {
     CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
     const bool fresh = grad_mode == GradMode::fresh_bf16_weights;
     // Copied rows; in place; in place with CTA pairs multicasting B in the gathered GEMM (GatherGemmB);
-    // copied rows with backward's data gradients on flexep's kernel instead of cuBLAS (ExpertDgrad).
-    for (const int variant : {0, 1, 2, 3}) {
-      // The dgrad kernel with B shared by CTA pairs (its faster way: bench gather-gemm's -dgrad rows).
-      const bool in_place = variant == 1 || variant == 2, pair = variant >= 2, dgrad_kernel = variant == 3;
+    // then backward's data (ExpertDgrad) and weight (ExpertWgrad) gradients on flexep's kernels
+    // instead of cuBLAS, each alone on copied rows and both, on copied rows and in place.
+    struct Variant {
+      bool in_place, pair, dgrad_kernel, wgrad_kernel;
+    };
+    for (const Variant v : {Variant{false, false, false, false}, Variant{true, false, false, false},
+                            Variant{true, true, false, false}, Variant{false, true, true, false},
+                            Variant{false, true, false, true}, Variant{false, true, true, true},
+                            Variant{true, true, true, true}}) {
+      // The kernels with B shared by CTA pairs (their faster way: bench gather-gemm's -dgrad rows).
+      const bool in_place = v.in_place, pair = v.pair, dgrad_kernel = v.dgrad_kernel, wgrad_kernel = v.wgrad_kernel;
       layer.compute().set_rows_in_place(in_place);
       cuda::set_gather_gemm_b_sharing(pair ? cuda::GatherGemmB::pair_multicast : cuda::GatherGemmB::own);
       set_expert_dgrad(dgrad_kernel ? ExpertDgrad::gather_gemm : ExpertDgrad::cublas);
+      set_expert_wgrad(wgrad_kernel ? ExpertWgrad::wgrad_gemm : ExpertWgrad::cublas);
       layer.set_timing(false);
       const TimeStats t = time_cuda([&] {
         layer.zero_grad(stream);
@@ -91,7 +99,11 @@ void run(const BenchArgs& a, BenchRun& run) {
       r.case_name = "layer-dsv3";
       r.routing = "router";
       r.backend = std::string(in_place ? "cuda-local-in-place" : "cuda-local") + (pair && in_place ? "-pair" : "") +
-                  (dgrad_kernel ? "-dgrad-kernel" : "") + (fresh ? "-fresh-bf16" : "");
+                  (dgrad_kernel && wgrad_kernel ? "-kernels"
+                   : dgrad_kernel              ? "-dgrad-kernel"
+                   : wgrad_kernel              ? "-wgrad-kernel"
+                                               : "") +
+                  (fresh ? "-fresh-bf16" : "");
       r.phase = "layer_fwd_bwd";
       r.timing = "call";
       r.tokens_per_rank = T;
@@ -108,8 +120,9 @@ void run(const BenchArgs& a, BenchRun& run) {
       r.note = in_place ? "as cuda-local, but the experts read the tokens in place through the row table (no copy kept)"
                         : "sigmoid router, 1 shared expert on a side stream, EP size 1, the dispatcher copies the rows; "
                           "tflops counts the routed experts only";
-      if (pair) r.note += "; the gathered GEMM's CTAs run in pairs multicasting B";
+      if (pair && in_place) r.note += "; the gathered GEMM's CTAs run in pairs multicasting B";
       if (dgrad_kernel) r.note += "; backward's data gradients on flexep's grouped GEMM (CTA pairs), not cuBLAS";
+      if (wgrad_kernel) r.note += "; backward's weight gradients on flexep's wgrad kernel (CTA pairs), not cuBLAS";
       r.note += fresh ? "; new bf16 weight gradients every backward (fresh_bf16_weights)"
                       : "; gradients accumulated in f32 (accumulate_f32)";
       run.records.push_back(r);
@@ -117,6 +130,7 @@ void run(const BenchArgs& a, BenchRun& run) {
   }
   cuda::set_gather_gemm_b_sharing(cuda::GatherGemmB::pair_multicast);
   set_expert_dgrad(ExpertDgrad::cublas);
+  set_expert_wgrad(ExpertWgrad::cublas);
 }
 
 FLEXEP_BENCH_CASE(layer, "layer", "MoE layer fwd+bwd on one GPU, DSV3-like shape, per-phase split", 1, run);

@@ -41,6 +41,14 @@ enum class ExpertDgrad { cublas, gather_gemm };
 void set_expert_dgrad(ExpertDgrad kernel);
 ExpertDgrad expert_dgrad();
 
+// Which kernel runs backward's two weight-gradient GEMMs (x^T dh and a^T dy per expert): cuBLAS
+// (per-expert GEMMs for f32 gradients, a grouped call for bf16 ones; in-place rows are first gathered
+// into a copy) or flexep's Hopper kernel (wgrad_gemm.h: one persistent launch for all experts,
+// reading in-place rows through their table). Process-wide, as ExpertDgrad.
+enum class ExpertWgrad { cublas, wgrad_gemm };
+void set_expert_wgrad(ExpertWgrad kernel);
+ExpertWgrad expert_wgrad();
+
 // Where backward puts the parameter gradients (Parameter::grad), fixed at construction.
 enum class GradMode {
   // f32 buffers owned by the module: allocated zero on the first backward, then every backward adds
