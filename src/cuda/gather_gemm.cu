@@ -423,16 +423,17 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   // B as a 3-D tensor, innermost first: [G][K][M], boxes of 64 M x 64 K, or transposed [G][M][K],
   // boxes of 64 K x 256 rows (a CTA pair: 128 each). Reads past K or M are zero-filled by the TMA unit.
   const auto g = static_cast<cuuint64_t>(G), k = static_cast<cuuint64_t>(K), m = static_cast<cuuint64_t>(M);
+  constexpr auto kL2 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  constexpr const char* kWho = "gather_grouped_gemm";
   if (bt)
-    sm90::encode_bf16_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1},
-                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "gather_grouped_gemm", "b");
+    sm90::encode_bf16_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1}, kL2, kWho,
+                          "b");
   else
-    sm90::encode_bf16_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "gather_grouped_gemm", "b");
+    sm90::encode_bf16_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, kL2, kWho, "b");
   // Without a row table A's tiles are contiguous rows: boxes of 128 rows (row coordinates are int32).
   p.a_by_tma = !row_ids.shape.defined() && a.shape[0] <= INT32_MAX - 2 * kBM;
   if (p.a_by_tma)
-    sm90::encode_bf16_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(a.shape[0])}, {kBK, kBM},
-                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "gather_grouped_gemm", "a");
+    sm90::encode_bf16_map(p.a_map, a, {k, static_cast<cuuint64_t>(a.shape[0])}, {kBK, kBM}, kL2, kWho, "a");
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);

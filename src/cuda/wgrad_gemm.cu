@@ -250,9 +250,10 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& tile, co
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int i = i0 + 2 * j;
-        if (inside(i))
-          *reinterpret_cast<float2*>(c + at(i)) = p.accumulate ? make_float2(value(i) + old[j].x, value(i + 1) + old[j].y)
-                                                               : make_float2(value(i), value(i + 1));
+        if (!inside(i)) continue;
+        const float2 v = p.accumulate ? make_float2(value(i) + old[j].x, value(i + 1) + old[j].y)
+                                      : make_float2(value(i), value(i + 1));
+        *reinterpret_cast<float2*>(c + at(i)) = v;
       }
     }
   } else {
