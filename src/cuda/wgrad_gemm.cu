@@ -151,6 +151,20 @@ __device__ __forceinline__ void load_d(const Params& p, SharedStorage& s, const 
   }
 }
 
+// Thread 0 of the loaders, when accumulating, with the tile's last stage: asks L2 for the tile's old
+// gradient (one bulk prefetch per row of c, its columns in the tile), so that the epilogue's reads,
+// a few stages later, hit L2 instead of waiting for HBM with the wgmma warps idle.
+__device__ __forceinline__ void prefetch_old_tile(const Params& p, const Tile& t) {
+  if (!p.accumulate) return;
+  const int k0 = t.k_tile * kBM, m0 = t.m_tile * kBN;
+  const int rows = min(kBM, p.k - k0), bytes = min(kBN, p.m - m0) * static_cast<int>(sizeof(float));
+  const float* c = static_cast<const float*>(p.c) + static_cast<std::int64_t>(t.group) * p.k * p.m;
+  for (int r = 0; r < rows; ++r)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c + static_cast<std::int64_t>(k0 + r) * p.m + m0),
+                 "r"(bytes)
+                 : "memory");
+}
+
 // Thread 0 of the loaders without a row table: a's 64 rows x 128 columns as two TMA boxes beside d's.
 template <bool kPair>
 __device__ void load_tiles_tma(const Params& p, SharedStorage& s, int total_units) {
@@ -165,6 +179,7 @@ __device__ void load_tiles_tma(const Params& p, SharedStorage& s, int total_unit
       EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
       const int stage = state.index, row = t.first + step * kBK;
       load_d<kPair>(p, s, t, stage, row, kStageABytes);
+      if (step == t.steps() - 1) prefetch_old_tile(p, t);
 #pragma unroll
       for (int j = 0; j < kBM / kBox; ++j)
         SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[stage], 0, s.a + stage * (kBM * kBK) + j * (kBox * kBK),
@@ -193,7 +208,10 @@ __device__ void load_tiles_gathered(const Params& p, SharedStorage& s, int total
     for (int step = 0; step < tile.steps(); ++step) {
       EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
       const int stage = state.index;
-      if (t == 0) load_d<kPair>(p, s, tile, stage, tile.first + step * kBK, 0);
+      if (t == 0) {
+        load_d<kPair>(p, s, tile, stage, tile.first + step * kBK, 0);
+        if (step == tile.steps() - 1) prefetch_old_tile(p, tile);
+      }
 #pragma unroll
       for (int i = 0; i < kBK / kRowsPerPass; ++i) {
         const int r = row0 + kRowsPerPass * i;
