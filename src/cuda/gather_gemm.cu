@@ -15,7 +15,7 @@
 // kBT (GatherGemmBLayout::m_by_k): B stored [G][M][K] is read transposed, K-major like A, one TMA box
 // of 256 rows (a pair: 128 each) per stage.
 // The barriers are CUTLASS's mbarrier wrappers, the layouts, wgmma descriptors and TMA copies CuTe's,
-// the TMA descriptor is made by cuTensorMapEncodeTiled through CUTLASS's driver-entry-point adapter.
+// the TMA descriptor is made by the driver's cuTensorMapEncodeTiled (sm90_gemm.cuh).
 // The loaders run ahead by up to four stages, also across tiles, so the next tile's loads overlap this
 // tile's epilogue.
 #include "flexep/cuda/gather_gemm.h"

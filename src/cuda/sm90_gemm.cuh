@@ -17,7 +17,6 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/bfloat16.h>
-#include <cutlass/cuda_host_adapter.hpp>
 
 #include "flexep/core/error.h"
 #include "flexep/core/tensor.h"
@@ -63,6 +62,21 @@ __device__ __forceinline__ void release_stage(std::uint64_t* empty, int stage) {
   }
 }
 
+// The driver's cuTensorMapEncodeTiled, looked up once (CUTLASS's adapter looks it up on every call,
+// and every GEMM call encodes its maps).
+using TensorMapEncoder = decltype(&cuTensorMapEncodeTiled);  // the type only: no link to libcuda
+inline TensorMapEncoder tensor_map_encoder() {
+  static const TensorMapEncoder encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    FLEXEP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    FLEXEP_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                 "the CUDA driver has no cuTensorMapEncodeTiled (TMA needs a CUDA 12 driver)");
+    return reinterpret_cast<TensorMapEncoder>(fn);
+  }();
+  return encode;
+}
+
 // A packed row-major bf16 tensor (dims innermost first) as a TMA map with the 128-byte swizzle;
 // reads outside it are zero-filled. `who` names the operation in the error.
 inline void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64_t> dims,
@@ -73,7 +87,7 @@ inline void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<c
   cuuint64_t stride = sizeof(Element);
   for (cuuint32_t i = 0; i + 1 < rank; ++i) strides[i] = stride *= dims[i];
   const std::vector<cuuint32_t> unit(rank, 1);
-  const CUresult made = cutlass::call_cuTensorMapEncodeTiled(
+  const CUresult made = tensor_map_encoder()(
       &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(t.data), dims.data(), strides.data(), box.data(),
       unit.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

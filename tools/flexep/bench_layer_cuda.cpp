@@ -6,7 +6,12 @@
 // f32 gradients the layer accumulates into (accumulate_f32, Megatron's main_grad; the default) and new
 // bf16 weight gradients per backward (fresh_bf16_weights: what flexep.torch and autograd produce, so the
 // mode to set beside Automodel's layer; labels ending in -fresh-bf16).
-// Also the copied rows with backward's data gradients on flexep's grouped GEMM (-dgrad-kernel).
+// Also backward's data gradients on flexep's grouped GEMM (-dgrad-kernel), its weight gradients on
+// flexep's wgrad kernel (-wgrad-kernel) and both (-kernels); and each step's host enqueue time
+// (host_us).
+#include <chrono>
+#include <vector>
+
 #include "bench_cases.h"
 #include "bench_spin.h"
 #include "bench_timing_cuda.h"
@@ -68,6 +73,16 @@ void run(const BenchArgs& a, BenchRun& run) {
         CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
         layer.backward(out, gy, stream);
       }, a.warmup, a.reps, stream);
+      // The host's time to enqueue one step, the GPU idle before it.
+      std::vector<double> host;
+      for (int i = 0; i < 3; ++i) {
+        FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto t0 = std::chrono::steady_clock::now();
+        layer.zero_grad(stream);
+        CudaMoEOutput out = layer.forward(x, TensorView(), true, stream);
+        layer.backward(out, gy, stream);
+        host.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
       // Activation memory: what the forward's result holds in the pool beyond y, nothing else in flight.
       double saved_mb = 0;
       {
@@ -112,6 +127,7 @@ void run(const BenchArgs& a, BenchRun& run) {
       r.experts = c.n_routed_experts;
       r.time_us = t;
       r.saved_mb = saved_mb;
+      r.host_us = stats_of(host).median;
       const char* names[5] = {"router", "dispatch(plan+permute)", "experts", "combine(unpermute)", "shared_join"};
       for (int j = 0; j < 5; ++j) r.parts_us.emplace_back(names[j], stats_of(parts[static_cast<std::size_t>(j)]).median);
       const double rows = static_cast<double>(T) * c.n_activated_experts;

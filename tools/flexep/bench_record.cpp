@@ -56,6 +56,7 @@ std::string to_json(const BenchRun& run) {
     if (r.tflops) rec["tflops"] = *r.tflops;
     if (r.hbm_gbps) rec["hbm_gbps"] = *r.hbm_gbps;
     if (r.saved_mb) rec["saved_mb"] = *r.saved_mb;
+    if (r.host_us) rec["host_us"] = *r.host_us;
     if (!r.pass.empty()) rec["pass"] = r.pass;
     if (!r.parts_us.empty()) {
       nlohmann::json parts = nlohmann::json::object();

@@ -22,6 +22,9 @@ struct BenchRecord {
   std::optional<double> algo_gbps, nvlink_gbps, tflops, hbm_gbps;
   // Layer cases: device memory a forward's result keeps for backward, beyond its output y (MB = 1e6 B).
   std::optional<double> saved_mb;
+  // Layer cases: the host's time to enqueue one step with nothing in flight before it. Near the step's
+  // GPU time, it means the step is bound by the host (or waits for the GPU inside).
+  std::optional<double> host_us;
   std::string pass;                           // "forward", "backward" or empty
   std::vector<std::pair<std::string, double>> parts_us;  // per-part median split of a layer time
   std::string note;  // free text: what exactly was timed
