@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -193,14 +194,19 @@ void every_collective_of_the_life_cycle(const std::string& backend) {
       }
     }
     // Nothing left behind: the windows and flag buffers are megabytes each (cudaMalloc, 2 MB
-    // granules), pool tensors are counted exactly. The driver may hand memory back a little after
-    // the frees (once, 200 MiB came back by the next case): a leak is what has not come back in 2 s.
+    // granules), pool tensors are counted exactly. The driver may hand memory back a while after the
+    // frees (after a faulty hybridep create, 10 to 84 MB came back later than 2 s but by the next
+    // case): a leak is what has not come back in 10 s; a slower return is printed.
+    const auto freed_at = std::chrono::steady_clock::now();
     std::size_t free = free_device_bytes();
-    for (int i = 0; i < 10 && free + (4u << 20) < baseline_free; ++i) {
+    for (int i = 0; i < 50 && free + (4u << 20) < baseline_free; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       free = free_device_bytes();
     }
-    EXPECT_GE(free + (4u << 20), baseline_free) << "device memory left behind";
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - freed_at).count();
+    if (waited > 0.5) std::printf("  memory back after %.1f s\n", waited);
+    EXPECT_GE(free + (4u << 20), baseline_free) << "device memory left behind (" << (baseline_free - free) / 1e6
+                                                << " MB after " << waited << " s)";
     EXPECT_LE(cuda::pool_used_bytes(0), baseline_pool) << "pool tensors left behind";
   }
 }
