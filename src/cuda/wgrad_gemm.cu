@@ -62,6 +62,8 @@ struct SharedStorage {
   alignas(1024) Element b[cosize_v<SmemLayoutB>];
   std::uint64_t full[kStages];   // loads landed: (128 cp.async arrivals +) 1 expect_tx arrival and the TMA bytes
   std::uint64_t empty[kStages];  // the 8 wgmma warps of each CTA sharing the stage are done reading it
+  int first[kGatherGemmMaxGroups];  // each group's rows [first, first + rows), clamped to [0, N]
+  int rows[kGatherGemmMaxGroups];
 };
 
 struct Params {
@@ -88,29 +90,35 @@ struct Tile {
 template <bool kPair>
 constexpr int kCtasPerUnit = kPair ? 2 : 1;
 
+// Each group's rows from the offsets, by all threads at the kernel's start: clamped so that a bad
+// offset can only mean fewer rows (never a negative count or an address outside d), and reported.
+__device__ void plan_groups(const Params& p, SharedStorage& s) {
+  for (int g = threadIdx.x; g < p.groups; g += blockDim.x) {
+    const std::int64_t lo = p.offsets[g], hi = p.offsets[g + 1];
+    if (p.errors && (lo < 0 || lo > p.n || hi < lo || hi > p.n)) {
+      const bool low_bad = lo < 0 || lo > p.n;
+      report_device_error(p.errors, DeviceArg::group_offsets, low_bad ? g : g + 1, -1, low_bad ? lo : hi, p.n);
+    }
+    const std::int64_t first = min(max(lo, std::int64_t{0}), static_cast<std::int64_t>(p.n));
+    s.first[g] = static_cast<int>(first);
+    s.rows[g] = static_cast<int>(min(max(hi, first), static_cast<std::int64_t>(p.n)) - first);
+  }
+}
+
 // Work unit u -> this CTA's tile: groups in order, inside a group the K tiles of one M column next to
 // each other (they read the same rows of d). With kPair the CTA of rank r takes K tile 2j + r of
 // unit j, which may lie past K (an odd K tile count): it then reads zeros and stores nothing, but
-// runs the stages its peer's multicasts need. Offsets are clamped so a bad one can only mean fewer
-// rows; it is reported once, by the tile (0, 0) of its group.
+// runs the stages its peer's multicasts need.
 template <bool kPair>
-__device__ Tile tile_at(const Params& p, int unit) {
+__device__ Tile tile_at(const Params& p, const SharedStorage& s, int unit) {
   const int per_group = p.k_units * p.m_tiles;
   Tile t;
   t.group = unit / per_group;
   const int local = unit % per_group;
   t.m_tile = local / p.k_units;
   t.k_tile = (local % p.k_units) * kCtasPerUnit<kPair> + (kPair ? static_cast<int>(block_rank_in_cluster()) : 0);
-  const std::int64_t lo = p.offsets[t.group], hi = p.offsets[t.group + 1];
-  if (p.errors && t.k_tile == 0 && t.m_tile == 0 && (threadIdx.x == 0 || threadIdx.x == kLoadThreads) &&
-      (lo < 0 || lo > p.n || hi < lo || hi > p.n)) {
-    const bool low_bad = lo < 0 || lo > p.n;
-    report_device_error(p.errors, DeviceArg::group_offsets, low_bad ? t.group : t.group + 1, -1, low_bad ? lo : hi,
-                        p.n);
-  }
-  const std::int64_t first = min(max(lo, std::int64_t{0}), static_cast<std::int64_t>(p.n));
-  t.first = static_cast<int>(first);
-  t.rows = static_cast<int>(min(max(hi, first), static_cast<std::int64_t>(p.n)) - first);
+  t.first = s.first[t.group];
+  t.rows = s.rows[t.group];
   return t;
 }
 
@@ -171,7 +179,7 @@ __device__ void load_tiles_tma(const Params& p, SharedStorage& s, int total_unit
   const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
   StageState state;
   for (int unit = first; unit < total_units; unit += stride) {
-    const Tile t = tile_at<kPair>(p, unit);
+    const Tile t = tile_at<kPair>(p, s, unit);
     if (skipped(p, t)) continue;
     for (int step = 0; step < t.steps(); ++step) {
       // A fresh barrier counts as having completed the phase before its first: the first pass waits
@@ -201,10 +209,19 @@ __device__ void load_tiles_gathered(const Params& p, SharedStorage& s, int total
   const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
   StageState state;
   for (int unit = first; unit < total_units; unit += stride) {
-    const Tile tile = tile_at<kPair>(p, unit);
+    const Tile tile = tile_at<kPair>(p, s, unit);
     if (skipped(p, tile)) continue;
     const int col = tile.k_tile * kBM + chunk * kChunk;
     const bool col_ok = col < p.k;
+    // This thread's rows of a stage, read from the table one stage ahead: the reads' latency then
+    // overlaps the wait for the next free stage instead of delaying its copies.
+    constexpr int kIds = kBK / kRowsPerPass;
+    std::int64_t ids[kIds];
+    auto read_ids = [&](int step) {
+#pragma unroll
+      for (int i = 0; i < kIds; ++i) ids[i] = col_ok ? source_row(p, tile, step * kBK + row0 + kRowsPerPass * i) : -1;
+    };
+    read_ids(0);
     for (int step = 0; step < tile.steps(); ++step) {
       EmptyBarrier::wait(&s.empty[state.index], state.phase ^ 1);
       const int stage = state.index;
@@ -213,13 +230,12 @@ __device__ void load_tiles_gathered(const Params& p, SharedStorage& s, int total
         if (step == tile.steps() - 1) prefetch_old_tile(p, tile);
       }
 #pragma unroll
-      for (int i = 0; i < kBK / kRowsPerPass; ++i) {
-        const int r = row0 + kRowsPerPass * i;
-        const std::int64_t id = col_ok ? source_row(p, tile, step * kBK + r) : -1;
-        copy16(id >= 0 ? p.a + id * p.k + col : p.a, &sA(chunk * kChunk, r, stage), id >= 0);
-      }
+      for (int i = 0; i < kIds; ++i)
+        copy16(ids[i] >= 0 ? p.a + ids[i] * p.k + col : p.a, &sA(chunk * kChunk, row0 + kRowsPerPass * i, stage),
+               ids[i] >= 0);
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       state.advance();
+      if (step + 1 < tile.steps()) read_ids(step + 1);
     }
   }
 }
@@ -299,7 +315,7 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
   const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
   StageState read;
   for (int unit = first; unit < total_units; unit += stride) {
-    Tile tile = tile_at<kPair>(p, unit);
+    Tile tile = tile_at<kPair>(p, s, unit);
     // The same for every thread, but read from global memory: broadcast, so that ptxas sees the loop
     // below as warp-uniform (a divergent path around wgmma serialises it).
     tile.first = __shfl_sync(0xffffffffu, tile.first, 0);
@@ -357,6 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_grouped_gemm_kernel(const _
   }
   if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.d_map);
   if (threadIdx.x == 64 && p.a_by_tma) cute::prefetch_tma_descriptor(&p.a_map);
+  plan_groups(p, s);
   __syncthreads();
   // The peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs'
   // barriers are initialised before either starts, and neither leaves while the other may still do so.
@@ -403,7 +420,8 @@ void wgrad_grouped_gemm(const TensorView& a, const TensorView& row_ids, const Te
   }
   FLEXEP_CHECK_ARG(!accumulate || c.dtype == DType::f32, "c", "is ", dtype_name(c.dtype),
                    "; accumulating into it needs f32 (bf16 gradients are overwritten)");
-  FLEXEP_CHECK_ARG(G >= 1, "c", "must hold at least one group, got shape ", c.shape.str());
+  FLEXEP_CHECK_ARG(G >= 1 && G <= kGatherGemmMaxGroups, "c", "must hold 1 to ", kGatherGemmMaxGroups,
+                   " groups, got shape ", c.shape.str());
   FLEXEP_CHECK_ARG(K >= 8 && K % 8 == 0, "a", "needs K (its columns) a positive multiple of 8, got ", K);
   FLEXEP_CHECK_ARG(M >= 8 && M % 8 == 0, "d", "needs M (its columns) a positive multiple of 8, got ", M);
   FLEXEP_CHECK_ARG(K <= INT32_MAX && M <= INT32_MAX, "a", "K and M must be < 2^31, got ", K, " and ", M);

@@ -203,6 +203,9 @@ TEST(WgradGemmArguments, BadArguments) {
   expect_arg_error([&] { run(a, ids, d, fake_cuda({2}, DType::i64), c); }, "offsets");
   expect_arg_error([&] { run(a, ids, d, fake_cuda({3}, DType::i32), c); }, "offsets");
   expect_arg_error([&] { run(fake_cuda({4, 16}, DType::bf16), TensorView(), d, off, c); }, "a");
+  const std::int64_t too_many = cuda::kGatherGemmMaxGroups + 1;
+  const auto many_off = fake_cuda({too_many + 1}, DType::i64), many_c = fake_cuda({too_many, 16, 8}, DType::f32);
+  expect_arg_error([&] { run(a, ids, d, many_off, many_c); }, "c");
 }
 
 INSTANTIATE_TEST_SUITE_P(BSharing, WgradGemm,

@@ -29,7 +29,8 @@
 
 namespace flexep::cuda {
 
-// K and M must be multiples of 8 (16-byte rows); G * ceil(K / 128) * ceil(M / 256) < 2^31. B sharing
+// K and M must be multiples of 8 (16-byte rows); G <= kGatherGemmMaxGroups (the groups' rows are
+// planned in shared memory); G * ceil(K / 128) * ceil(M / 256) < 2^31. B sharing
 // (own / pair_multicast) follows set_gather_gemm_b_sharing (gather_gemm.h).
 void wgrad_grouped_gemm(const TensorView& a, const TensorView& row_ids, const TensorView& d,
                         const TensorView& offsets, const TensorView& c, bool accumulate, cudaStream_t stream,
