@@ -89,10 +89,11 @@ void data_grad(const TensorView& d, const TensorView& w, const std::vector<std::
 std::atomic<ExpertWgrad> g_wgrad{ExpertWgrad::cublas};
 
 // Whether flexep's weight-gradient kernel (wgrad_gemm.h) takes grad [E, K, M] = a^T d: 16-byte rows
-// and addresses.
+// and addresses, few enough experts.
 bool wgrad_gemm_fits(const TensorView& a, const TensorView& d, const TensorView& grad) {
   auto aligned = [](const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0; };
-  return a.size(1) % 8 == 0 && d.size(1) % 8 == 0 && aligned(a) && aligned(d) && aligned(grad);
+  return a.size(1) % 8 == 0 && d.size(1) % 8 == 0 && grad.size(0) <= cuda::kGatherGemmMaxGroups && aligned(a) &&
+         aligned(d) && aligned(grad);
 }
 
 // The gradient of p (`dtype`, same shape), zero-allocated on first use; undefined when p has no value
