@@ -294,17 +294,7 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
       // A's rows were written by cp.async (the generic proxy); wgmma reads them through the async proxy.
       cutlass::arch::fence_view_async_shared();
       const int stage = read.index;
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-#pragma unroll
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      // Keep this stage's wgmmas in flight; the previous stage's have finished reading.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(accum);
+      sm90::mma_stage(tiled_mma, tCrA, tCrB, stage, accum);
       if (kt > 0) {
         sm90::release_stage<kPair>(s.empty, release.index);
         release.advance();
@@ -334,13 +324,8 @@ __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const 
   extern __shared__ char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      FullBarrier::init(&s.full[i], p.a_by_tma ? 1 : kLoadThreads + 1);
-      EmptyBarrier::init(&s.empty[i], kMmaWarps * kCtasPerUnit<kPair>);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  sm90::init_stage_barriers(s.full, s.empty, kStages, p.a_by_tma ? 1 : kLoadThreads + 1,
+                            kMmaWarps * kCtasPerUnit<kPair>);
   if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.b_map);
   if (threadIdx.x == 64 && p.a_by_tma) cute::prefetch_tma_descriptor(&p.a_map);
   plan_tiles<kPair>(p, s);
@@ -360,13 +345,6 @@ __global__ void __launch_bounds__(kThreads, 1) gather_grouped_gemm_kernel(const 
 
 constexpr std::size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + the 1024-byte alignment
 
-void check_cuda_tensor(const TensorView& t, DType dtype, int rank, const char* arg, Device device) {
-  check::rank(t, rank, arg);
-  check::dtype(t, {dtype}, arg);
-  FLEXEP_CHECK_ARG(t.device.is_cuda(), arg, "must be on a CUDA device, got ", t.device.str());
-  FLEXEP_CHECK_ARG(t.device == device, arg, "is on ", t.device.str(), " but 'a' is on ", device.str());
-}
-
 std::atomic<GatherGemmB> g_b_sharing{GatherGemmB::pair_multicast};
 
 }  // namespace
@@ -378,18 +356,18 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
                          const TensorView& b, const TensorView& c, cudaStream_t stream, DeviceErrorRecord* errors,
                          GatherGemmBLayout b_layout) {
   const bool bt = b_layout == GatherGemmBLayout::m_by_k;
-  check_cuda_tensor(a, DType::bf16, 2, "a", a.device);
+  sm90::check_operand(a, {DType::bf16}, 2, "a", a.device);
   const Device dev = a.device;
-  check_cuda_tensor(b, DType::bf16, 3, "b", dev);
-  check_cuda_tensor(c, DType::bf16, 2, "c", dev);
-  check_cuda_tensor(offsets, DType::i64, 1, "offsets", dev);
+  sm90::check_operand(b, {DType::bf16}, 3, "b", dev);
+  sm90::check_operand(c, {DType::bf16}, 2, "c", dev);
+  sm90::check_operand(offsets, {DType::i64}, 1, "offsets", dev);
   const std::int64_t K = a.shape[1], G = b.shape[0], M = b.shape[bt ? 1 : 2], N = c.shape[0];
   if (bt) check::shape(b, {G, M, K}, "b");
   else check::shape(b, {G, K, M}, "b");
   check::shape(c, {N, M}, "c");
   check::shape(offsets, {G + 1}, "offsets");
   if (row_ids.shape.defined()) {
-    check_cuda_tensor(row_ids, DType::i32, 1, "row_ids", dev);
+    sm90::check_operand(row_ids, {DType::i32}, 1, "row_ids", dev);
     check::shape(row_ids, {N}, "row_ids");
   } else {
     FLEXEP_CHECK_ARG(a.shape[0] >= N, "a", "has ", a.shape[0], " rows; without row_ids it needs one per row of c (", N,

@@ -14,10 +14,12 @@
 #include <vector>
 
 #include <cute/arch/cluster_sm90.hpp>
+#include <cute/atom/mma_atom.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/bfloat16.h>
 
+#include "flexep/core/checks.h"
 #include "flexep/core/error.h"
 #include "flexep/core/tensor.h"
 #include "flexep/cuda/runtime.h"
@@ -75,6 +77,46 @@ inline TensorMapEncoder tensor_map_encoder() {
     return reinterpret_cast<TensorMapEncoder>(fn);
   }();
   return encode;
+}
+
+// Thread 0 at the kernel's start: a ring of `stages` full barriers (`full_arrivals` each: the loader
+// threads' arrivals, the TMA bytes come on top) and empty barriers (`empty_arrivals`: the wgmma warps
+// of every CTA that reads the stage), visible to the cluster before its first use.
+__device__ __forceinline__ void init_stage_barriers(std::uint64_t* full, std::uint64_t* empty, int stages,
+                                                    int full_arrivals, int empty_arrivals) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < stages; ++i) {
+    FullBarrier::init(&full[i], full_arrivals);
+    EmptyBarrier::init(&empty[i], empty_arrivals);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
+// One stage's wgmmas by a warpgroup: every k-block of the stage into `accum` (the first one of a tile
+// overwrites it: the caller sets accumulate_ to Zero per tile), committed as one batch; returns with
+// this batch in flight and the previous one done reading its stage (which the caller may release).
+template <class TiledMma, class FragA, class FragB, class Accum>
+__device__ __forceinline__ void mma_stage(TiledMma& tiled_mma, const FragA& tCrA, const FragB& tCrB, int stage,
+                                          Accum& accum) {
+  cute::warpgroup_fence_operand(accum);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int kb = 0; kb < cute::size<2>(tCrA); ++kb) {
+    cute::gemm(tiled_mma, tCrA(cute::_, cute::_, kb, stage), tCrB(cute::_, cute::_, kb, stage), accum);
+    tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<1>();
+  cute::warpgroup_fence_operand(accum);
+}
+
+// A kernel argument's checks: rank, dtype, on `device` (the device of 'a').
+inline void check_operand(const TensorView& t, std::initializer_list<DType> dtypes, int rank, const char* arg,
+                          Device device) {
+  check::rank(t, rank, arg);
+  check::dtype(t, dtypes, arg);
+  FLEXEP_CHECK_ARG(t.device.is_cuda(), arg, "must be on a CUDA device, got ", t.device.str());
+  FLEXEP_CHECK_ARG(t.device == device, arg, "is on ", t.device.str(), " but 'a' is on ", device.str());
 }
 
 // A packed row-major bf16 tensor (dims innermost first) as a TMA map with the 128-byte swizzle;

@@ -334,17 +334,7 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
         // a's rows were written by cp.async (the generic proxy); wgmma reads them through the async proxy.
         cutlass::arch::fence_view_async_shared();
       }
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-#pragma unroll
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      // Keep this stage's wgmmas in flight; the previous stage's have finished reading.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(accum);
+      sm90::mma_stage(tiled_mma, tCrA, tCrB, stage, accum);
       if (step > 0) {
         sm90::release_stage<kPair>(s.empty, release.index);
         release.advance();
@@ -364,13 +354,8 @@ template <bool kPair>
 __global__ void __launch_bounds__(kThreads, 1) wgrad_grouped_gemm_kernel(const __grid_constant__ Params p) {
   extern __shared__ char smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      FullBarrier::init(&s.full[i], p.a_by_tma ? 1 : kLoadThreads + 1);
-      EmptyBarrier::init(&s.empty[i], kMmaWarps * kCtasPerUnit<kPair>);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  sm90::init_stage_barriers(s.full, s.empty, kStages, p.a_by_tma ? 1 : kLoadThreads + 1,
+                            kMmaWarps * kCtasPerUnit<kPair>);
   if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.d_map);
   if (threadIdx.x == 64 && p.a_by_tma) cute::prefetch_tma_descriptor(&p.a_map);
   plan_groups(p, s);
@@ -390,11 +375,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_grouped_gemm_kernel(const _
 
 constexpr std::size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + the 1024-byte alignment
 
+// Shapes are checked by the caller; TMA and 16-byte copies need 16-byte aligned addresses.
 void check_on(const TensorView& t, std::initializer_list<DType> dtypes, int rank, const char* arg, Device device) {
-  check::rank(t, rank, arg);
-  check::dtype(t, dtypes, arg);
-  FLEXEP_CHECK_ARG(t.device.is_cuda(), arg, "must be on a CUDA device, got ", t.device.str());
-  FLEXEP_CHECK_ARG(t.device == device, arg, "is on ", t.device.str(), " but 'a' is on ", device.str());
+  sm90::check_operand(t, dtypes, rank, arg, device);
   FLEXEP_CHECK_ARG(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, arg, "must be 16-byte aligned");
 }
 

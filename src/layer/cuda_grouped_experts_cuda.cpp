@@ -88,14 +88,6 @@ void data_grad(const TensorView& d, const TensorView& w, const std::vector<std::
 
 std::atomic<ExpertWgrad> g_wgrad{ExpertWgrad::cublas};
 
-// Whether flexep's weight-gradient kernel (wgrad_gemm.h) takes grad [E, K, M] = a^T d: 16-byte rows
-// and addresses, few enough experts.
-bool wgrad_gemm_fits(const TensorView& a, const TensorView& d, const TensorView& grad) {
-  auto aligned = [](const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0; };
-  return a.size(1) % 8 == 0 && d.size(1) % 8 == 0 && grad.size(0) <= cuda::kGatherGemmMaxGroups && aligned(a) &&
-         aligned(d) && aligned(grad);
-}
-
 // The gradient of p (`dtype`, same shape), zero-allocated on first use; undefined when p has no value
 // or does not require grad.
 TensorView grad_of(Parameter& p, DType dtype) {
@@ -441,7 +433,8 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
   auto weight_grad = [&](const TensorView& a_rows, const TensorView& row_ids, const TensorView& d,
                          const TensorView& grad) {
     const bool accumulate = grad.dtype == DType::f32 && targets.accumulate_weights;
-    if (wgrad_kernel && wgrad_gemm_fits(a_rows, d, grad)) {
+    // The kernel's limits are the gathered GEMM's: 16-byte rows and addresses, at most 1024 experts.
+    if (wgrad_kernel && gather_gemm_fits(a_rows, d, d.size(1), static_cast<std::size_t>(grad.size(0)), grad)) {
       cuda::wgrad_grouped_gemm(a_rows, row_ids, d, s.offsets, grad, accumulate, stream);
       return;
     }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,19 @@ inline Tensor on_grid(const Tensor& t, double step, double limit) {
     write_from_double(out, i, std::min(limit, std::max(-limit, v)));
   }
   return out;
+}
+
+// A host vector as a 1-D tensor on GPU 0 (row tables, group offsets).
+template <class T>
+Tensor on_device(const std::vector<T>& v) {
+  return cuda::to_device(Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}), 0, nullptr);
+}
+
+// Group offsets [G + 1] from the groups' row counts.
+inline std::vector<std::int64_t> offsets_of(const std::vector<std::int64_t>& counts) {
+  std::vector<std::int64_t> off(counts.size() + 1, 0);
+  std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
+  return off;
 }
 
 inline Tensor to_gpu_bf16(const Tensor& host) { return cuda::to_device(host.to(DType::bf16), 0, nullptr); }

@@ -23,20 +23,12 @@ namespace {
 using testing::expect_arg_error;
 
 using testing::bf16_exact;
+using testing::offsets_of;
+using testing::on_device;
 using testing::rel_error;
 
-template <class T>
-Tensor on_device(const std::vector<T>& v) {
-  return cuda::to_device(Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}), 0, nullptr);
-}
 Tensor device_i64(const std::vector<std::int64_t>& v) { return on_device(v); }
 Tensor device_i32(const std::vector<std::int32_t>& v) { return on_device(v); }
-
-std::vector<std::int64_t> offsets_of(const std::vector<std::int64_t>& counts) {
-  std::vector<std::int64_t> off(counts.size() + 1, 0);
-  std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
-  return off;
-}
 
 // c[i] = a[ids[i]] * b[g] (bt: b[g]^T) in fp32 for the rows of every group; rows with id -1 are zero.
 Tensor reference(const Tensor& a, const std::vector<std::int32_t>& ids, const std::vector<std::int64_t>& off,

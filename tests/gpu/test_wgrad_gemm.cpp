@@ -24,18 +24,10 @@ namespace {
 
 using testing::bf16_exact;
 using testing::expect_arg_error;
+using testing::offsets_of;
+using testing::on_device;
 using testing::rel_error;
 
-template <class T>
-Tensor on_device(const std::vector<T>& v) {
-  return cuda::to_device(Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}), 0, nullptr);
-}
-
-std::vector<std::int64_t> offsets_of(const std::vector<std::int64_t>& counts) {
-  std::vector<std::int64_t> off(counts.size() + 1, 0);
-  std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
-  return off;
-}
 
 // c[g] = sum over the group's rows i of a[ids[i]]^T d[i] in fp32 (ids empty: a[i]; id -1: nothing).
 Tensor reference(const Tensor& a, const std::vector<std::int32_t>& ids, const Tensor& d,

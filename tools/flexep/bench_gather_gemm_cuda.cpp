@@ -35,15 +35,52 @@ Tensor to_device_vector(const std::vector<T>& v, cudaStream_t s) {
   return cuda::to_device(Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}), 0, s);
 }
 
+// The experts' two forward GEMMs at DeepSeek-V3's sizes: c [rows, m] = x [rows, k] W [k, m].
+struct Gemm {
+  const char* name;
+  int k, m;
+};
+constexpr Gemm kGemms[] = {{"gate_up", 7168, 4096}, {"down", 2048, 7168}};
+
+// `rows` rows in groups of `per_expert`: the counts (host) and their offsets (device).
+struct Groups {
+  std::vector<std::int64_t> counts;
+  Tensor offsets;
+  int experts() const { return static_cast<int>(counts.size()); }
+};
+Groups uniform_groups(std::int64_t rows, std::int64_t per_expert, cudaStream_t stream) {
+  Groups g;
+  g.counts.assign(static_cast<std::size_t>(rows / per_expert), per_expert);
+  std::vector<std::int64_t> offsets(g.counts.size() + 1, 0);
+  std::partial_sum(g.counts.begin(), g.counts.end(), offsets.begin() + 1);
+  g.offsets = to_device_vector(offsets, stream);
+  return g;
+}
+
+// One kernel timing of `phase` (a GEMM of `flops` whose reduction is `hidden` wide).
+BenchRecord gemm_record(const std::string& phase, const std::string& backend, const std::string& routing,
+                        std::int64_t rows, int hidden, int experts, double flops, const TimeStats& t,
+                        const std::string& note) {
+  BenchRecord r;
+  r.case_name = "gather-gemm";
+  r.routing = routing;
+  r.backend = backend;
+  r.phase = phase;
+  r.timing = "kernel";
+  r.tokens_per_rank = rows;
+  r.hidden = hidden;
+  r.experts = experts;
+  r.time_us = t;
+  r.tflops = flops / (t.median * 1e-6) / 1e12;
+  r.note = note;
+  return r;
+}
+
 // The weight gradients: c [E, k, m] = x_e^T d_e per expert over 32768 rows (see the file's comment).
 void run_wgrad(const BenchArgs& a, BenchRun& run, const Tensor& ids_d, std::int64_t tokens, cudaStream_t stream) {
   const Device dev = Device::cuda(0);
   const std::int64_t rows = ids_d.size(0);
-  struct Gemm {
-    const char* name;
-    int k, m;
-  };
-  for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
+  for (const Gemm& g : kGemms) {
     Tensor x = Tensor::empty({rows, g.k}, DType::bf16, dev), d = Tensor::empty({rows, g.m}, DType::bf16, dev);
     cuda::fill_random(x, 1, 1.0f, stream);
     cuda::fill_random(d, 2, 1.0f, stream);
@@ -51,19 +88,7 @@ void run_wgrad(const BenchArgs& a, BenchRun& run, const Tensor& ids_d, std::int6
     const std::string phase = std::string(g.name) + "-wgrad";
     auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
                       const std::string& note) {
-      BenchRecord r;
-      r.case_name = "gather-gemm";
-      r.routing = routing;
-      r.backend = backend;
-      r.phase = phase;
-      r.timing = "kernel";
-      r.tokens_per_rank = rows;
-      r.hidden = g.k;
-      r.experts = experts;
-      r.time_us = t;
-      r.tflops = flops / (t.median * 1e-6) / 1e12;
-      r.note = note;
-      run.records.push_back(r);
+      run.records.push_back(gemm_record(phase, backend, routing, rows, g.k, experts, flops, t, note));
     };
     {
       Tensor c = Tensor::empty({g.k, g.m}, DType::bf16, dev);
@@ -72,11 +97,10 @@ void run_wgrad(const BenchArgs& a, BenchRun& run, const Tensor& ids_d, std::int6
              "one GEMM of the same FLOPs (x^T d)");
     }
     for (const std::int64_t per_expert : {512, 1024}) {
-      const int experts = static_cast<int>(rows / per_expert);
-      const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
-      std::vector<std::int64_t> offsets(counts.size() + 1, 0);
-      std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
-      const Tensor off_d = to_device_vector(offsets, stream);
+      const Groups groups = uniform_groups(rows, per_expert, stream);
+      const int experts = groups.experts();
+      const std::vector<std::int64_t>& counts = groups.counts;
+      const Tensor& off_d = groups.offsets;
       const std::string routing = "rows" + std::to_string(per_expert);
       Tensor c32 = Tensor::zeros({experts, g.k, g.m}, DType::f32, dev);
       Tensor c16 = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
@@ -125,14 +149,10 @@ void run(const BenchArgs& a, BenchRun& run) {
   for (auto& id : ids) id = static_cast<std::int32_t>(id % tokens);
   const Tensor ids_d = to_device_vector(ids, stream);
 
-  struct Gemm {
-    const char* name;
-    int k, m;
-  };
   // The forward c [rows, m] = x [rows, k] W [k, m], then its data gradient dx [rows, k] = dc W^T: the
   // same weights read transposed (m_by_k), contiguous rows only.
   for (const bool dgrad : {false, true})
-    for (const Gemm g : {Gemm{"gate_up", 7168, 4096}, Gemm{"down", 2048, 7168}}) {
+    for (const Gemm& g : kGemms) {
       const int in = dgrad ? g.m : g.k, out = dgrad ? g.k : g.m;  // a's columns (the reduction), c's
       Tensor x = Tensor::empty({rows, in}, DType::bf16, dev), c = Tensor::empty({rows, out}, DType::bf16, dev);
       cuda::fill_random(x, dgrad ? 5 : 1, 1.0f, stream);
@@ -141,19 +161,7 @@ void run(const BenchArgs& a, BenchRun& run) {
       const auto layout = dgrad ? cuda::GatherGemmBLayout::m_by_k : cuda::GatherGemmBLayout::k_by_m;
       auto record = [&](const std::string& backend, const std::string& routing, int experts, const TimeStats& t,
                         const std::string& note) {
-        BenchRecord r;
-        r.case_name = "gather-gemm";
-        r.routing = routing;
-        r.backend = backend;
-        r.phase = phase;
-        r.timing = "kernel";
-        r.tokens_per_rank = rows;
-        r.hidden = in;
-        r.experts = experts;
-        r.time_us = t;
-        r.tflops = flops / (t.median * 1e-6) / 1e12;
-        r.note = note;
-        run.records.push_back(r);
+        run.records.push_back(gemm_record(phase, backend, routing, rows, in, experts, flops, t, note));
       };
       {
         Tensor w = Tensor::empty({g.k, g.m}, DType::bf16, dev);
@@ -163,11 +171,10 @@ void run(const BenchArgs& a, BenchRun& run) {
                "one GEMM of the same FLOPs");
       }
       for (const std::int64_t per_expert : {512, 1024}) {
-        const int experts = static_cast<int>(rows / per_expert);
-        const std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), per_expert);
-        std::vector<std::int64_t> offsets(counts.size() + 1, 0);
-        std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
-        const Tensor off_d = to_device_vector(offsets, stream);
+        const Groups groups = uniform_groups(rows, per_expert, stream);
+        const int experts = groups.experts();
+        const std::vector<std::int64_t>& counts = groups.counts;
+        const Tensor& off_d = groups.offsets;
         Tensor w = Tensor::empty({experts, g.k, g.m}, DType::bf16, dev);
         cuda::fill_random(w, 4, 0.02f, stream);
         const std::string routing = "rows" + std::to_string(per_expert);
