@@ -3,7 +3,9 @@
 // routings (uniform, Zipf, every token to one expert, none routed), index dtypes, the multihot form (hybridep;
 // deepep takes top-k only) and budget mode with drops, each bitwise against the host backend; one dispatcher per rank and H for the
 // whole run, so state carried from call to call (epochs, flags, work counters, pools) is exercised;
-// the library's device pool and the process's resident memory flat across the run.
+// one budget-mode sequence in four is also captured into a CUDA graph after it ran and replayed on the
+// same inputs, checked the same way; the library's device pool and the process's resident memory
+// flat across the run.
 // FLEXEP_SOAK_CALLS sets the sequences per backend (default 2500: 20,000 calls over the two backends);
 // FLEXEP_SOAK_MODE=1 (blocking calls only) or 2 (budget mode only) narrows a failure down, and
 // FLEXEP_SOAK_TIMEOUT sets the dispatchers' deadline (20 s).
@@ -22,6 +24,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "flexep/cuda/graph.h"
 #include "flexep/dispatch/deepep.h"
 #include "flexep/dispatch/hybridep.h"
 #include "gpu/dispatch_harness.h"
@@ -80,10 +83,13 @@ Config random_config(std::mt19937& rng, int i, bool multihot_allowed, int mode) 
   return c;
 }
 
+// Budget-mode sequences replayed from a CUDA graph as well: one in four, chosen by the sequence's number.
+bool replayed_in_graph(const Config& c, int i) { return c.mode == DispatchMode::budget && i % 4 == 1; }
+
 std::string describe(const Config& c) {
   const char* kinds[] = {"uniform", "zipf", "hot"};
   std::string s = c.name + ": k " + std::to_string(c.k) + ", H " + std::to_string(c.hidden) + ", T";
-  for (std::int64_t t : c.tokens) s += " " + std::to_string(t);
+  for (std::int64_t t : c.tokens) (s += ' ') += std::to_string(t);
   s += std::string(", ") + kinds[static_cast<int>(c.routing.kind)] + ", pad " + std::to_string(c.pad) +
        (c.multihot ? ", multihot" : "") + (c.i32_indices ? ", i32" : "") + (c.unrouted ? ", unrouted" : "");
   if (c.mode == DispatchMode::budget)
@@ -122,9 +128,16 @@ std::unique_ptr<DeepEpDispatcher> make_deepep(GpuRank& g, std::int64_t H, const 
   return make_deepep_dispatcher(g.comm, E, o);
 }
 
+// The host tensors a sequence uploads, in the order it uploads them: a graph replays them from copies
+// made before its capture.
+using Uploads = std::vector<Tensor>;
+
 template <class Dispatcher>
-Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c, bool in_step) {
-  auto up = [&](const Tensor& t) { return cuda::to_device(t, g.device, g.stream); };
+Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c, bool in_step, Uploads* uploads) {
+  auto up = [&](const Tensor& t) {
+    if (uploads) uploads->push_back(t);
+    return cuda::to_device(t, g.device, g.stream);
+  };
   auto down = [&](const Tensor& t) {
     if (in_step) {  // the ranks in step after every call (see above)
       FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
@@ -139,6 +152,38 @@ Outputs run_one(GpuRank& g, Dispatcher& d, const Config& c, bool in_step) {
   return out;
 }
 
+// The sequence run_one just ran (budget mode: no host sync inside), captured into one CUDA graph and
+// replayed: the capture takes its inputs from device copies of `uploads` made before it and keeps its
+// outputs on the device; they are read back after the replay, the drop count from the dispatcher.
+template <class Dispatcher>
+Outputs run_replayed(GpuRank& g, Dispatcher& d, const Config& c, const Uploads& uploads) {
+  std::vector<Tensor> on_device;
+  for (const Tensor& t : uploads) on_device.push_back(cuda::to_device(t, g.device, g.stream));
+  std::size_t next = 0;
+  auto up = [&](const Tensor& t) {
+    EXPECT_LT(next, on_device.size()) << "the captured sequence uploads more than the eager one";
+    EXPECT_TRUE(next < uploads.size() && same_bytes(uploads[next], t)) << "upload " << next << " differs";
+    return on_device.at(next++);
+  };
+  auto keep = [](const Tensor& t) { return t; };
+  auto no_drops_yet = [](const DispatchResult&) { return std::int64_t{0}; };
+  Outputs out;
+  const cuda::CapturedGraph graph(g.stream, cudaStreamCaptureModeThreadLocal, [&] {
+    out = run_sequence(d, make_inputs(c, g.size, g.rank), c, dispatch_options(c, g.size), g.rank, up, keep,
+                       no_drops_yet);
+  });
+  // Simulated ranks share the GPU: both graphs must be in flight together for their waits to meet.
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  g.comm->barrier("soak: graph replay");
+  graph.launch(g.stream);
+  for (Tensor* t : {&out.tokens, &out.probs, &out.tokens_per_expert, &out.combined, &out.grad_expert_out,
+                    &out.grad_hidden, &out.grad_weights})
+    if (t->defined() && !t->device().is_cpu()) *t = cuda::to_host(*t, g.stream);
+  out.dropped = d.last_dropped();
+  d.check_errors();
+  return out;
+}
+
 // `make(g, H, settings)`: a dispatcher of the backend under test on rank g for rows of width H.
 template <class Make>
 void soak(const std::string& backend, Make make) {
@@ -148,8 +193,10 @@ void soak(const std::string& backend, Make make) {
   std::mt19937 rng(20261207);
   std::vector<Config> configs;
   for (int i = 0; i < calls; ++i) configs.push_back(random_config(rng, i, backend == "hybridep", set.mode));
-  std::vector<std::vector<Outputs>> want(kBatch), got(kBatch, std::vector<Outputs>(kRanks));
-  std::int64_t pool_after_warmup = -1, resident_after_warmup = -1, drops = 0, budget_calls = 0, multihot_calls = 0;
+  std::vector<std::vector<Outputs>> want(kBatch), got(kBatch, std::vector<Outputs>(kRanks)),
+      replayed(kBatch, std::vector<Outputs>(kRanks));
+  std::int64_t pool_after_warmup = -1, resident_after_warmup = -1, drops = 0, budget_calls = 0, multihot_calls = 0,
+               graph_replays = 0;
   std::int64_t pool_at_end = 0, resident_at_end = 0;
   // Each rank's sequences so far: a hang names the sequence it stopped in and the ones before it.
   std::vector<std::vector<int>> started(kRanks);
@@ -166,13 +213,24 @@ void soak(const std::string& backend, Make make) {
           for (int i = 0; i < n; ++i) {
             const Config& c = configs[static_cast<std::size_t>(first + i)];
             started[static_cast<std::size_t>(g.rank)].push_back(first + i);
-            got[static_cast<std::size_t>(i)][static_cast<std::size_t>(g.rank)] = run_one(g, *by_hidden.at(c.hidden), c, set.in_step);
+            const bool graph = replayed_in_graph(c, first + i);
+            Uploads uploads;
+            auto& d = *by_hidden.at(c.hidden);
+            got[static_cast<std::size_t>(i)][static_cast<std::size_t>(g.rank)] =
+                run_one(g, d, c, set.in_step, graph ? &uploads : nullptr);
+            replayed[static_cast<std::size_t>(i)][static_cast<std::size_t>(g.rank)] =
+                graph ? run_replayed(g, d, c, uploads) : Outputs();
           }
           g.comm->barrier("soak: results");
           if (g.rank == 0) {
             for (int i = 0; i < n; ++i) {
               const Config& c = configs[static_cast<std::size_t>(first + i)];
               expect_equal(want[static_cast<std::size_t>(i)], got[static_cast<std::size_t>(i)], backend + " " + c.name);
+              if (replayed_in_graph(c, first + i)) {
+                expect_equal(want[static_cast<std::size_t>(i)], replayed[static_cast<std::size_t>(i)],
+                             backend + " " + c.name + ", replayed from a CUDA graph");
+                ++graph_replays;
+              }
               budget_calls += c.mode == DispatchMode::budget;
               multihot_calls += c.multihot;
               for (const Outputs& o : got[static_cast<std::size_t>(i)]) drops += o.dropped;
@@ -201,6 +259,7 @@ void soak(const std::string& backend, Make make) {
     FAIL() << where << ok.message();
   }
   EXPECT_GT(budget_calls, calls / 4);
+  EXPECT_GT(graph_replays, calls / 20);
   if (backend == "hybridep") {
     EXPECT_GT(multihot_calls, calls / 10);
   }
