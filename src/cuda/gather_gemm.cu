@@ -404,14 +404,14 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   constexpr auto kL2 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   constexpr const char* kWho = "gather_grouped_gemm";
   if (bt)
-    sm90::encode_bf16_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1}, kL2, kWho,
+    sm90::encode_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1}, kL2, kWho,
                           "b");
   else
-    sm90::encode_bf16_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, kL2, kWho, "b");
+    sm90::encode_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, kL2, kWho, "b");
   // Without a row table A's tiles are contiguous rows: boxes of 128 rows (row coordinates are int32).
   p.a_by_tma = !row_ids.shape.defined() && a.shape[0] <= INT32_MAX - 2 * kBM;
   if (p.a_by_tma)
-    sm90::encode_bf16_map(p.a_map, a, {k, static_cast<cuuint64_t>(a.shape[0])}, {kBK, kBM}, kL2, kWho, "a");
+    sm90::encode_map(p.a_map, a, {k, static_cast<cuuint64_t>(a.shape[0])}, {kBK, kBM}, kL2, kWho, "a");
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = row_ids.shape.defined() ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);

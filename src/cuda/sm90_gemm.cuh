@@ -1,6 +1,6 @@
 // Pieces the Hopper grouped GEMMs share (gather_gemm.cu, wgrad_gemm.cu): the stage ring of a loader /
 // wgmma pipeline, the 16-byte cp.async of a gathered row chunk, the release of a stage to whoever
-// refills it, and on the host the TMA map of a bf16 tensor and the persistent grid.
+// refills it, and on the host the TMA map of a tensor and the persistent grid.
 #pragma once
 
 #include <cuda.h>
@@ -119,20 +119,21 @@ inline void check_operand(const TensorView& t, std::initializer_list<DType> dtyp
   FLEXEP_CHECK_ARG(t.device == device, arg, "is on ", t.device.str(), " but 'a' is on ", device.str());
 }
 
-// A packed row-major bf16 tensor (dims innermost first) as a TMA map with the 128-byte swizzle;
-// reads outside it are zero-filled. `who` names the operation in the error.
-inline void encode_bf16_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64_t> dims,
-                            std::vector<cuuint32_t> box, CUtensorMapL2promotion promotion, const char* who,
-                            const char* arg) {
+// A packed row-major tensor (dims innermost first) of bf16 or f32 as a TMA map with the 128-byte
+// swizzle (a box's innermost extent is then at most 128 bytes); reads outside it are zero-filled,
+// stores outside it dropped. `who` names the operation in the error.
+inline void encode_map(CUtensorMap& map, const TensorView& t, std::vector<cuuint64_t> dims, std::vector<cuuint32_t> box,
+                       CUtensorMapL2promotion promotion, const char* who, const char* arg) {
+  const bool f32 = t.dtype == DType::f32;
   const auto rank = static_cast<cuuint32_t>(dims.size());
   std::vector<cuuint64_t> strides(rank - 1);
-  cuuint64_t stride = sizeof(Element);
+  cuuint64_t stride = f32 ? sizeof(float) : sizeof(Element);
   for (cuuint32_t i = 0; i + 1 < rank; ++i) strides[i] = stride *= dims[i];
   const std::vector<cuuint32_t> unit(rank, 1);
   const CUresult made = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(t.data), dims.data(), strides.data(), box.data(),
-      unit.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(t.data),
+      dims.data(), strides.data(), box.data(), unit.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FLEXEP_CHECK(made == CUDA_SUCCESS, who, ": cuTensorMapEncodeTiled failed (", static_cast<int>(made), ") for ", arg,
                " ", t.shape.str());
 }

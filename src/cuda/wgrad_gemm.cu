@@ -7,7 +7,9 @@
 //                   CTAs). Both land in the 128-byte-swizzled "MN-major" layout wgmma reads: the
 //                   reduced dimension, the rows, is the outer one in memory;
 //   warpgroups 1-2  wait for a stage, run 4 wgmma k-steps on it (64 x 256 each), release the stage
-//                   once the next stage's wgmmas are issued, then store the tile.
+//                   once the next stage's wgmmas are issued, then hand their 64 x 256 of the tile
+//                   to the TMA unit through shared memory (stored, or added to c in L2 by TMA's
+//                   reduce-add) and go on to the next tile while it writes.
 // A tile's stages run over its group's rows only; the last one may hold rows of the next group (a
 // TMA box is whole), which the wgmma warps overwrite with zeros first (the gathered a's are already
 // zero: cp.async zero-fills rows past the group). Pairs (GatherGemmB::pair_multicast) are clusters of
@@ -40,7 +42,8 @@ using sm90::FullBarrier;
 using sm90::kChunk;
 
 // A tile is 128 rows of c (columns of a) x 256 columns of c (columns of d); a stage is 64 group rows.
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+// Three stages leave room for the epilogue's buffers (32 KB per warpgroup).
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
 constexpr int kLoadThreads = 128, kMmaThreads = 256, kThreads = kLoadThreads + kMmaThreads;
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kBox = 64;  // one 128-byte swizzle span of a row
@@ -57,9 +60,23 @@ using SmemLayoutB = SmemLayoutMN<kBN>;
 using TiledMma = decltype(make_tiled_mma(
     SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{}, Layout<cute::Shape<_2, _1, _1>>{}));
 
+// The epilogue: a warpgroup's 64 x 256 piece of the tile passes through 32 KB of shared memory as
+// TMA boxes of 128-byte rows in the 128-byte swizzle (conflict-free writes of the accumulator pairs):
+// bf16 in one round of 64 rows (four boxes of 64 columns); f32 in two rounds of 32 rows (eight boxes
+// of 32 columns), the rows of warps 0-1, then of warps 2-3.
+constexpr int kOutBytes = 32 * 1024;
+constexpr int kOutRowBytes = 128;
+template <class T>
+constexpr int kOutRounds = sizeof(T) == 4 ? 2 : 1;
+template <class T>
+constexpr int kOutBoxRows = 64 / kOutRounds<T>;  // of a warpgroup's 64 rows
+template <class T>
+constexpr int kOutBoxCols = kOutRowBytes / static_cast<int>(sizeof(T));
+
 struct SharedStorage {
   alignas(1024) Element a[cosize_v<SmemLayoutA>];
   alignas(1024) Element b[cosize_v<SmemLayoutB>];
+  alignas(1024) unsigned char out[kMmaThreads / 128][kOutBytes];  // per warpgroup
   std::uint64_t full[kStages];   // loads landed: (128 cp.async arrivals +) 1 expect_tx arrival and the TMA bytes
   std::uint64_t empty[kStages];  // the 8 wgmma warps of each CTA sharing the stage are done reading it
   int first[kGatherGemmMaxGroups];  // each group's rows [first, first + rows), clamped to [0, N]
@@ -69,6 +86,7 @@ struct SharedStorage {
 struct Params {
   CUtensorMap d_map;  // d as [N][M], boxes of 64 (M) x 64 rows
   CUtensorMap a_map;  // a_by_tma: a as [R][K], boxes of 64 (K) x 64 rows
+  CUtensorMap c_map;  // c as [G][K][M], boxes of kOutBoxCols (M) x kOutBoxRows (K) x 1
   bool a_by_tma;      // no row table: row i of a is group row i, so a comes by TMA as d does
   bool accumulate;    // c += (f32 only); else c =
   bool c_f32;
@@ -258,43 +276,68 @@ __device__ void zero_tail(const Params& p, SharedStorage& s, int stage, int vali
   cutlass::arch::NamedBarrier::sync(kMmaThreads, 0);
 }
 
-// Stores (or adds) this thread's accumulators of a tile (`empty`: zeros, the tile ran no step): pairs
-// of adjacent columns, rows and columns past c's edge dropped. The accumulators are only read here:
-// writing them on a divergent path would make ptxas serialise the next tile's wgmmas.
-template <class Accum, class Coords>
-__device__ __forceinline__ void store_tile(const Params& p, const Tile& tile, const Accum& accum, const Coords& tCcC,
+// This warpgroup's rows of a tile (`empty`: zeros, the tile ran no step) to c by TMA: each round's
+// rows written into the warpgroup's buffer as swizzled boxes, made visible to the async proxy, then
+// stored (or, when accumulating, added to c in L2) by one thread, which first waits until the
+// previous round's boxes have been read out of the buffer. The TMA unit drops what lies past c's
+// rows or columns.
+//
+// The accumulators as wgmma lays them out (PTX ISA, "wgmma D fragment", m64nNk16 f32): value
+// i = e + 2 h + 4 j of thread t is row 16 (t / 32) + (t % 32) / 4 + 8 h, column 8 j + 2 (t % 4) + e.
+// A pair (e = 0, 1) is one 8- or 4-byte write; its 16-byte chunk of the 128-byte row, XORed with the
+// row's place in its 8-row span ((t % 32) / 4: the other terms of the row are multiples of 8), is
+// the swizzled chunk. The accumulators are only read here: writing them on a divergent path would make
+// ptxas serialise the next tile's wgmmas.
+template <class T, class Accum>
+__device__ __forceinline__ void store_tile(const Params& p, SharedStorage& s, const Tile& tile, const Accum& accum,
                                            bool empty) {
-  const int k0 = tile.k_tile * kBM, m0 = tile.m_tile * kBN;
-  const std::int64_t base = static_cast<std::int64_t>(tile.group) * p.k * p.m;
-  auto at = [&](int i) { return base + static_cast<std::int64_t>(get<0>(tCcC(i)) + k0) * p.m + get<1>(tCcC(i)) + m0; };
-  auto inside = [&](int i) { return get<0>(tCcC(i)) + k0 < p.k && get<1>(tCcC(i)) + m0 < p.m; };
-  auto value = [&](int i) { return empty ? 0.f : accum(i); };
-  if (p.c_f32) {
-    float* c = static_cast<float*>(p.c);
-    constexpr int kBatch = 8;  // pairs whose old values are in flight together (an element is read
-                               // once, by its own thread, before that thread writes it: __ldg is safe)
+  constexpr int kRounds = kOutRounds<T>, kBoxRows = kOutBoxRows<T>, kBoxCols = kOutBoxCols<T>;
+  constexpr int kSize = static_cast<int>(sizeof(T)), kBoxBytes = kBoxRows * kOutRowBytes, kBoxes = kBN / kBoxCols;
+  const int wg = (threadIdx.x - kLoadThreads) / 128, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+  const bool leader = t == 0;
+  const int pair_byte = 2 * (lane % 4) * kSize;  // the pair's byte in its 8 columns
+  const int span_row = lane / 4, swizzle = span_row ^ (pair_byte / 16);
+  auto sync_warpgroup = [&] { cutlass::arch::NamedBarrier::sync(128, 1 + wg); };
 #pragma unroll
-    for (int i0 = 0; i0 < size(accum); i0 += 2 * kBatch) {
-      float2 old[kBatch];
+  for (int round = 0; round < kRounds; ++round) {
+    // The buffer is free once the TMA unit has read the previous round's (or tile's) boxes.
+    if (leader) tma_store_wait<0>();
+    sync_warpgroup();
+    if (warp / (4 / kRounds) == round) {
+      // 32-bit shared-memory addresses: a generic pointer would cost a register pair.
+      const std::uint32_t base = cast_smem_ptr_to_uint(s.out[wg]) +
+                                 (16 * warp + span_row - round * kBoxRows) * kOutRowBytes + pair_byte % 16;
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int i = i0 + 2 * j;
-        old[j] = p.accumulate && inside(i) ? __ldg(reinterpret_cast<const float2*>(c + at(i))) : make_float2(0.f, 0.f);
-      }
+      for (int j = 0; j < kBN / 8; ++j) {
+        constexpr int kChunksPer8 = 8 * kSize / 16;  // 16-byte chunks per 8 columns
+        const int box = 8 * j / kBoxCols, chunk = (j * kChunksPer8) % (kOutRowBytes / 16);
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int i = i0 + 2 * j;
-        if (!inside(i)) continue;
-        const float2 v = p.accumulate ? make_float2(value(i) + old[j].x, value(i + 1) + old[j].y)
-                                      : make_float2(value(i), value(i + 1));
-        *reinterpret_cast<float2*>(c + at(i)) = v;
+        for (int h = 0; h < 2; ++h) {
+          const int i = 2 * h + 4 * j;
+          const std::uint32_t at = base + box * kBoxBytes + 8 * h * kOutRowBytes + ((chunk ^ swizzle) * 16);
+          const float v0 = empty ? 0.f : accum(i), v1 = empty ? 0.f : accum(i + 1);
+          if constexpr (kSize == 4) {
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(v0), "f"(v1) : "memory");
+          } else {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(*reinterpret_cast<const std::uint32_t*>(&v)) : "memory");
+          }
+        }
       }
     }
-  } else {
-    auto* c = static_cast<__nv_bfloat16*>(p.c);
+    tma_store_fence();  // the generic writes above, before the async proxy reads them
+    sync_warpgroup();
+    if (leader) {
+      const int k = tile.k_tile * kBM + 64 * wg + round * kBoxRows;
 #pragma unroll
-    for (int i = 0; i < size(accum); i += 2)
-      if (inside(i)) *reinterpret_cast<__nv_bfloat162*>(c + at(i)) = __floats2bfloat162_rn(value(i), value(i + 1));
+      for (int b = 0; b < kBoxes; ++b) {
+        const int m = tile.m_tile * kBN + b * kBoxCols;
+        if (m >= p.m) break;
+        if (p.accumulate) SM90_TMA_REDUCE_ADD_3D::copy(&p.c_map, s.out[wg] + b * kBoxBytes, m, k, tile.group);
+        else SM90_TMA_STORE_3D::copy(&p.c_map, s.out[wg] + b * kBoxBytes, m, k, tile.group);
+      }
+      tma_store_arrive();
+    }
   }
 }
 
@@ -309,8 +352,6 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
   auto tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
   auto tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
   auto accum = partition_fragment_C(tiled_mma, make_shape(Int<kBM>{}, Int<kBN>{}));
-  auto thr_mma = tiled_mma.get_slice(mma_thread);
-  auto tCcC = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
 
   const int first = blockIdx.x / kCtasPerUnit<kPair>, stride = gridDim.x / kCtasPerUnit<kPair>;
   StageState read;
@@ -346,8 +387,11 @@ __device__ void mma_tiles(const Params& p, SharedStorage& s, int total_units) {
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
     if (steps > 0) sm90::release_stage<kPair>(s.empty, release.index);
-    store_tile(p, tile, accum, tCcC, steps == 0);
+    if (p.c_f32) store_tile<float>(p, s, tile, accum, steps == 0);
+    else store_tile<__nv_bfloat16>(p, s, tile, accum, steps == 0);
   }
+  // The last tile's stores complete before the CTA (and its shared memory) goes.
+  if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 template <bool kPair>
@@ -358,6 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_grouped_gemm_kernel(const _
                             kMmaWarps * kCtasPerUnit<kPair>);
   if (threadIdx.x == 32) cute::prefetch_tma_descriptor(&p.d_map);
   if (threadIdx.x == 64 && p.a_by_tma) cute::prefetch_tma_descriptor(&p.a_map);
+  if (threadIdx.x == kLoadThreads) cute::prefetch_tma_descriptor(&p.c_map);
   plan_groups(p, s);
   __syncthreads();
   // The peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs'
@@ -432,14 +477,20 @@ void wgrad_grouped_gemm(const TensorView& a, const TensorView& row_ids, const Te
   Params p{};
   // d as [N][M] (innermost first), boxes of 64 columns x 64 rows; a without a table likewise. Reads past
   // the last row or column are zero-filled by the TMA unit.
-  sm90::encode_bf16_map(p.d_map, d, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(N)}, {kBox, kBK},
+  sm90::encode_map(p.d_map, d, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(N)}, {kBox, kBK},
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "d");
+  // c as [G][K][M]: a box never crosses into the next group's gradient.
+  const bool c_f32 = c.dtype == DType::f32;
+  sm90::encode_map(p.c_map, c, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)},
+                   {static_cast<cuuint32_t>(c_f32 ? kOutBoxCols<float> : kOutBoxCols<__nv_bfloat16>),
+                    static_cast<cuuint32_t>(c_f32 ? kOutBoxRows<float> : kOutBoxRows<__nv_bfloat16>), 1},
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "c");
   p.a_by_tma = !table;
   if (p.a_by_tma)
-    sm90::encode_bf16_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)}, {kBox, kBK},
+    sm90::encode_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)}, {kBox, kBK},
                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "a");
   p.accumulate = accumulate;
-  p.c_f32 = c.dtype == DType::f32;
+  p.c_f32 = c_f32;
   p.a = static_cast<const Element*>(a.data);
   p.row_ids = table ? static_cast<const std::int32_t*>(row_ids.data) : nullptr;
   p.offsets = static_cast<const std::int64_t*>(offsets.data);
