@@ -104,6 +104,12 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(const double* src,
     dst[i] = static_cast<float>(static_cast<double>(dst[i]) + src[i]);
 }
 
+__global__ void __launch_bounds__(kThreads) accumulate_halves_kernel(const float* src, float* dst, std::int64_t n) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride)
+    dst[i] += src[i] + src[n + i];
+}
+
 const __nv_bfloat16* as_nv(const bf16* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
 __nv_bfloat16* as_nv(bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
 
@@ -126,6 +132,12 @@ void launch_accumulate(const double* src, float* dst, std::int64_t n, cudaStream
   if (n == 0) return;
   accumulate_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, dst, n);
   FLEXEP_CUDA_CHECK_LAUNCH("accumulate_kernel");
+}
+
+void launch_accumulate_halves(const float* src, float* dst, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  accumulate_halves_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, dst, n);
+  FLEXEP_CUDA_CHECK_LAUNCH("accumulate_halves_kernel");
 }
 
 }  // namespace flexep::cuda::router

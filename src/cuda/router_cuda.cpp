@@ -233,7 +233,8 @@ RouterOutput forward_impl(const MoEConfig& c, std::optional<DType> precision, co
 }
 
 // grad_x and grad_weight from fp32 grad_logits for the unset precision: g = hi + lo in bf16, so
-// grad_x = [hi | lo] [W ; W] is one bf16 GEMM with K = 2E, and grad_weight += hi^T x + lo^T x.
+// grad_x = [hi | lo] [W ; W] is one bf16 GEMM with K = 2E, and grad_weight += hi^T x + lo^T x, where
+// [hi | lo]^T x is one GEMM of 2E rows (x, the big operand, read once) whose halves are then added.
 void input_grads_bf16(const Tensor& g, const TensorView& x, const TensorView& weight, const Tensor& grad_x,
                       const TensorView& grad_weight, cudaStream_t stream) {
   const Device dev = x.device;
@@ -251,8 +252,10 @@ void input_grads_bf16(const Tensor& g, const TensorView& x, const TensorView& we
     grad_x_gemm(stream, w2.raw(), hl.raw(), grad_x.raw(), T, 2 * E, dim, kBf16ToBf16);
   }
   if (!grad_weight.defined()) return;
-  grad_w_gemm(stream, x.data, hl.data<bf16>(), 2 * E, grad_weight.data, T, E, dim, 1.0, kBf16ToF32);
-  grad_w_gemm(stream, x.data, hl.data<bf16>() + E, 2 * E, grad_weight.data, T, E, dim, 1.0, kBf16ToF32);
+  const Tensor halves = Tensor::empty({2 * E, dim}, DType::f32, dev);
+  grad_w_gemm(stream, x.data, hl.data<bf16>(), 2 * E, halves.raw(), T, 2 * E, dim, 0.0, kBf16ToF32);
+  router::launch_accumulate_halves(halves.data<float>(), grad_weight.ptr<float>(), static_cast<std::int64_t>(E) * dim,
+                                   stream);
 }
 
 // grad_x and grad_weight in the gate precision S (x and W cast to S, pedantic GEMMs); grad_x is

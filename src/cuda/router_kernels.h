@@ -114,5 +114,7 @@ void launch_cast(const double* src, float* dst, std::int64_t n, cudaStream_t str
 void launch_split_bf16(const float* g, bf16* hl, std::int64_t rows, int cols, cudaStream_t stream);
 // dst[i] = float(dst[i] + src[i]).
 void launch_accumulate(const double* src, float* dst, std::int64_t n, cudaStream_t stream);
+// dst[i] += src[i] + src[n + i] for i < n: the hi and lo halves of the split's weight gradient.
+void launch_accumulate_halves(const float* src, float* dst, std::int64_t n, cudaStream_t stream);
 
 }  // namespace flexep::cuda::router
