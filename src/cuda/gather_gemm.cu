@@ -404,8 +404,7 @@ void gather_grouped_gemm(const TensorView& a, const TensorView& row_ids, const T
   constexpr auto kL2 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   constexpr const char* kWho = "gather_grouped_gemm";
   if (bt)
-    sm90::encode_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1}, kL2, kWho,
-                          "b");
+    sm90::encode_map(p.b_map, b, {k, m, g}, {kBK, static_cast<cuuint32_t>(pair ? kBN / 2 : kBN), 1}, kL2, kWho, "b");
   else
     sm90::encode_map(p.b_map, b, {m, k, g}, {kBoxN, kBK, 1}, kL2, kWho, "b");
   // Without a row table A's tiles are contiguous rows: boxes of 128 rows (row coordinates are int32).

@@ -320,15 +320,16 @@ __device__ __forceinline__ void store_tile(const Params& p, SharedStorage& s, co
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(v0), "f"(v1) : "memory");
           } else {
             const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(*reinterpret_cast<const std::uint32_t*>(&v)) : "memory");
+            const std::uint32_t bits = *reinterpret_cast<const std::uint32_t*>(&v);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(bits) : "memory");
           }
         }
       }
     }
     tma_store_fence();  // the generic writes above, before the async proxy reads them
     sync_warpgroup();
-    if (leader) {
-      const int k = tile.k_tile * kBM + 64 * wg + round * kBoxRows;
+    const int k = tile.k_tile * kBM + 64 * wg + round * kBoxRows;
+    if (leader && k < p.k) {  // a pair's CTA past the last K tile stores nothing
 #pragma unroll
       for (int b = 0; b < kBoxes; ++b) {
         const int m = tile.m_tile * kBN + b * kBoxCols;
@@ -478,7 +479,7 @@ void wgrad_grouped_gemm(const TensorView& a, const TensorView& row_ids, const Te
   // d as [N][M] (innermost first), boxes of 64 columns x 64 rows; a without a table likewise. Reads past
   // the last row or column are zero-filled by the TMA unit.
   sm90::encode_map(p.d_map, d, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(N)}, {kBox, kBK},
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "d");
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "d");
   // c as [G][K][M]: a box never crosses into the next group's gradient.
   const bool c_f32 = c.dtype == DType::f32;
   sm90::encode_map(p.c_map, c, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)},
@@ -488,7 +489,7 @@ void wgrad_grouped_gemm(const TensorView& a, const TensorView& row_ids, const Te
   p.a_by_tma = !table;
   if (p.a_by_tma)
     sm90::encode_map(p.a_map, a, {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)}, {kBox, kBK},
-                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "a");
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "a");
   p.accumulate = accumulate;
   p.c_f32 = c_f32;
   p.a = static_cast<const Element*>(a.data);
