@@ -29,6 +29,7 @@
 #include "flexep/core/error.h"
 #include "flexep/cuda/gather_gemm.h"
 #include "flexep/cuda/runtime.h"
+#include "sm90_epilogue.h"
 #include "sm90_gemm.cuh"
 
 namespace flexep::cuda {
@@ -61,17 +62,11 @@ using TiledMma = decltype(make_tiled_mma(
     SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{}, Layout<cute::Shape<_2, _1, _1>>{}));
 
 // The epilogue: a warpgroup's 64 x 256 piece of the tile passes through 32 KB of shared memory as
-// TMA boxes of 128-byte rows in the 128-byte swizzle (conflict-free writes of the accumulator pairs):
-// bf16 in one round of 64 rows (four boxes of 64 columns); f32 in two rounds of 32 rows (eight boxes
-// of 32 columns), the rows of warps 0-1, then of warps 2-3.
-constexpr int kOutBytes = 32 * 1024;
-constexpr int kOutRowBytes = 128;
+// TMA boxes (sm90_epilogue.h).
 template <class T>
-constexpr int kOutRounds = sizeof(T) == 4 ? 2 : 1;
-template <class T>
-constexpr int kOutBoxRows = 64 / kOutRounds<T>;  // of a warpgroup's 64 rows
-template <class T>
-constexpr int kOutBoxCols = kOutRowBytes / static_cast<int>(sizeof(T));
+using OutBoxes = sm90::EpilogueBoxes<static_cast<int>(sizeof(T))>;
+constexpr int kOutBytes = OutBoxes<float>::kBufferBytes;
+static_assert(OutBoxes<__nv_bfloat16>::kBufferBytes == kOutBytes, "one buffer size for both");
 
 struct SharedStorage {
   alignas(1024) Element a[cosize_v<SmemLayoutA>];
@@ -86,7 +81,7 @@ struct SharedStorage {
 struct Params {
   CUtensorMap d_map;  // d as [N][M], boxes of 64 (M) x 64 rows
   CUtensorMap a_map;  // a_by_tma: a as [R][K], boxes of 64 (K) x 64 rows
-  CUtensorMap c_map;  // c as [G][K][M], boxes of kOutBoxCols (M) x kOutBoxRows (K) x 1
+  CUtensorMap c_map;  // c as [G][K][M], boxes of OutBoxes<c's type>::kCols (M) x kRows (K) x 1
   bool a_by_tma;      // no row table: row i of a is group row i, so a comes by TMA as d does
   bool accumulate;    // c += (f32 only); else c =
   bool c_f32;
@@ -277,46 +272,35 @@ __device__ void zero_tail(const Params& p, SharedStorage& s, int stage, int vali
 }
 
 // This warpgroup's rows of a tile (`empty`: zeros, the tile ran no step) to c by TMA: each round's
-// rows written into the warpgroup's buffer as swizzled boxes, made visible to the async proxy, then
-// stored (or, when accumulating, added to c in L2) by one thread, which first waits until the
-// previous round's boxes have been read out of the buffer. The TMA unit drops what lies past c's
-// rows or columns.
-//
-// The accumulators as wgmma lays them out (PTX ISA, "wgmma D fragment", m64nNk16 f32): value
-// i = e + 2 h + 4 j of thread t is row 16 (t / 32) + (t % 32) / 4 + 8 h, column 8 j + 2 (t % 4) + e.
-// A pair (e = 0, 1) is one 8- or 4-byte write; its 16-byte chunk of the 128-byte row, XORed with the
-// row's place in its 8-row span ((t % 32) / 4: the other terms of the row are multiples of 8), is
-// the swizzled chunk. The accumulators are only read here: writing them on a divergent path would make
-// ptxas serialise the next tile's wgmmas.
+// rows written into the warpgroup's buffer as swizzled boxes (sm90_epilogue.h), made visible to the
+// async proxy, then stored (or, when accumulating, added to c in L2) by one thread, which first waits
+// until the previous round's boxes have been read out of the buffer. The TMA unit drops what lies past
+// c's rows or columns. The accumulators are only read here: writing them on a divergent path would
+// make ptxas serialise the next tile's wgmmas.
 template <class T, class Accum>
 __device__ __forceinline__ void store_tile(const Params& p, SharedStorage& s, const Tile& tile, const Accum& accum,
                                            bool empty) {
-  constexpr int kRounds = kOutRounds<T>, kBoxRows = kOutBoxRows<T>, kBoxCols = kOutBoxCols<T>;
-  constexpr int kSize = static_cast<int>(sizeof(T)), kBoxBytes = kBoxRows * kOutRowBytes, kBoxes = kBN / kBoxCols;
+  using Boxes = OutBoxes<T>;
   const int wg = (threadIdx.x - kLoadThreads) / 128, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
   const bool leader = t == 0;
-  const int pair_byte = 2 * (lane % 4) * kSize;  // the pair's byte in its 8 columns
-  const int span_row = lane / 4, swizzle = span_row ^ (pair_byte / 16);
+  const int swizzle = Boxes::swizzle(lane);
   auto sync_warpgroup = [&] { cutlass::arch::NamedBarrier::sync(128, 1 + wg); };
 #pragma unroll
-  for (int round = 0; round < kRounds; ++round) {
+  for (int round = 0; round < Boxes::kRounds; ++round) {
     // The buffer is free once the TMA unit has read the previous round's (or tile's) boxes.
     if (leader) tma_store_wait<0>();
     sync_warpgroup();
-    if (warp / (4 / kRounds) == round) {
+    if (Boxes::round_of(warp) == round) {
       // 32-bit shared-memory addresses: a generic pointer would cost a register pair.
-      const std::uint32_t base = cast_smem_ptr_to_uint(s.out[wg]) +
-                                 (16 * warp + span_row - round * kBoxRows) * kOutRowBytes + pair_byte % 16;
+      const std::uint32_t base = cast_smem_ptr_to_uint(s.out[wg]) + Boxes::thread_base(warp, lane);
 #pragma unroll
       for (int j = 0; j < kBN / 8; ++j) {
-        constexpr int kChunksPer8 = 8 * kSize / 16;  // 16-byte chunks per 8 columns
-        const int box = 8 * j / kBoxCols, chunk = (j * kChunksPer8) % (kOutRowBytes / 16);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+          const std::uint32_t at = base + Boxes::pair_offset(j, h, swizzle);
           const int i = 2 * h + 4 * j;
-          const std::uint32_t at = base + box * kBoxBytes + 8 * h * kOutRowBytes + ((chunk ^ swizzle) * 16);
           const float v0 = empty ? 0.f : accum(i), v1 = empty ? 0.f : accum(i + 1);
-          if constexpr (kSize == 4) {
+          if constexpr (sizeof(T) == 4) {
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(v0), "f"(v1) : "memory");
           } else {
             const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
@@ -328,14 +312,14 @@ __device__ __forceinline__ void store_tile(const Params& p, SharedStorage& s, co
     }
     tma_store_fence();  // the generic writes above, before the async proxy reads them
     sync_warpgroup();
-    const int k = tile.k_tile * kBM + 64 * wg + round * kBoxRows;
+    const int k = tile.k_tile * kBM + 64 * wg + round * Boxes::kRows;
     if (leader && k < p.k) {  // a pair's CTA past the last K tile stores nothing
 #pragma unroll
-      for (int b = 0; b < kBoxes; ++b) {
-        const int m = tile.m_tile * kBN + b * kBoxCols;
+      for (int b = 0; b < Boxes::kBoxes; ++b) {
+        const int m = tile.m_tile * kBN + b * Boxes::kCols;
         if (m >= p.m) break;
-        if (p.accumulate) SM90_TMA_REDUCE_ADD_3D::copy(&p.c_map, s.out[wg] + b * kBoxBytes, m, k, tile.group);
-        else SM90_TMA_STORE_3D::copy(&p.c_map, s.out[wg] + b * kBoxBytes, m, k, tile.group);
+        if (p.accumulate) SM90_TMA_REDUCE_ADD_3D::copy(&p.c_map, s.out[wg] + b * Boxes::kBytes, m, k, tile.group);
+        else SM90_TMA_STORE_3D::copy(&p.c_map, s.out[wg] + b * Boxes::kBytes, m, k, tile.group);
       }
       tma_store_arrive();
     }
@@ -483,8 +467,8 @@ void wgrad_grouped_gemm(const TensorView& a, const TensorView& row_ids, const Te
   // c as [G][K][M]: a box never crosses into the next group's gradient.
   const bool c_f32 = c.dtype == DType::f32;
   sm90::encode_map(p.c_map, c, {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(G)},
-                   {static_cast<cuuint32_t>(c_f32 ? kOutBoxCols<float> : kOutBoxCols<__nv_bfloat16>),
-                    static_cast<cuuint32_t>(c_f32 ? kOutBoxRows<float> : kOutBoxRows<__nv_bfloat16>), 1},
+                   {static_cast<cuuint32_t>(c_f32 ? OutBoxes<float>::kCols : OutBoxes<__nv_bfloat16>::kCols),
+                    static_cast<cuuint32_t>(c_f32 ? OutBoxes<float>::kRows : OutBoxes<__nv_bfloat16>::kRows), 1},
                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "wgrad_grouped_gemm", "c");
   p.a_by_tma = !table;
   if (p.a_by_tma)
