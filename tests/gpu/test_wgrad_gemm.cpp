@@ -28,7 +28,6 @@ using testing::offsets_of;
 using testing::on_device;
 using testing::rel_error;
 
-
 // c[g] = sum over the group's rows i of a[ids[i]]^T d[i] in fp32 (ids empty: a[i]; id -1: nothing).
 Tensor reference(const Tensor& a, const std::vector<std::int32_t>& ids, const Tensor& d,
                  const std::vector<std::int64_t>& off) {
