@@ -21,6 +21,7 @@ HostWorld::HostWorld(int size, double timeout_seconds) : size_(size), timeout_se
   FLEXEP_CHECK_ARG(size >= 1, "size", "a host world needs at least 1 rank, got ", size);
   FLEXEP_CHECK_ARG(timeout_seconds > 0.0, "timeout_seconds", "must be > 0, got ", timeout_seconds);
   present_.assign(static_cast<std::size_t>(size), false);
+  reading_.assign(static_cast<std::size_t>(size), false);
   exchanges_.assign(static_cast<std::size_t>(size), 0);
   slots_[0].assign(static_cast<std::size_t>(size), nullptr);
   slots_[1].assign(static_cast<std::size_t>(size), nullptr);
@@ -50,16 +51,28 @@ std::vector<std::string> HostWorld::traced(int rank) const {
   return traced_.empty() ? std::vector<std::string>{} : traced_[static_cast<std::size_t>(rank)];
 }
 
-void HostWorld::fire_fault(int rank, const std::string& phase) {
+void HostWorld::fire_fault(int rank, const std::string& phase, bool after) {
   double stall = 0.0;
   {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (tracing_) traced_[static_cast<std::size_t>(rank)].push_back(phase);
-    const auto it = std::find_if(faults_.begin(), faults_.end(),
-                                 [&](const Fault& f) { return f.rank == rank && f.phase == phase; });
+    if (!after) {
+      // Entering a collective ends the reads of the last all-gather's rows.
+      if (reading_[static_cast<std::size_t>(rank)]) {
+        reading_[static_cast<std::size_t>(rank)] = false;
+        cv_.notify_all();
+      }
+      if (tracing_) traced_[static_cast<std::size_t>(rank)].push_back(phase);
+    }
+    const auto it = std::find_if(faults_.begin(), faults_.end(), [&](const Fault& f) {
+      return f.rank == rank && f.phase == phase && f.after == after;
+    });
     if (it == faults_.end()) return;
     stall = it->stall_seconds;
     faults_.erase(it);
+  }
+  if (after) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::max(stall, 0.0)));
+    return;
   }
   if (stall >= 0.0) {
     std::this_thread::sleep_for(std::chrono::duration<double>(stall));
@@ -67,23 +80,51 @@ void HostWorld::fire_fault(int rank, const std::string& phase) {
   }
   // A dead rank never arrives, and its memory stays where it was: peers may still read what it
   // published (the exchange before a ":done" barrier). It unwinds once the others have given up
-  // on it, which they do only from inside the barrier, after their reads.
+  // on it and none of them still reads.
   std::unique_lock<std::mutex> lock(mutex_);
   cv_.wait(lock, [&] { return !broken_reason_.empty(); });
+  wait_for_readers(lock, rank);
   throw InjectedFault(detail::concat("flexep: injected fault: rank ", rank, " stopped at '", phase, "'"));
 }
 
 void HostWorld::barrier(int rank, const std::string& phase) {
   check_rank(rank, size_);
-  fire_fault(rank, phase);
+  fire_fault(rank, phase, false);
   meet(rank, phase);
+  fire_fault(rank, phase, true);
+}
+
+void HostWorld::leave(int rank) {
+  check_rank(rank, size_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (reading_[static_cast<std::size_t>(rank)]) {
+    reading_[static_cast<std::size_t>(rank)] = false;
+    cv_.notify_all();
+  }
+  wait_for_readers(lock, rank);
+}
+
+void HostWorld::wait_for_readers(std::unique_lock<std::mutex>& lock, int rank) {
+  // A reader is a live thread copying rows; it ends at its next collective, which fails at once
+  // in a broken world, or at leave(). A reader gets one more deadline: past it the rows are freed
+  // under it, rather than this rank hanging.
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_seconds_));
+  cv_.wait_until(lock, deadline, [&] {
+    for (int r = 0; r < size_; ++r)
+      if (r != rank && reading_[static_cast<std::size_t>(r)]) return false;
+    return true;
+  });
 }
 
 void HostWorld::meet(int rank, const std::string& phase) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (!broken_reason_.empty())
+  if (!broken_reason_.empty()) {
+    wait_for_readers(lock, rank);
     throw_error("host world is broken (", broken_reason_, "); rank ", rank, " cannot enter '", phase,
                 "'. Recreate the world after fixing the cause");
+  }
   FLEXEP_CHECK(!present_[static_cast<std::size_t>(rank)], "host world: rank ", rank, " entered barrier '", phase,
                "' twice; each rank must be driven by exactly one thread");
   if (arrived_ == 0) {
@@ -94,6 +135,7 @@ void HostWorld::meet(int rank, const std::string& phase) {
     broken_reason_ = detail::concat("rank ", rank, " entered '", phase, "' while other ranks wait in '", phase_,
                                     "'; every rank must make the same collective calls in the same order");
     cv_.notify_all();
+    wait_for_readers(lock, rank);
     throw_error("host world: ", broken_reason_);
   }
   present_[static_cast<std::size_t>(rank)] = true;
@@ -112,6 +154,7 @@ void HostWorld::meet(int rank, const std::string& phase) {
   const bool released = cv_.wait_until(lock, deadline, [&] { return generation_ != gen || !broken_reason_.empty(); });
   if (generation_ != gen) return;  // completed, even if the world broke right after
   if (released) {
+    wait_for_readers(lock, rank);
     // Broken while we waited: a timeout of this same barrier reads as a timeout on every waiter.
     if (broken_peer_ >= 0 && broken_phase_ == phase) throw TimeoutError(phase, broken_peer_, broken_reason_);
     throw_error("host world is broken (", broken_reason_, "); rank ", rank, " was waiting in '", phase, "'");
@@ -130,12 +173,13 @@ void HostWorld::meet(int rank, const std::string& phase) {
   broken_phase_ = phase;
   broken_peer_ = missing;
   cv_.notify_all();
+  wait_for_readers(lock, rank);
   throw TimeoutError(phase, missing, broken_reason_);
 }
 
 std::vector<const void*> HostWorld::all_gather_ptr(int rank, const void* mine, const std::string& phase) {
   check_rank(rank, size_);
-  fire_fault(rank, phase);  // before publishing: a stopped rank leaves nothing behind for the others
+  fire_fault(rank, phase, false);  // before publishing: a stopped rank leaves nothing behind for the others
   std::size_t parity;
   {
     // A fast rank may publish its next exchange while a slow one still reads this one; the next
@@ -145,8 +189,14 @@ std::vector<const void*> HostWorld::all_gather_ptr(int rank, const void* mine, c
     slots_[parity][static_cast<std::size_t>(rank)] = mine;
   }
   meet(rank, phase);
-  std::lock_guard<std::mutex> lock(mutex_);
-  return slots_[parity];
+  std::vector<const void*> all;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reading_[static_cast<std::size_t>(rank)] = true;
+    all = slots_[parity];
+  }
+  fire_fault(rank, phase, true);
+  return all;
 }
 
 HostProcessGroup::HostProcessGroup(std::shared_ptr<HostWorld> world, int rank) : world_(std::move(world)), rank_(rank) {

@@ -145,3 +145,54 @@ TEST(HostFaults, ARankThatDiesOrStallsInAnyCollectiveTimesOutTheOthers) {
         }
       }
 }
+
+// A rank that passes an exchange and then reads slowly (longer than the deadline): the others time
+// out at the barrier that ends the call, naming it, but wait until it has stopped reading before
+// they unwind and free the rows it reads (the sanitizer build would see a read of freed memory).
+TEST(HostFaults, ASlowReaderKeepsItsPeersRowsAliveUntilItStops) {
+  const char* exchanges[] = {"dispatch:row-exchange", "combine:exchange", "dispatch_backward:exchange",
+                             "combine_backward:exchange"};
+  const double deadline = 0.5, stall = 0.8;  // the slow rank gets one more deadline to finish reading
+  for (DispatchLayout layout : {DispatchLayout::expert_major, DispatchLayout::rank_major})
+    for (const char* exchange : exchanges) {
+      const int R = 3, slow = 1;
+      const std::string phase(exchange), done = phase.substr(0, phase.find(':')) + ":done";
+      SCOPED_TRACE(phase + (layout == DispatchLayout::rank_major ? ", rank-major" : ""));
+      const Spec s = three_ranks();
+      const auto in = make_inputs(s);
+      DispatchOptions o;
+      o.layout = layout;
+      Group g(R, s.experts, deadline);
+      HostWorld::Fault fault{slow, phase, stall};
+      fault.after = true;
+      g.world->inject(fault);
+      const auto start = std::chrono::steady_clock::now();
+      std::vector<double> left(R, 0.0);  // when each rank's call sequence unwound
+      const auto errors = g.run([&](int r, TokenDispatcher& d) {
+        try {
+          run_until(d, in[static_cast<std::size_t>(r)], o, Step::combine_backward, false);
+        } catch (...) {
+          left[static_cast<std::size_t>(r)] =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          throw;
+        }
+      });
+      for (int r = 0; r < R; ++r) {
+        try {
+          std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+        } catch (const TimeoutError& e) {
+          EXPECT_NE(r, slow) << e.what();
+          EXPECT_EQ(e.phase(), done) << e.what();
+          EXPECT_EQ(e.peer(), slow) << e.what();
+          EXPECT_GE(left[static_cast<std::size_t>(r)], stall) << "rank " << r << " unwound while rank " << slow
+                                                               << " still read its rows";
+          EXPECT_LT(left[static_cast<std::size_t>(r)], 2 * deadline + 1.0);
+        } catch (const Error& e) {
+          EXPECT_EQ(r, slow) << e.what();
+          EXPECT_NE(std::string(e.what()).find("broken"), std::string::npos) << e.what();
+        } catch (...) {
+          ADD_FAILURE() << "rank " << r << ": " << what_of(errors[static_cast<std::size_t>(r)]);
+        }
+      }
+    }
+}

@@ -26,18 +26,28 @@ class HostWorld {
   // Blocks until all ranks arrived at this barrier (same call count on every rank).
   void barrier(int rank, const std::string& phase);
   // Every rank passes a pointer; returns all ranks' pointers, index = rank. The pointees must
-  // stay valid until the ranks have passed a later barrier.
+  // stay valid until the ranks have passed a later barrier. A rank reads what it gathered until it
+  // enters its next collective (or leave()s); a rank that leaves a collective by an error (a
+  // timeout, a broken world) first waits for every peer still reading, up to one more deadline, so
+  // that unwinding does not free rows a slow peer reads.
   std::vector<const void*> all_gather_ptr(int rank, const void* mine, const std::string& phase);
   bool broken() const;
+  // For a rank that leaves its call by an error of its own between collectives (not one a
+  // collective raised): it stops reading, and waits, as a collective's error does, for the peers
+  // still reading its rows.
+  void leave(int rank);
 
   // Fault injection, for tests: the next time `rank` reaches the collective `phase` (a barrier or
   // an all-gather of that name) it stops there as a dead rank would, never arriving
   // (stall_seconds < 0; its thread throws InjectedFault once the others' deadline broke the world),
-  // or sleeps stall_seconds and then enters as a stalled one would. Each fault fires once.
+  // or sleeps stall_seconds and then enters as a stalled one would. With `after`, the rank instead
+  // passes the collective and then sleeps stall_seconds before going on: a slow reader of what an
+  // all-gather gave it. Each fault fires once.
   struct Fault {
     int rank = 0;
     std::string phase;
     double stall_seconds = -1.0;
+    bool after = false;
   };
   void inject(Fault fault);
   // The collectives each rank entered while tracing was on, in order (to find where to inject).
@@ -45,8 +55,11 @@ class HostWorld {
   std::vector<std::string> traced(int rank) const;
 
  private:
-  void fire_fault(int rank, const std::string& phase);
+  void fire_fault(int rank, const std::string& phase, bool after);
   void meet(int rank, const std::string& phase);  // the barrier itself
+  // Before a rank leaves a collective by an error: up to the deadline, until no peer still reads
+  // what it gathered (its caller frees the rows this rank published once the error unwinds).
+  void wait_for_readers(std::unique_lock<std::mutex>& lock, int rank);
 
   const int size_;
   double timeout_seconds_;
@@ -57,6 +70,7 @@ class HostWorld {
   std::vector<bool> present_;              // who arrived at the current barrier
   std::vector<std::uint64_t> exchanges_;   // per-rank exchange count (slot parity)
   std::vector<const void*> slots_[2];
+  std::vector<bool> reading_;  // passed an all-gather, not yet in its next collective
   std::string broken_reason_;
   std::string phase_;          // phase of the barrier being filled (a mismatch is a protocol error)
   std::string broken_phase_;   // set when a timeout broke the world: ranks waiting in that barrier

@@ -112,13 +112,28 @@ class HostDispatcher final : public TokenDispatcher {
   int world_size() const override { return world_->size(); }
   int num_experts() const override { return experts_; }
 
-  DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
-  Tensor combine(const Handle& handle, const TensorView& expert_out) override;
+  DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override {
+    return leaving_on_error(*world_, rank_, [&] { return dispatch_rows(input, options); });
+  }
+  Tensor combine(const Handle& handle, const TensorView& expert_out) override {
+    return leaving_on_error(*world_, rank_, [&] { return combine_rows(handle, expert_out); });
+  }
   DispatchGrads dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
-                                  const TensorView& grad_token_probs) override;
-  Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override;
+                                  const TensorView& grad_token_probs) override {
+    return leaving_on_error(*world_, rank_,
+                            [&] { return dispatch_backward_rows(handle, grad_tokens, grad_token_probs); });
+  }
+  Tensor combine_backward(const Handle& handle, const TensorView& grad_out) override {
+    return leaving_on_error(*world_, rank_, [&] { return combine_backward_rows(handle, grad_out); });
+  }
 
  private:
+  DispatchResult dispatch_rows(const DispatchInput& input, const DispatchOptions& options);
+  Tensor combine_rows(const Handle& handle, const TensorView& expert_out);
+  DispatchGrads dispatch_backward_rows(const Handle& handle, const TensorView& grad_tokens,
+                                       const TensorView& grad_token_probs);
+  Tensor combine_backward_rows(const Handle& handle, const TensorView& grad_out);
+
   const HostHandle& host_handle(const Handle& handle) const {
     check_handle(handle);
     const auto* h = dynamic_cast<const HostHandle*>(handle.get());
@@ -142,7 +157,7 @@ class HostDispatcher final : public TokenDispatcher {
   std::uint64_t calls_ = 0;
 };
 
-DispatchResult HostDispatcher::dispatch(const DispatchInput& input, const DispatchOptions& options) {
+DispatchResult HostDispatcher::dispatch_rows(const DispatchInput& input, const DispatchOptions& options) {
   const std::uint64_t sequence = ++calls_;
   const int R = world_->size();
   const bool rank_major = options.layout == DispatchLayout::rank_major;
@@ -294,7 +309,7 @@ std::vector<HandleExchange> HostDispatcher::exchange(const HandleExchange& mine,
   });
 }
 
-Tensor HostDispatcher::combine(const Handle& handle, const TensorView& expert_out) {
+Tensor HostDispatcher::combine_rows(const Handle& handle, const TensorView& expert_out) {
   const HostHandle* h = nullptr;
   HandleExchange mine;
   try {
@@ -318,7 +333,7 @@ Tensor HostDispatcher::combine(const Handle& handle, const TensorView& expert_ou
   return out;
 }
 
-Tensor HostDispatcher::combine_backward(const Handle& handle, const TensorView& grad_out) {
+Tensor HostDispatcher::combine_backward_rows(const Handle& handle, const TensorView& grad_out) {
   const HostHandle* h = nullptr;
   HandleExchange mine;
   try {
@@ -346,8 +361,8 @@ Tensor HostDispatcher::combine_backward(const Handle& handle, const TensorView& 
   return grad;
 }
 
-DispatchGrads HostDispatcher::dispatch_backward(const Handle& handle, const TensorView& grad_tokens,
-                                                const TensorView& grad_token_probs) {
+DispatchGrads HostDispatcher::dispatch_backward_rows(const Handle& handle, const TensorView& grad_tokens,
+                                                     const TensorView& grad_token_probs) {
   const HostHandle* h = nullptr;
   HandleExchange mine;
   try {

@@ -44,4 +44,16 @@ std::vector<P> publish(HostWorld& world, int rank, const P& mine, const std::str
   return all;
 }
 
+// Runs a call's body; an error it raises between collectives first waits for the peers still
+// reading this rank's rows (HostWorld::leave), since unwinding frees them.
+template <class Body>
+auto leaving_on_error(HostWorld& world, int rank, Body body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (...) {
+    world.leave(rank);
+    throw;
+  }
+}
+
 }  // namespace flexep::host
