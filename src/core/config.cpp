@@ -59,6 +59,8 @@ constexpr NameTable<Activation, 5> kActivations{{{{"swiglu", Activation::swiglu}
 constexpr NameTable<GroupMask, 2> kGroupMasks{{{{"automodel", GroupMask::automodel}, {"neg_inf", GroupMask::neg_inf}}}};
 
 constexpr int kMaxSms = 1024;
+// Each chunk is one more dispatcher with its own buffers (and, on the GPU, collectives to create).
+constexpr int kMaxDispatchChunks = 16;
 
 void check_sms(int v, int min, const char* arg) {
   FLEXEP_CHECK_ARG(v >= min && v <= kMaxSms, arg, "is ", v, "; allowed: ", min, " <= value <= ", kMaxSms,
@@ -117,6 +119,8 @@ void validate(const BackendConfig& c) {
   if (c.gate_precision)
     FLEXEP_CHECK_ARG(*c.gate_precision == DType::f32 || *c.gate_precision == DType::f64, "backend.gate_precision",
                      "is ", dtype_name(*c.gate_precision), "; allowed: f32 (float32), f64 (float64) or unset");
+  FLEXEP_CHECK_ARG(c.dispatch_chunks >= 1 && c.dispatch_chunks <= kMaxDispatchChunks, "backend.dispatch_chunks", "is ",
+                   c.dispatch_chunks, "; allowed: 1 <= value <= ", kMaxDispatchChunks, " (1 = no split)");
 }
 
 void validate(const MoEConfig& c) {

@@ -119,6 +119,7 @@ const std::vector<Field<BackendConfig>>& backend_fields() {
            c.gate_precision = as_dtype(v, a);
        }},
       bool_field("rows_in_place", &B::rows_in_place),
+      int_field("dispatch_chunks", &B::dispatch_chunks),
   };
   return fields;
 }

@@ -4,6 +4,11 @@
 
 namespace flexep {
 
+std::unique_ptr<TokenDispatcher> TokenDispatcher::make_sibling(std::int64_t) const {
+  throw_argument_error("backend.dispatch_chunks", "needs a dispatcher per chunk, and the '", backend(),
+                       "' dispatcher cannot make more of itself; allowed with it: 1");
+}
+
 void TokenDispatcher::check_handle(const Handle& handle) const {
   FLEXEP_CHECK_ARG(handle != nullptr, "handle", "is empty; pass the handle returned by this dispatcher's dispatch");
   FLEXEP_CHECK_ARG(handle->owner == this, "handle", "was made by another dispatcher (backend '", handle->backend,

@@ -1,5 +1,7 @@
 #include "flexep/layer/moe_compute.h"
 
+#include <cstring>
+
 #include "flexep/core/checks.h"
 #include "flexep/core/warn_once.h"
 #include "flexep/dispatch/host.h"
@@ -10,6 +12,15 @@
 
 namespace flexep {
 
+// One chunk of the routed path (backend.dispatch_chunks): rows [begin, end) of the batch, through
+// the chunk's own dispatcher.
+struct MoEChunk {
+  std::int64_t begin = 0, end = 0;
+  DispatchResult dispatched;
+  std::optional<ref::ExpertMajorRows> rank_major;  // a rank-major dispatch's rows, as the experts read them
+  ExpertsOutput experts;
+};
+
 struct MoESaved {
   const MoECompute* owner = nullptr;
   std::int64_t tokens = 0;
@@ -17,9 +28,7 @@ struct MoESaved {
   bool routing_override = false;
   GateOutput gate;
   Tensor masked_indices;  // [T, k] int64, padding tokens set to -1
-  DispatchResult dispatched;
-  std::optional<ref::ExpertMajorRows> rank_major;  // a rank-major dispatch's rows, as the experts read them
-  ExpertsOutput experts;
+  std::vector<MoEChunk> chunks;
   SharedOutput shared;
   Tensor latent_x;  // [T, dim]: fc1_latent_proj's input (moe.moe_latent_size), a copy
   Tensor latent_y;  // [T, latent]: the combined routed output, fc2_latent_proj's input
@@ -44,6 +53,18 @@ Tensor as_dtype(const TensorView& t, DType to) {
 Tensor as_dtype(const Tensor& t, DType to) { return t.defined() && t.dtype() != to ? t.to(to) : t; }
 
 Tensor zeros_like(const TensorView& t, DType dtype) { return t.defined() ? Tensor::zeros(t.shape, dtype) : Tensor(); }
+
+// Rows [begin, end) of `whole` (contiguous, [T, ...]) := `part`; a single chunk is the whole itself.
+void put_rows(Tensor& whole, std::int64_t T, std::int64_t begin, std::int64_t end, const Tensor& part) {
+  if (begin == 0 && end == T) {
+    whole = part;
+    return;
+  }
+  std::vector<std::int64_t> dims{T};
+  for (int i = 1; i < part.shape().rank(); ++i) dims.push_back(part.size(i));
+  if (!whole.defined()) whole = Tensor::empty(Shape(dims), part.dtype());
+  if (part.numel() > 0) std::memcpy(whole.view().rows(begin, end).data, part.raw(), part.nbytes());
+}
 
 // The weights as the pieces compute with them, for one call: expert and shared weights in the
 // compute dtype (shared ones in nn.Linear layout), the gate's as given, the correction bias in f32. Converted copies live here; weights already in the right dtype are the caller's memory.
@@ -135,6 +156,8 @@ MoECompute::MoECompute(const MoEConfig& config, const BackendConfig& backend,
     // EP size 1: the local path is the host backend over a world of one rank (same plan code).
     dispatcher_ = make_host_dispatcher(std::make_shared<HostWorld>(1), 0, config_.n_routed_experts);
   }
+  chunk_dispatchers_ = {dispatcher_};
+  for (int c = 1; c < backend_.dispatch_chunks; ++c) chunk_dispatchers_.push_back(dispatcher_->make_sibling(0));
   if (backend_.fake_balanced_gate) fake_gate_.emplace(config_, backend_.fake_gate_noise);
   else gate_.emplace(config_, backend_.gate_precision);
   experts_.emplace(config_.routed_expert_config(), num_local_experts());
@@ -209,23 +232,33 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
     saved->latent_x = xc.raw() == x.data ? xc.clone() : xc;
     routed_x = ref::linear_forward(xc, w.fc1.weight, w.fc1.bias);
   }
-  DispatchInput in;
-  in.hidden = routed_x;
-  in.indices = saved->masked_indices;
-  in.weights = saved->gate.weights;
-  saved->dispatched = dispatcher_->dispatch(in, dispatch_);
-  const std::vector<std::int64_t> counts = host_counts(saved->dispatched.tokens_per_expert);
+  // The routed path in chunks of rows, one after another (the GPU layer pipelines them); every
+  // row's result is the same however the batch is cut.
   Tensor y;
-  if (dispatch_.layout == DispatchLayout::rank_major) {
-    // As Automodel's GroupedExpertsDeepEP: the experts read the received rows in expert order, and
-    // their rows are summed back per received token before the combine.
-    const ref::ExpertMajorRows& m = saved->rank_major.emplace(ref::gather_expert_major(saved->dispatched));
-    saved->experts = experts_->forward(w.experts, m.tokens, m.probs, counts);
-    y = dispatcher_->combine(saved->dispatched.handle, ref::sum_per_received_row(saved->experts.out, m));
-  } else {
-    saved->experts =
-        experts_->forward(w.experts, saved->dispatched.tokens, saved->dispatched.token_probs, counts);
-    y = dispatcher_->combine(saved->dispatched.handle, saved->experts.out);
+  const int C = static_cast<int>(chunk_dispatchers_.size());
+  for (int c = 0; c < C; ++c) {
+    MoEChunk& ch = saved->chunks.emplace_back();
+    ch.begin = T * c / C;
+    ch.end = T * (c + 1) / C;
+    TokenDispatcher& d = *chunk_dispatchers_[static_cast<std::size_t>(c)];
+    DispatchInput in;
+    in.hidden = routed_x.view().rows(ch.begin, ch.end);
+    in.indices = saved->masked_indices.view().rows(ch.begin, ch.end);
+    in.weights = saved->gate.weights.view().rows(ch.begin, ch.end);
+    ch.dispatched = d.dispatch(in, dispatch_);
+    const std::vector<std::int64_t> counts = host_counts(ch.dispatched.tokens_per_expert);
+    Tensor yc;
+    if (dispatch_.layout == DispatchLayout::rank_major) {
+      // As Automodel's GroupedExpertsDeepEP: the experts read the received rows in expert order, and
+      // their rows are summed back per received token before the combine.
+      const ref::ExpertMajorRows& m = ch.rank_major.emplace(ref::gather_expert_major(ch.dispatched));
+      ch.experts = experts_->forward(w.experts, m.tokens, m.probs, counts);
+      yc = d.combine(ch.dispatched.handle, ref::sum_per_received_row(ch.experts.out, m));
+    } else {
+      ch.experts = experts_->forward(w.experts, ch.dispatched.tokens, ch.dispatched.token_probs, counts);
+      yc = d.combine(ch.dispatched.handle, ch.experts.out);
+    }
+    put_rows(y, T, ch.begin, ch.end, yc);
   }
   if (config_.latent()) {
     saved->latent_y = y;
@@ -269,21 +302,30 @@ MoEBackward MoECompute::backward(const MoEWeights& weights, const MoESaved& s, c
     grad_routed = ref::linear_backward(s.latent_y, w.fc2.weight, g, fc2.weight, fc2.bias);
     out.gradients.fc2_latent_proj = in_dtypes(fc2, weights.fc2_latent_proj);
   }
-  Tensor grad_rows = dispatcher_->combine_backward(s.dispatched.handle, grad_routed);
-  if (s.rank_major) grad_rows = ref::gather_rows(grad_rows, *s.rank_major);
+  // The chunks in forward's order; the experts' weight gradients add up over them.
   const ExpertGradients experts_grads{
       zeros_like(w.experts.gate_and_up_projs, compute), zeros_like(w.experts.down_projs, compute),
       zeros_like(w.experts.gate_up_proj_bias, compute), zeros_like(w.experts.down_proj_bias, compute)};
-  ExpertsGrads eg = experts_->backward(w.experts, s.experts, grad_rows, experts_grads);
-  out.gradients.experts = in_weight_dtypes(experts_grads, weights.experts);
   DispatchGrads dg;
-  if (s.rank_major) {
-    const ref::RankMajorGrads rg =
-        ref::scatter_to_received(eg.tokens, eg.probs, *s.rank_major, s.dispatched.topk_weights.dtype());
-    dg = dispatcher_->dispatch_backward(s.dispatched.handle, rg.rows, rg.topk_weights);
-  } else {
-    dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
+  const std::int64_t T = s.tokens;
+  for (std::size_t c = 0; c < s.chunks.size(); ++c) {
+    const MoEChunk& ch = s.chunks[c];
+    TokenDispatcher& d = *chunk_dispatchers_[c];
+    Tensor grad_rows = d.combine_backward(ch.dispatched.handle, grad_routed.view().rows(ch.begin, ch.end));
+    if (ch.rank_major) grad_rows = ref::gather_rows(grad_rows, *ch.rank_major);
+    ExpertsGrads eg = experts_->backward(w.experts, ch.experts, grad_rows, experts_grads);
+    DispatchGrads dgc;
+    if (ch.rank_major) {
+      const ref::RankMajorGrads rg =
+          ref::scatter_to_received(eg.tokens, eg.probs, *ch.rank_major, ch.dispatched.topk_weights.dtype());
+      dgc = d.dispatch_backward(ch.dispatched.handle, rg.rows, rg.topk_weights);
+    } else {
+      dgc = d.dispatch_backward(ch.dispatched.handle, eg.tokens, eg.probs);
+    }
+    put_rows(dg.hidden, T, ch.begin, ch.end, dgc.hidden);
+    put_rows(dg.weights, T, ch.begin, ch.end, dgc.weights);
   }
+  out.gradients.experts = in_weight_dtypes(experts_grads, weights.experts);
   Tensor grad_x = dg.hidden;
   if (config_.latent()) {
     const LinearGradients fc1 = linear_grads(w.fc1);

@@ -163,9 +163,10 @@ struct Owners {
 struct Computes {
   std::shared_ptr<HostWorld> world;
   std::vector<std::unique_ptr<MoECompute>> layers;
-  Computes(int R, const MoEConfig& c, const BackendConfig& b = {}) : world(std::make_shared<HostWorld>(R, 30.0)) {
+  Computes(int R, const MoEConfig& c, const BackendConfig& b = {}, const DispatchOptions& o = {})
+      : world(std::make_shared<HostWorld>(R, 30.0)) {
     for (int r = 0; r < R; ++r)
-      layers.push_back(std::make_unique<MoECompute>(c, b, make_host_dispatcher(world, r, c.n_routed_experts)));
+      layers.push_back(std::make_unique<MoECompute>(c, b, make_host_dispatcher(world, r, c.n_routed_experts), o));
   }
 };
 
@@ -454,4 +455,73 @@ TEST(MoECompute, RoutingOverrideIsHonoured) {
   EXPECT_TRUE(same_bytes(out2.out, out.out));
   EXPECT_TRUE(same_bytes(b2.grad_x, b.grad_x));
   EXPECT_FALSE(b2.gradients.gate.weight.defined());
+}
+
+// backend.dispatch_chunks: the routed path cut into chunks of rows, each through its own
+// dispatcher (siblings of the given one; a rank of 4 tokens in 5 chunks has empty ones). Every
+// row's output, grad x, the aux loss and the loads are bitwise one chunk's; the gradients too,
+// but for the experts' weight gradients, which add up chunk by chunk (a different summation order).
+TEST(MoECompute, ChunksGiveTheSameRowsAsOneChunk) {
+  for (const Case& c : cases())
+    for (DispatchLayout layout : {DispatchLayout::expert_major, DispatchLayout::rank_major})
+      for (int R : {1, 2})
+        for (int chunks : {2, 5}) {
+          SCOPED_TRACE(c.name + (layout == DispatchLayout::rank_major ? " rank-major" : "") + " R=" +
+                       std::to_string(R) + " chunks=" + std::to_string(chunks));
+          Owners owners(R, c.cfg, DType::f64);
+          std::vector<HeldWeights> held;
+          for (auto& L : owners.layers) held.push_back(owner_weights(*L));
+          const Inputs in = inputs(R, c, DType::f64);
+          DispatchOptions o;
+          o.layout = layout;
+          auto run = [&](int n) {
+            BackendConfig b;
+            b.dispatch_chunks = n;
+            Computes cs(R, c.cfg, b, o);
+            return run_computes(cs, views_of(held), views_of(held), in, c.aux_scale);
+          };
+          const std::vector<Result> want = run(1), got = run(chunks);
+          ASSERT_EQ(got.size(), want.size());
+          for (std::size_t r = 0; r < got.size(); ++r) {
+            SCOPED_TRACE("rank " + std::to_string(r));
+            EXPECT_TRUE(same_bytes(got[r].fwd.out, want[r].fwd.out));
+            EXPECT_EQ(got[r].fwd.aux_loss, want[r].fwd.aux_loss);
+            EXPECT_TRUE(same_bytes(got[r].fwd.expert_load, want[r].fwd.expert_load));
+            EXPECT_TRUE(same_bytes(got[r].grad_x, want[r].grad_x));
+            std::map<std::string, Tensor> w(want[r].grads.begin(), want[r].grads.end());
+            ASSERT_EQ(got[r].grads.size(), want[r].grads.size());
+            for (const auto& [name, g] : got[r].grads) {
+              SCOPED_TRACE(name);
+              ASSERT_TRUE(w.count(name));
+              if (name.rfind("experts.", 0) != 0) {
+                EXPECT_TRUE(same_bytes(g, w[name]));
+                continue;
+              }
+              ASSERT_EQ(g.numel(), w[name].numel());
+              double num = 0, den = 0;
+              for (std::int64_t j = 0; j < g.numel(); ++j) {
+                const double d = g.data<double>()[j] - w[name].data<double>()[j];
+                num += d * d;
+                den += w[name].data<double>()[j] * w[name].data<double>()[j];
+              }
+              EXPECT_GT(den, 0.0);
+              EXPECT_LE(std::sqrt(num), 1e-13 * std::sqrt(den));
+            }
+          }
+        }
+}
+
+TEST(MoECompute, DispatchChunksOutOfRangeAreNamed) {
+  for (int n : {0, -1, 17}) {
+    BackendConfig b;
+    b.dispatch_chunks = n;
+    try {
+      MoECompute m(small_config(), b, nullptr);
+      ADD_FAILURE() << "dispatch_chunks=" << n << " was accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(e.argument(), "backend.dispatch_chunks") << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::to_string(n)), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("16"), std::string::npos) << e.what();
+    }
+  }
 }

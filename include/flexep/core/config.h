@@ -60,6 +60,11 @@ struct BackendConfig {
   // slower today. One GPU only (EP size 1: normalize turns it off otherwise, with a message); the CPU
   // layers compute on copied rows either way.
   bool rows_in_place = false;
+  // Splits each rank's tokens into this many chunks, each dispatched, computed and combined by its
+  // own dispatcher (the layer makes the others as siblings of the one it is given), in a pipeline
+  // on the GPU layer: one chunk's communication runs while another's expert GEMMs do. 1 = no split.
+  // The CPU layers split the same way, one chunk after another (the same results).
+  int dispatch_chunks = 1;
 
   // Effective SM counts after the fallbacks above.
   int dispatch_sms() const;

@@ -120,6 +120,14 @@ class TokenDispatcher {
   // grad_out [T, H] -> grad of expert_out [N, H] (the dispatch of grad_out along the handle).
   virtual Tensor combine_backward(const Handle& handle, const TensorView& grad_out) = 0;
 
+  // A new dispatcher of this backend over the same ranks with the same options, its buffers sized
+  // for `max_tokens_per_rank` tokens a call (0: as this one's). The MoE layer's chunks
+  // (BackendConfig::dispatch_chunks) each dispatch with their own, because on some backends a
+  // handle and the rows it received live only until that dispatcher's next dispatch. Collective
+  // where the backend's creation is: every rank makes its siblings in the same order. The default
+  // refuses, naming backend.dispatch_chunks.
+  virtual std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t max_tokens_per_rank) const;
+
  protected:
   // Common handle validation: the handle is not empty and was made by this dispatcher object
   // (HandleState::owner). Throws ArgumentError naming "handle".

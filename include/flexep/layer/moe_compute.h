@@ -101,6 +101,8 @@ class MoECompute {
   BackendConfig backend_;
   DispatchOptions dispatch_;
   std::shared_ptr<TokenDispatcher> dispatcher_;
+  // One per chunk (backend.dispatch_chunks): dispatcher_ first, then its siblings.
+  std::vector<std::shared_ptr<TokenDispatcher>> chunk_dispatchers_;
   int ep_rank_ = 0, ep_size_ = 1;
   std::optional<GateCompute> gate_;
   std::optional<FakeBalancedGate> fake_gate_;

@@ -131,7 +131,8 @@ class MoKBackendConfig:
 # Fields the C++ BackendConfig has (config_json.cpp), in its order.
 _CPP_BACKEND_FIELDS = ("dispatcher", "experts", "dispatcher_num_sms", "deepep_num_sms", "hybridep_num_sms",
                        "hybridep_dispatch_sms", "hybridep_combine_sms", "hybridep_preprocess_sms",
-                       "fake_balanced_gate", "fake_gate_noise", "gate_precision", "rows_in_place")
+                       "fake_balanced_gate", "fake_gate_noise", "gate_precision", "rows_in_place",
+                       "dispatch_chunks")
 _EP_DISPATCHERS = ("deepep", "hybridep", "uccl_ep", "mok")
 
 
@@ -142,8 +143,10 @@ class BackendConfig:
     dispatcher: "torch" (flexep's `alltoall`), "hybridep", "deepep" (GPU backends) or "host" (CPU, the
     simulated-ranks reference); "uccl_ep" and "mok" are refused with the list of what flexep offers.
     It defaults to "torch": flexep never defaults to deepep. The fields flexep adds at the end are
-    per-backend and per-phase SM counts (0 = dispatcher_num_sms) and `rows_in_place` (the GPU layer's
-    experts read the tokens through the row table, no permuted copy kept; one GPU only).
+    per-backend and per-phase SM counts (0 = dispatcher_num_sms), `rows_in_place` (the GPU layer's
+    experts read the tokens through the row table, no permuted copy kept; one GPU only) and
+    `dispatch_chunks` (each rank's tokens in this many chunks, pipelined so that one chunk's
+    communication runs under another's expert GEMMs).
     """
 
     attn: str = "sdpa"
@@ -186,6 +189,8 @@ class BackendConfig:
     hybridep_preprocess_sms: int = 0
     # flexep's: the GPU layer's routed experts read the tokens in place (EP size 1; docs/experts.md).
     rows_in_place: bool = False
+    # flexep's: tokens split into this many chunks, each with its own dispatcher, pipelined (1 to 16).
+    dispatch_chunks: int = 1
 
     @classmethod
     def from_automodel(cls, backend) -> "BackendConfig":

@@ -26,6 +26,7 @@ class AlltoallDispatcher final : public TokenDispatcher {
   int rank() const override { return comm_->rank(); }
   int world_size() const override { return comm_->size(); }
   int num_experts() const override { return experts_; }
+  std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t max_tokens_per_rank) const override;
 
   DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
   Tensor combine(const Handle& handle, const TensorView& expert_out) override;

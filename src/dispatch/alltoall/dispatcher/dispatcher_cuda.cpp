@@ -53,6 +53,10 @@ void AlltoallDispatcher::handshake() {
   agreed_ = true;
 }
 
+std::unique_ptr<TokenDispatcher> AlltoallDispatcher::make_sibling(std::int64_t) const {
+  return make_alltoall_dispatcher(comm_, experts_, options_);  // sizes its buffers per call
+}
+
 }  // namespace alltoall
 
 std::unique_ptr<TokenDispatcher> make_alltoall_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,

@@ -64,6 +64,7 @@ class Dispatcher final : public DeepEpDispatcher {
   int rank() const override { return comm_->rank(); }
   int world_size() const override { return comm_->size(); }
   int num_experts() const override { return experts_; }
+  std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t max_tokens_per_rank) const override;
 
   DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
   Fp8DispatchResult dispatch_fp8(const DispatchInput& input, const TensorView& scales,

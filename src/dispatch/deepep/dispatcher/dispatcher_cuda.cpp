@@ -212,6 +212,15 @@ void Dispatcher::raise_abort() {
               "does not show (internal error)");
 }
 
+std::unique_ptr<TokenDispatcher> Dispatcher::make_sibling(std::int64_t max_tokens_per_rank) const {
+  DeepEpOptions o = options_;
+  if (max_tokens_per_rank > 0 && max_tokens_per_rank != o.max_tokens_per_rank) {
+    o.max_tokens_per_rank = max_tokens_per_rank;
+    o.max_recv_rows = 0;  // the receive window of the new size (ranks * max_tokens_per_rank)
+  }
+  return make_deepep_dispatcher(comm_, experts_, o);
+}
+
 }  // namespace deepep
 
 std::unique_ptr<DeepEpDispatcher> make_deepep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,

@@ -111,6 +111,9 @@ class HostDispatcher final : public TokenDispatcher {
   int rank() const override { return rank_; }
   int world_size() const override { return world_->size(); }
   int num_experts() const override { return experts_; }
+  std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t) const override {
+    return std::make_unique<HostDispatcher>(world_, rank_, experts_);
+  }
 
   DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override {
     return leaving_on_error(*world_, rank_, [&] { return dispatch_rows(input, options); });

@@ -405,6 +405,12 @@ HandleView Dispatcher::handle_view(const HepHandle& h) const {
   return v;
 }
 
+std::unique_ptr<TokenDispatcher> Dispatcher::make_sibling(std::int64_t max_tokens_per_rank) const {
+  HybridEpOptions o = options_;
+  if (max_tokens_per_rank > 0) o.max_tokens_per_rank = max_tokens_per_rank;
+  return make_hybridep_dispatcher(comm_, experts_, o);
+}
+
 }  // namespace hybridep
 
 std::unique_ptr<HybridEpDispatcher> make_hybridep_dispatcher(std::shared_ptr<Communicator> comm, int num_experts,

@@ -26,6 +26,9 @@ class LocalCudaDispatcher final : public TokenDispatcher {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   int num_experts() const override { return experts_; }
+  std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t) const override {
+    return std::make_unique<LocalCudaDispatcher>(device_, experts_);
+  }
 
   DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& options) override {
     FLEXEP_CHECK_ARG(!in.multihot(), "routing_map",
