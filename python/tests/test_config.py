@@ -20,7 +20,7 @@ BASE = dict(n_routed_experts=8, n_shared_experts=0, n_activated_experts=2, n_exp
 # flexep's documented departures from Automodel's defaults (docs/python.md): it never defaults to
 # DeepEP (Automodel picks it when deep_ep imports), and it carries these extra fields.
 FLEXEP_ONLY_BACKEND = {"deepep_num_sms", "hybridep_num_sms", "hybridep_dispatch_sms", "hybridep_combine_sms",
-                       "hybridep_preprocess_sms", "rows_in_place"}
+                       "hybridep_preprocess_sms", "rows_in_place", "dispatch_chunks"}
 FLEXEP_ONLY_MOE = {"group_mask"}
 
 

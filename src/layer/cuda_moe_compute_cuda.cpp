@@ -28,6 +28,14 @@ struct ReleaseOn {
   void activate() { guard.emplace(stream); }
 };
 
+// One chunk of the routed path (backend.dispatch_chunks): rows [begin, end) of the batch, through
+// the chunk's own dispatcher.
+struct CudaMoEChunk {
+  std::int64_t begin = 0, end = 0;
+  DispatchResult dispatched;
+  CudaExpertsOutput experts;
+};
+
 struct CudaMoESaved {
   ReleaseOn release;  // first member: destroyed last, so it is active while the tensors are freed
   ~CudaMoESaved() { release.activate(); }
@@ -40,27 +48,35 @@ struct CudaMoESaved {
   GateOutput fake;     // fake balanced gate: routing computed on the host
   Tensor indices;      // [T, k] i64, padding slots -1
   Tensor weights;      // [T, k] f32
-  DispatchResult dispatched;
-  CudaExpertsOutput experts;
+  std::vector<CudaMoEChunk> chunks;
   Tensor shared_gate;  // [T] f32: sigmoid gate or ones
   CudaExpertsOutput shared;
   Tensor latent_y;     // [T, latent] bf16: the combined routed output, fc2_latent_proj's input
 };
 
-// Events of the phase timing (enabled by set_timing) and of the side-stream joins.
+// Events of the phase timing (enabled by set_timing), of the side-stream joins and of the chunks'
+// hand-overs between the caller's stream and the experts' (rows_ready[c]: chunk c's rows are there
+// for the experts; computed[c]: its experts are done).
 struct CudaMoECompute::Events {
   static constexpr int kMarks = 6;
   cudaEvent_t mark[kMarks] = {};
   cudaEvent_t x_ready = nullptr, shared_done = nullptr;
-  Events() {
+  std::vector<cudaEvent_t> rows_ready, computed;
+  explicit Events(int chunks) {
     for (cudaEvent_t& e : mark) FLEXEP_CUDA_CHECK(cudaEventCreate(&e));
     FLEXEP_CUDA_CHECK(cudaEventCreateWithFlags(&x_ready, cudaEventDisableTiming));
     FLEXEP_CUDA_CHECK(cudaEventCreateWithFlags(&shared_done, cudaEventDisableTiming));
+    for (auto* v : {&rows_ready, &computed}) {
+      v->assign(static_cast<std::size_t>(chunks), nullptr);
+      for (cudaEvent_t& e : *v) FLEXEP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
   }
   ~Events() {
     for (cudaEvent_t e : mark) cudaEventDestroy(e);
     cudaEventDestroy(x_ready);
     cudaEventDestroy(shared_done);
+    for (auto* v : {&rows_ready, &computed})
+      for (cudaEvent_t e : *v) cudaEventDestroy(e);
   }
   // Elapsed microseconds between consecutive marks 0..n-1 (synchronises on the last).
   std::vector<double> elapsed(int n) const {
@@ -94,6 +110,25 @@ MoEConfig shared_expert_config(const MoEConfig& c) {
   s.n_activated_experts = 1;
   s.dtype = DType::bf16;
   return s;
+}
+
+// Rows [begin, end) of `t`, holding `t`'s memory.
+Tensor rows_of(const Tensor& t, std::int64_t begin, std::int64_t end) {
+  return Tensor::wrap(t.view().rows(begin, end), std::make_shared<Tensor>(t));
+}
+
+// Rows [begin, end) of the [T, ...] tensor `whole` := `part`, on `stream`; allocated (on the current
+// stream) by the first part. A single chunk is the whole itself.
+void put_rows(Tensor& whole, std::int64_t T, std::int64_t begin, std::int64_t end, const Tensor& part,
+              cudaStream_t stream) {
+  if (begin == 0 && end == T) {
+    whole = part;
+    return;
+  }
+  std::vector<std::int64_t> dims{T};
+  for (int i = 1; i < part.shape().rank(); ++i) dims.push_back(part.size(i));
+  if (!whole.defined()) whole = Tensor::empty(Shape(dims), part.dtype(), part.device());
+  if (end > begin) cuda::copy_async(whole.view().rows(begin, end), part, stream);
 }
 
 // A copy of `src` on the current stream (saved state must not alias the caller's tensors).
@@ -167,12 +202,18 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
     shared_.emplace(shared_expert_config(config_), 1, device_, "shared_experts.");
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   }
-  events_ = std::make_unique<Events>();
+  // Collective where the backend's creation is: every rank makes the same siblings in this order.
+  chunk_dispatchers_ = {dispatcher_};
+  for (int c = 1; c < backend_.dispatch_chunks; ++c) chunk_dispatchers_.push_back(dispatcher_->make_sibling(0));
+  if (backend_.dispatch_chunks > 1)
+    FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&expert_stream_, cudaStreamNonBlocking));
+  events_ = std::make_unique<Events>(backend_.dispatch_chunks);
 }
 
 CudaMoECompute::~CudaMoECompute() {
-  // Before the members: tensors made on the side stream are freed after it is gone (retired first).
+  // Before the members: tensors made on the side streams are freed after they are gone (retired first).
   if (side_stream_) cuda::destroy_stream(side_stream_);
+  if (expert_stream_) cuda::destroy_stream(expert_stream_);
 }
 
 std::vector<MoEWeightSpec> CudaMoECompute::weight_specs() const {
@@ -331,26 +372,10 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   // Dispatch, experts, combine; in the latent width with moe.moe_latent_size.
   const Tensor latent_x =
       config_.latent() ? cuda::linear_forward(x_in, w.fc1_latent_proj.weight, w.fc1_latent_proj.bias, stream) : Tensor();
-  DispatchInput in;
-  in.hidden = config_.latent() ? latent_x.view() : x_in;
-  in.indices = s->indices;
-  in.weights = s->weights;
-  DispatchOptions options = dispatch_;
-  options.rows_in_place = rows_in_place_;
-  s->dispatched = dispatcher_->dispatch(in, options);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
-  if (rows_in_place_ && s->dispatched.expert_rows.defined()) {
-    // The single-GPU dispatcher's tokens are a view of in.hidden: the experts keep the owning tensor
-    // for backward. deepep's are its own copy of the received rows.
-    const Tensor& source = !in_place_rows_are_x_ ? s->dispatched.tokens : config_.latent() ? latent_x : s->x;
-    s->experts = experts_->forward_gathered(w.experts, source, s->dispatched.expert_rows, s->dispatched.token_probs,
-                                            host_counts(s->dispatched.tokens_per_expert, stream), stream);
-  } else {
-    s->experts = experts_->forward(w.experts, s->dispatched.tokens, s->dispatched.token_probs,
-                                   host_counts(s->dispatched.tokens_per_expert, stream), stream);
-  }
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
-  Tensor y = dispatcher_->combine(s->dispatched.handle, s->experts.out);
+  // The single-GPU dispatcher's in-place rows are a view of the dispatch's hidden: the experts keep
+  // the tensor that owns it for backward.
+  const Tensor& source = config_.latent() ? latent_x : s->x;
+  Tensor y = forward_routed(w, config_.latent() ? latent_x.view() : x_in, source, *s, stream);
   if (config_.latent()) {
     s->latent_y = y;
     y = cuda::linear_forward(s->latent_y, w.fc2_latent_proj.weight, w.fc2_latent_proj.bias, stream);
@@ -417,12 +442,8 @@ Tensor CudaMoECompute::backward_into(const MoEWeights& w, const CudaMoESaved& s,
   if (config_.latent())
     grad_routed = cuda::linear_backward(s.latent_y, w.fc2_latent_proj.weight, grad_out, targets.fc2_latent_proj.weight,
                                         targets.fc2_latent_proj.bias, stream);
-  Tensor grad_rows =
-      dispatcher_->combine_backward(s.dispatched.handle, config_.latent() ? grad_routed.view() : grad_out);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
-  CudaExpertsGrads eg = experts_->backward(w.experts, s.experts, grad_rows, targets.experts, stream);
-  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
-  DispatchGrads dg = dispatcher_->dispatch_backward(s.dispatched.handle, eg.tokens, eg.probs);
+  DispatchGrads dg =
+      backward_routed(w, s, config_.latent() ? grad_routed.view() : grad_out, targets.experts, stream);
   if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
   Tensor grad_x = dg.hidden;
   if (config_.latent())
@@ -507,6 +528,149 @@ MoEBackward CudaMoECompute::backward(const MoEWeights& w, const CudaMoESaved& s,
   g.fc2_latent_proj = {in_dtype_of(fc2_w32, w.fc2_latent_proj.weight, stream),
                        in_dtype_of(fc2_b32, w.fc2_latent_proj.bias, stream)};
   return out;
+}
+
+// Chunk c's experts run on expert_stream_ (its rows handed over by rows_ready[c]) while the caller's
+// stream dispatches chunk c + 1 and combines chunk c - 1 (joined by computed[c - 1]):
+//
+//   caller's stream:  D0 D1 [E0 done] C0 D2 [E1 done] C1 ...
+//   experts' stream:     [D0] E0 [D1] E1 [D2] E2 ...
+//
+// Blocking dispatches and combines wait on the host (for their counts, and for the GPU's errors), so
+// the host queues chunk c + 1's dispatch and experts before combine c: the experts' stream always
+// has the next chunk's GEMMs while the host waits. One chunk is the plain path on the caller's stream.
+Tensor CudaMoECompute::forward_routed(const MoEWeights& w, const TensorView& hidden, const Tensor& source,
+                                      CudaMoESaved& s, cudaStream_t stream) {
+  const int C = static_cast<int>(chunk_dispatchers_.size());
+  const std::int64_t T = s.tokens;
+  Events& ev = *events_;
+  DispatchOptions options = dispatch_;
+  options.rows_in_place = rows_in_place_;
+  s.chunks.resize(static_cast<std::size_t>(C));
+  for (int c = 0; c < C; ++c) {
+    s.chunks[static_cast<std::size_t>(c)].begin = T * c / C;
+    s.chunks[static_cast<std::size_t>(c)].end = T * (c + 1) / C;
+  }
+  auto dispatch = [&](int c) {
+    CudaMoEChunk& ch = s.chunks[static_cast<std::size_t>(c)];
+    DispatchInput in;
+    in.hidden = hidden.rows(ch.begin, ch.end);
+    in.indices = s.indices.view().rows(ch.begin, ch.end);
+    in.weights = s.weights.view().rows(ch.begin, ch.end);
+    ch.dispatched = chunk_dispatchers_[static_cast<std::size_t>(c)]->dispatch(in, options);
+  };
+  auto experts = [&](int c) {
+    CudaMoEChunk& ch = s.chunks[static_cast<std::size_t>(c)];
+    const std::vector<std::int64_t> counts = host_counts(ch.dispatched.tokens_per_expert, stream);
+    cudaStream_t es = stream;
+    if (C > 1) {
+      es = expert_stream_;
+      FLEXEP_CUDA_CHECK(cudaEventRecord(ev.rows_ready[static_cast<std::size_t>(c)], stream));
+      FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(es, ev.rows_ready[static_cast<std::size_t>(c)], 0));
+    }
+    cuda::StreamGuard on_experts(es);
+    if (rows_in_place_ && ch.dispatched.expert_rows.defined()) {
+      // deepep's in-place rows are its own copy of the received rows; the single-GPU dispatcher's
+      // index the chunk's rows of `source`.
+      const Tensor rows = in_place_rows_are_x_ ? rows_of(source, ch.begin, ch.end) : ch.dispatched.tokens;
+      ch.experts = experts_->forward_gathered(w.experts, rows, ch.dispatched.expert_rows, ch.dispatched.token_probs,
+                                              counts, es);
+    } else {
+      ch.experts = experts_->forward(w.experts, ch.dispatched.tokens, ch.dispatched.token_probs, counts, es);
+    }
+    if (C > 1) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.computed[static_cast<std::size_t>(c)], es));
+  };
+  dispatch(0);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
+  experts(0);
+  Tensor y;
+  for (int c = 0; c < C; ++c) {
+    CudaMoEChunk& ch = s.chunks[static_cast<std::size_t>(c)];
+    if (c + 1 < C) {
+      dispatch(c + 1);
+      experts(c + 1);
+    }
+    if (C > 1) {
+      FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.computed[static_cast<std::size_t>(c)], 0));
+      ch.experts.saved->stream = stream;  // joined: freed on the caller's stream from now on
+    }
+    if (timing_ && c == C - 1) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
+    const Tensor yc = chunk_dispatchers_[static_cast<std::size_t>(c)]->combine(ch.dispatched.handle, ch.experts.out);
+    put_rows(y, T, ch.begin, ch.end, yc, stream);
+  }
+  return y;
+}
+
+// The forward's pipeline backwards: the experts' backward of chunk c + 1 is queued before
+// dispatch_backward of c, so that it runs while that and combine_backward of c + 2 do. The expert
+// weight gradients add up over the chunks (the experts' stream runs them in order): bf16 targets
+// (written whole, never added to) get f32 sums, rounded once at the end.
+DispatchGrads CudaMoECompute::backward_routed(const MoEWeights& w, const CudaMoESaved& s, const TensorView& grad,
+                                              const CudaExpertGradTargets& targets, cudaStream_t stream) {
+  const int C = static_cast<int>(s.chunks.size());
+  const std::int64_t T = s.tokens;
+  Events& ev = *events_;
+  CudaExpertGradTargets t = targets;
+  Tensor gu32, down32;  // the f32 sums of bf16 targets
+  const bool round_at_end =
+      C > 1 && targets.gate_and_up_projs.defined() && targets.gate_and_up_projs.dtype == DType::bf16;
+  if (round_at_end) {
+    const Device dev = Device::cuda(device_);
+    gu32 = Tensor::empty(targets.gate_and_up_projs.shape, DType::f32, dev);
+    down32 = Tensor::empty(targets.down_projs.shape, DType::f32, dev);
+    t.gate_and_up_projs = gu32;
+    t.down_projs = down32;
+    t.accumulate_weights = false;  // the first chunk writes them whole
+  }
+  std::vector<Tensor> rows(static_cast<std::size_t>(C));  // each chunk's grad of its expert rows
+  std::vector<CudaExpertsGrads> eg(static_cast<std::size_t>(C));
+  auto combine_backward = [&](int c) {
+    const CudaMoEChunk& ch = s.chunks[static_cast<std::size_t>(c)];
+    rows[static_cast<std::size_t>(c)] = chunk_dispatchers_[static_cast<std::size_t>(c)]->combine_backward(
+        ch.dispatched.handle, grad.rows(ch.begin, ch.end));
+  };
+  auto experts = [&](int c) {
+    cudaStream_t es = stream;
+    if (C > 1) {
+      es = expert_stream_;
+      FLEXEP_CUDA_CHECK(cudaEventRecord(ev.rows_ready[static_cast<std::size_t>(c)], stream));
+      FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(es, ev.rows_ready[static_cast<std::size_t>(c)], 0));
+    }
+    {
+      cuda::StreamGuard on_experts(es);
+      eg[static_cast<std::size_t>(c)] =
+          experts_->backward(w.experts, s.chunks[static_cast<std::size_t>(c)].experts,
+                             rows[static_cast<std::size_t>(c)], t, es);
+    }
+    t.accumulate_weights = true;  // later chunks add to the first's
+    if (C > 1) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.computed[static_cast<std::size_t>(c)], es));
+  };
+  combine_backward(0);
+  if (timing_) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[1], stream));
+  experts(0);
+  DispatchGrads dg;
+  for (int c = 0; c < C; ++c) {
+    const CudaMoEChunk& ch = s.chunks[static_cast<std::size_t>(c)];
+    if (c + 1 < C) {
+      combine_backward(c + 1);
+      experts(c + 1);
+    }
+    if (C > 1) FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.computed[static_cast<std::size_t>(c)], 0));
+    if (timing_ && c == C - 1) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[2], stream));
+    CudaExpertsGrads& g = eg[static_cast<std::size_t>(c)];
+    const DispatchGrads dgc =
+        chunk_dispatchers_[static_cast<std::size_t>(c)]->dispatch_backward(ch.dispatched.handle, g.tokens, g.probs);
+    put_rows(dg.hidden, T, ch.begin, ch.end, dgc.hidden, stream);
+    put_rows(dg.weights, T, ch.begin, ch.end, dgc.weights, stream);
+    // Read on the experts' stream, which the caller's has joined: freed on the caller's.
+    rows[static_cast<std::size_t>(c)] = Tensor();
+    g = CudaExpertsGrads();
+  }
+  if (round_at_end) {
+    cuda::convert_f32_to_bf16(gu32, targets.gate_and_up_projs, stream);
+    cuda::convert_f32_to_bf16(down32, targets.down_projs, stream);
+  }
+  return dg;
 }
 
 }  // namespace flexep

@@ -41,6 +41,7 @@ BackendConfig custom_backend() {
   c.fake_gate_noise = 0.125;
   c.gate_precision = DType::f64;
   c.rows_in_place = true;
+  c.dispatch_chunks = 3;
   return c;
 }
 
@@ -95,6 +96,7 @@ void expect_same(const BackendConfig& a, const BackendConfig& b) {
   EXPECT_EQ(a.fake_gate_noise, b.fake_gate_noise);
   EXPECT_EQ(a.gate_precision, b.gate_precision);
   EXPECT_EQ(a.rows_in_place, b.rows_in_place);
+  EXPECT_EQ(a.dispatch_chunks, b.dispatch_chunks);
 }
 
 void expect_same(const MoEConfig& a, const MoEConfig& b) {
@@ -168,12 +170,13 @@ TEST(ConfigJson, DefaultsRoundTripAndUnsetPrecisionIsNull) {
 
 TEST(ConfigJson, WritesEveryFieldWithEnumsAsStrings) {
   const auto b = nlohmann::json::parse(to_json(custom_backend()));
-  EXPECT_EQ(b.size(), 12u);
+  EXPECT_EQ(b.size(), 13u);
   EXPECT_EQ(b.at("dispatcher"), "hybridep");
   EXPECT_EQ(b.at("experts"), "gmm");
   EXPECT_EQ(b.at("gate_precision"), "float64");
   EXPECT_EQ(b.at("hybridep_combine_sms"), 12);
   EXPECT_EQ(b.at("rows_in_place"), true);
+  EXPECT_EQ(b.at("dispatch_chunks"), 3);
   const auto m = nlohmann::json::parse(to_json(custom_moe()));
   EXPECT_EQ(m.size(), 33u);
   EXPECT_EQ(m.at("gate_dtype"), "float32");

@@ -8,6 +8,10 @@
 //   y = combine(y_rows) + shared_experts(x)       (shared experts on a second stream, joined at the end)
 // With moe.moe_latent_size the routed path is wrapped by Automodel's latent projections: rows are
 // dispatched from fc1_latent_proj(x) and y = fc2_latent_proj(combine(y_rows)) + shared_experts(x).
+// With backend.dispatch_chunks > 1 the routed path runs on chunks of rows, each through its own
+// dispatcher, in a pipeline: the experts of chunk c on a second stream while the caller's stream
+// dispatches chunk c + 1 and combines chunk c - 1 (backward: combine_backward of c + 1 and
+// dispatch_backward of c - 1 under the experts' backward of c).
 //
 // The object holds the configuration, the dispatcher, a side stream, events and one routing cache
 // (the fake balanced gate without noise), never a weight: every call reads the weights it is given,
@@ -115,6 +119,13 @@ class CudaMoECompute {
  private:
   struct Events;
   void check_weights(const MoEWeights& weights, bool routing_override) const;
+  // The routed path, dispatch to combine, chunk by chunk: returns y [T, width]. `source` owns
+  // `hidden` (the experts' rows in place on one GPU are read from it).
+  Tensor forward_routed(const MoEWeights& w, const TensorView& hidden, const Tensor& source, CudaMoESaved& s,
+                        cudaStream_t stream);
+  // Its backward, combine_backward to dispatch_backward: grads of hidden and of the routing weights.
+  DispatchGrads backward_routed(const MoEWeights& w, const CudaMoESaved& s, const TensorView& grad,
+                                const CudaExpertGradTargets& targets, cudaStream_t stream);
   MoEConfig config_;
   BackendConfig backend_;
   DispatchOptions dispatch_;
@@ -123,6 +134,9 @@ class CudaMoECompute {
   bool rows_in_place_ = false;  // the experts read the tokens through the dispatch's row table
   int device_;
   std::shared_ptr<TokenDispatcher> dispatcher_;
+  // One per chunk (backend.dispatch_chunks): dispatcher_ first, then siblings of it.
+  std::vector<std::shared_ptr<TokenDispatcher>> chunk_dispatchers_;
+  cudaStream_t expert_stream_ = nullptr;  // the chunks' experts (dispatch_chunks > 1)
   int ep_rank_ = 0, ep_size_ = 1;
   std::optional<CudaGroupedExpertsCompute> experts_, shared_;
   // The fake balanced gate without noise routes by the token index alone: its routing for the last
