@@ -11,6 +11,7 @@
 #include "cli_checks.h"
 #include "bench_processes.h"
 #include "commands.h"
+#include "run_program.h"
 #include "flexep/core/error.h"
 
 namespace flexep::tools {
@@ -84,11 +85,12 @@ void run(const BenchCli& cli) {
     const std::string script = "scripts/plot_bench.py";
     FLEXEP_CHECK_ARG(std::filesystem::exists(script), "--plot", "needs ", script, ", which is not under ",
                      std::filesystem::current_path().string(), ": run it from the repository's root");
-    std::string cmd = "python3 " + script + " --out '" + cli.plot_out + "'";
-    for (const std::string& f : cli.plot) cmd += " '" + f + "'";
-    const int rc = std::system(cmd.c_str());
-    FLEXEP_CHECK(rc == 0, "plotting failed (", cmd, ", exit status ", rc, "); its message is above (it needs python3 "
-                 "with matplotlib)");
+    // The file names go to the script as arguments, never through a shell.
+    std::vector<std::string> argv{"python3", script, "--out", cli.plot_out};
+    argv.insert(argv.end(), cli.plot.begin(), cli.plot.end());
+    const int rc = run_program(argv);
+    FLEXEP_CHECK(rc == 0, "plotting failed: ", script, " exited with status ", rc,
+                 "; its message is above (it needs python3 with matplotlib)");
     return;
   }
   const auto points = expand_sweep(cli.args, cli.sweep);  // validated before anything runs
