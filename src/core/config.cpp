@@ -113,9 +113,10 @@ void validate(const BackendConfig& c) {
   check_sms(c.hybridep_dispatch_sms, 0, "backend.hybridep_dispatch_sms");
   check_sms(c.hybridep_combine_sms, 0, "backend.hybridep_combine_sms");
   check_sms(c.hybridep_preprocess_sms, 0, "backend.hybridep_preprocess_sms");
-  // Written so that NaN fails too.
-  FLEXEP_CHECK_ARG(std::isfinite(c.fake_gate_noise) && c.fake_gate_noise >= 0.0, "backend.fake_gate_noise", "is ",
-                   c.fake_gate_noise, "; allowed: finite and >= 0 (0 = balanced, 1 = fully random)");
+  // Written so that NaN fails too. The upper bounds of the scales here and below are far above any
+  // model's and keep the router's products finite (1e308 passed, and overflowed to Inf downstream).
+  FLEXEP_CHECK_ARG(c.fake_gate_noise >= 0.0 && c.fake_gate_noise <= 1e4, "backend.fake_gate_noise", "is ",
+                   c.fake_gate_noise, "; allowed: 0 to 10000 (0 = balanced, 1 = fully random)");
   if (c.gate_precision)
     FLEXEP_CHECK_ARG(*c.gate_precision == DType::f32 || *c.gate_precision == DType::f64, "backend.gate_precision",
                      "is ", dtype_name(*c.gate_precision), "; allowed: f32 (float32), f64 (float64) or unset");
@@ -154,10 +155,10 @@ void validate(const MoEConfig& c) {
                    "moe.gate_bias_update_factor", "is ", c.gate_bias_update_factor, "; allowed: finite and >= 0");
   FLEXEP_CHECK_ARG(c.gate_bias_update_factor == 0 || c.train_gate, "moe.gate_bias_update_factor", "is ",
                    c.gate_bias_update_factor, " but train_gate is false; allowed: 0 unless train_gate is true");
-  FLEXEP_CHECK_ARG(std::isfinite(c.aux_loss_coeff) && c.aux_loss_coeff >= 0, "moe.aux_loss_coeff", "is ",
-                   c.aux_loss_coeff, "; allowed: finite and >= 0");
-  FLEXEP_CHECK_ARG(std::isfinite(c.route_scale) && c.route_scale > 0, "moe.route_scale", "is ", c.route_scale,
-                   "; allowed: finite and > 0");
+  FLEXEP_CHECK_ARG(c.aux_loss_coeff >= 0 && c.aux_loss_coeff <= 1e4, "moe.aux_loss_coeff", "is ", c.aux_loss_coeff,
+                   "; allowed: 0 to 10000");
+  FLEXEP_CHECK_ARG(c.route_scale > 0 && c.route_scale <= 1e4, "moe.route_scale", "is ", c.route_scale,
+                   "; allowed: above 0, up to 10000");
   FLEXEP_CHECK_ARG(c.dim >= 1 && c.dim <= (1 << 20), "moe.dim", "is ", c.dim, "; allowed: 1 to 1048576");
   FLEXEP_CHECK_ARG(c.inter_dim >= 0 && c.inter_dim <= (1 << 24), "moe.inter_dim", "is ", c.inter_dim,
                    "; allowed: 0 to 16777216");

@@ -1,6 +1,8 @@
 #include "flexep/core/config_json.h"
 
+#include <algorithm>
 #include <climits>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -23,15 +25,17 @@ struct Field {
   std::function<void(C&, const json&, const std::string& arg)> set;
 };
 
+std::string given(const json& v) { return describe_json_value(v.type_name(), v.dump()); }
+
 [[noreturn]] void wrong_type(const json& v, const std::string& arg, const char* expected) {
-  throw_argument_error(arg, "expected ", expected, ", got ", v.type_name(), " ", v.dump());
+  throw_argument_error(arg, "expected ", expected, ", got ", given(v));
 }
 
 int as_int(const json& v, const std::string& arg) {
   if (!v.is_number_integer()) wrong_type(v, arg, "an integer");
   const bool fits = v.is_number_unsigned() ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT_MAX)
                                            : v.get<std::int64_t>() >= INT_MIN && v.get<std::int64_t>() <= INT_MAX;
-  FLEXEP_CHECK_ARG(fits, arg, "value ", v.dump(), " does not fit a 32-bit integer");
+  FLEXEP_CHECK_ARG(fits, arg, "value ", given(v), " does not fit a 32-bit integer");
   return v.get<int>();
 }
 
@@ -216,9 +220,28 @@ std::string dump_fields(const C& c, const std::vector<Field<C>>& fields) {
 }
 
 // Line and column make a syntax error findable in a hand-edited file; nlohmann reports bytes only.
+// A key given twice in one object is refused (nlohmann would keep the last silently).
 json parse_text(const std::string& text, const std::string& where) {
+  if (const std::size_t nul = text.find('\0'); nul != std::string::npos)
+    throw_argument_error(where, "holds a NUL byte at byte ", nul, "; a configuration is JSON text");
+  check_json_depth(text, where);
+  std::vector<std::vector<std::string>> keys;  // the keys of each open object, innermost last
+  const json::parser_callback_t unique_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      keys.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      keys.pop_back();
+    } else if (event == json::parse_event_t::key) {
+      const std::string k = parsed.get<std::string>();
+      std::vector<std::string>& seen = keys.back();
+      if (std::find(seen.begin(), seen.end(), k) != seen.end())
+        throw_argument_error(where, "key '", k, "' appears twice in one object; give each key once");
+      seen.push_back(k);
+    }
+    return true;
+  };
   try {
-    return json::parse(text, nullptr, true, /*ignore_comments=*/true);
+    return json::parse(text, unique_keys, true, /*ignore_comments=*/true);
   } catch (const json::parse_error& e) {
     std::size_t line = 1, col = 1;
     const std::size_t end = std::min<std::size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
@@ -275,6 +298,15 @@ ConfigFile parse_config(const std::string& text, const std::string& where, const
 }
 
 ConfigFile load_config_file(const std::string& path, const ConfigFile& base) {
+  // A device (/dev/zero) or a FIFO would be read forever; a config is a small file.
+  std::error_code ec;
+  FLEXEP_CHECK_ARG(std::filesystem::exists(path, ec), "config_file", "'", path, "' does not exist");
+  FLEXEP_CHECK_ARG(std::filesystem::is_regular_file(path, ec), "config_file", "'", path,
+                   "' is not a regular file; allowed: a JSON file");
+  const auto bytes = std::filesystem::file_size(path, ec);
+  constexpr std::uintmax_t kMaxBytes = 16u << 20;
+  FLEXEP_CHECK_ARG(!ec && bytes <= kMaxBytes, "config_file", "'", path, "' holds ", bytes,
+                   " bytes; allowed: at most 16 MiB");
   std::ifstream in(path, std::ios::binary);
   FLEXEP_CHECK_ARG(in.good(), "config_file", "cannot open '", path, "' for reading");
   std::ostringstream text;
@@ -294,12 +326,40 @@ void apply_override(MoEConfig& moe, BackendConfig& backend, const std::string& a
                    "unknown section; expected 'moe.<field>=<value>' or 'backend.<field>=<value>'");
   const std::string field = key.substr(dot + 1);
   // Bare words (hybridep, torch.bfloat16) are not JSON; they are meant as strings.
+  check_json_depth(text, key);
   json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (value.is_discarded()) value = text;
   if (section == "moe")
     find_field(moe_fields(), field, section).set(moe, value, key);
   else
     find_field(backend_fields(), field, section).set(backend, value, key);
+}
+
+void check_json_depth(const std::string& text, const std::string& where) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (ch == '\\') escaped = true;
+      else if (ch == '"') in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      FLEXEP_CHECK_ARG(++depth <= kMaxJsonDepth, where, "JSON nested deeper than ", kMaxJsonDepth,
+                       " levels (at byte ", i, "); a configuration nests 2");
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+  }
+}
+
+std::string describe_json_value(const std::string& type_name, const std::string& text) {
+  if (type_name == "null") return "null";
+  constexpr std::size_t kShown = 80;
+  if (text.size() <= kShown) return type_name + " " + text;
+  return type_name + " " + text.substr(0, kShown) + "... (" + std::to_string(text.size()) + " characters)";
 }
 
 }  // namespace flexep

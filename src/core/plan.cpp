@@ -22,9 +22,14 @@ void validate(const PlanParams& p) {
   FLEXEP_CHECK_ARG(p.experts >= 1, "num_experts", "must be >= 1, got ", p.experts);
   FLEXEP_CHECK_ARG(p.experts % p.ranks == 0, "num_experts", p.experts, " is not divisible by the ",
                    p.ranks, " ranks of the expert-parallel group; choose E = ranks * experts_per_rank");
-  FLEXEP_CHECK_ARG(p.pad_multiple >= 1, "pad_multiple", "must be >= 1, got ", p.pad_multiple);
+  // Bounds far above any use that keep every row count of a plan (rows per expert padded, a
+  // budget's buffers) inside 64-bit arithmetic and 32-bit row indices.
+  constexpr std::int64_t kMaxPad = 1 << 16, kMaxBudget = (std::int64_t{1} << 31) - 1;
+  FLEXEP_CHECK_ARG(p.pad_multiple >= 1 && p.pad_multiple <= kMaxPad, "pad_multiple", "is ", p.pad_multiple,
+                   "; allowed: 1 to ", kMaxPad);
   if (p.budget_rows) {
-    FLEXEP_CHECK_ARG(*p.budget_rows >= 0, "budget_rows", "must be >= 0, got ", *p.budget_rows);
+    FLEXEP_CHECK_ARG(*p.budget_rows >= 0 && *p.budget_rows <= kMaxBudget, "budget_rows", "is ", *p.budget_rows,
+                     "; allowed: 0 to ", kMaxBudget, " rows");
     FLEXEP_CHECK_ARG(*p.budget_rows % p.pad_multiple == 0, "budget_rows", *p.budget_rows,
                      " is not a multiple of pad_multiple ", p.pad_multiple);
   }

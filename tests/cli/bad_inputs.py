@@ -45,6 +45,19 @@ CASES = [
     ("train --set moe.n_shared_experts=100000", None, ["moe.n_shared_experts", "0 to 1024"]),
     ("train --set moe.dim=100000 --set moe.moe_inter_dim=100000", None,
      ["'moe'", "GiB of host memory", "allowed: sizes that fit"]),
+    # Nesting that would overflow the stack when echoed, keys given twice, bytes after a NUL, a
+    # device read forever, a field set twice, an empty name, null named once.
+    ("train --config {cfg}", "[" * 100000 + "]" * 100000, ["JSON nested deeper than 64 levels"]),
+    ("train --config {cfg}", "{\"train\": {\"steps\": 3, \"steps\": 5}}", ["key 'steps' appears twice"]),
+    ("train --config {cfg}", "{\"train\": {\"steps\": 3}}\0garbage", ["NUL byte at byte 23"]),
+    ("train --config /dev/zero", None, ["config_file", "not a regular file"]),
+    ("train --set moe.dim=32 --dim 16", None, ["--set", "'moe.dim' is also set by its own option (--dim)"]),
+    ("train --set train.steps=9 --steps 7", None, ["'train.steps' is also set by its own option (--steps)"]),
+    ("train --set moe.train_gate=null", None, ["moe.train_gate", "got null"]),
+    # Finite values whose products overflow downstream.
+    ("train --set moe.route_scale=1e308", None, ["moe.route_scale", "up to 10000"]),
+    ("train --lr 1e308", None, ["train.lr", "up to 10"]),
+    ("train --set train.teacher_std=1e308", None, ["train.teacher_std", "up to 1000"]),
 ]
 
 

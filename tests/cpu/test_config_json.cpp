@@ -316,7 +316,32 @@ TEST(ConfigJson, LoadConfigFileErrors) {
     expect_arg_error([&] { load_config_file(f.path.string()); }, f.path.string(), "JSON syntax error at line 1");
   }
   expect_arg_error([] { load_config_file("/nonexistent/flexep.json"); }, "config_file",
-                   "cannot open '/nonexistent/flexep.json'");
+                   "'/nonexistent/flexep.json' does not exist");
+  // A device would be read forever; a directory is no file.
+  expect_arg_error([] { load_config_file("/dev/zero"); }, "config_file", "not a regular file");
+  expect_arg_error([] { load_config_file("/tmp"); }, "config_file", "not a regular file");
+  {  // a key given twice, at any level
+    const TempFile f(R"({"moe": {"dim": 8, "n_routed_experts": 4, "dim": 16}})");
+    expect_arg_error([&] { load_config_file(f.path.string()); }, f.path.string(), "key 'dim' appears twice");
+  }
+  // The same key in two objects is fine.
+  EXPECT_NO_THROW(parse_config(R"({"moe": {"dim": 8}, "train": {"dim": 8}})", "x"));
+  {  // nesting past kMaxJsonDepth is refused before parsing; brackets inside strings do not count
+    const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+    expect_arg_error([&] { parse_config(deep, "deep.json"); }, "deep.json", "nested deeper than 64 levels");
+    EXPECT_NO_THROW(check_json_depth("{\"a\": \"" + std::string(1000, '[') + "\"}", "x"));
+    expect_arg_error([] { check_json_depth(std::string(65, '{'), "x"); }, "x", "deeper than 64");
+    EXPECT_NO_THROW(check_json_depth(std::string(64, '['), "x"));
+  }
+  {  // a NUL byte ends no document silently
+    const std::string text = std::string("{\"moe\": {}}") + '\0' + "garbage";
+    expect_arg_error([&] { parse_config(text, "nul.json"); }, "nul.json", "NUL byte at byte 11");
+  }
+  // Values are echoed cut to a readable length.
+  const std::string shown = describe_json_value("string", "\"" + std::string(1000000, 'x') + "\"");
+  EXPECT_LT(shown.size(), 200u);
+  EXPECT_NE(shown.find("(1000002 characters)"), std::string::npos) << shown;
+  EXPECT_EQ(describe_json_value("null", "null"), "null");
 }
 
 TEST(ConfigJson, ApplyOverride) {

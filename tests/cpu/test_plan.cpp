@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "flexep/core/plan.h"
 
 using namespace flexep;
@@ -131,6 +133,15 @@ TEST(Plan, ValidateNamesTheArgument) {
   EXPECT_EQ(arg_of(p), "budget_rows");
   p.budget_rows = 16;
   EXPECT_EQ(arg_of(p), "(none)");
+  // Sizes whose row counts would overflow (a crash once, at budget_rows 2^62) are refused.
+  EXPECT_EQ(arg_of(params(2, 4, 65536)), "(none)");
+  EXPECT_EQ(arg_of(params(2, 4, 65537)), "pad_multiple");
+  EXPECT_EQ(arg_of(params(2, 4, std::numeric_limits<std::int64_t>::max())), "pad_multiple");
+  p = params(2, 4, 1);
+  p.budget_rows = (std::int64_t{1} << 31) - 1;
+  EXPECT_EQ(arg_of(p), "(none)");
+  p.budget_rows = std::int64_t{1} << 62;
+  EXPECT_EQ(arg_of(p), "budget_rows");
 }
 
 TEST(Plan, PermuteAndUnpermuteRejectMismatchedRows) {

@@ -16,7 +16,9 @@
 
 #include "adam.h"
 #include "flexep/comm/host_world.h"
+#include "flexep/core/config_json.h"
 #include "flexep/core/random.h"
+#include "flexep/core/warn_once.h"
 #include "flexep/dispatch/registry.h"
 #include "flexep/layer/moe_layer.h"
 #include "progress.h"
@@ -47,7 +49,7 @@ TrainOptions default_train_options() {
 namespace {
 
 // The train section's values, each checked for its JSON type and range before it is used.
-std::string given(const nlohmann::json& v) { return v.is_null() ? "null" : std::string(v.type_name()) + " " + v.dump(); }
+std::string given(const nlohmann::json& v) { return describe_json_value(v.type_name(), v.dump()); }
 
 long long train_integer(const nlohmann::json& v, const std::string& arg, long long lo, long long hi) {
   bool ok = v.is_number_integer();  // lo >= 0 here: an unsigned value compares as unsigned
@@ -134,7 +136,7 @@ void validate_train_options(const TrainOptions& o) {
   FLEXEP_CHECK_ARG(o.ranks >= 1 && o.ranks <= 64, "train.ranks", "must be in [1, 64], got ", o.ranks);
   FLEXEP_CHECK_ARG(o.steps >= 1, "train.steps", "must be >= 1, got ", o.steps);
   FLEXEP_CHECK_ARG(o.tokens >= o.ranks, "train.tokens", "must be >= train.ranks (", o.ranks, "), got ", o.tokens);
-  FLEXEP_CHECK_ARG(o.lr > 0 && std::isfinite(o.lr), "train.lr", "must be finite and > 0, got ", o.lr);
+  FLEXEP_CHECK_ARG(o.lr > 0 && o.lr <= 10, "train.lr", "must be above 0, up to 10 (Adam's step size), got ", o.lr);
   FLEXEP_CHECK_ARG(o.padding_fraction >= 0 && o.padding_fraction < 1, "train.padding_fraction",
                    "must be in [0, 1), got ", o.padding_fraction);
 #ifdef FLEXEP_WITH_CUDA
@@ -148,11 +150,18 @@ void validate_train_options(const TrainOptions& o) {
     throw_argument_error("backend.dispatcher", "'", b.name, "' ", b.missing, "; built here: ", built_dispatcher_names());
   FLEXEP_CHECK_ARG(o.device == "cuda" || o.backend.dispatcher == DispatcherKind::host, "backend.dispatcher", "'",
                    to_string(o.backend.dispatcher), "' needs GPUs; on the CPU the allowed value is host");
-  FLEXEP_CHECK_ARG(o.teacher_std > 0 && std::isfinite(o.teacher_std), "train.teacher_std",
-                   "must be finite and > 0, got ", o.teacher_std);
+  FLEXEP_CHECK_ARG(o.teacher_std > 0 && o.teacher_std <= 1e3, "train.teacher_std", "must be above 0, up to 1000, got ",
+                   o.teacher_std);
   validate(o.moe);
   validate(o.backend);
   validate_ep(o.moe, o.ranks);
+  // The job's precision is fixed by its device: said, not silently overridden.
+  if (o.device == "cpu" && o.moe.dtype != DType::f32)
+    warn_once(std::string("moe.dtype is ") + std::string(dtype_name(o.moe.dtype)) +
+              ", but flexep train on the CPU computes in float32 (the reference precision); the GPU layer in bf16");
+  if (o.device == "cuda" && o.moe.dtype != DType::f32 && o.moe.dtype != DType::bf16)
+    warn_once(std::string("moe.dtype is ") + std::string(dtype_name(o.moe.dtype)) +
+              ", but flexep train on GPUs computes in bf16 (float32 masters on the host)");
   check_host_memory(o);
 }
 

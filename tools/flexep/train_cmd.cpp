@@ -1,12 +1,14 @@
 // `flexep train`: the main job. With no arguments it trains the embedded default (a 64-wide MoE
 // layer, 16 experts, top-4, one shared expert, 4 simulated ranks on the CPU) and prints both checks.
 #include <climits>
+#include <cstdio>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "cli_checks.h"
+#include "flexep/core/checks.h"
 #include "commands.h"
 #include "flexep/core/config_json.h"
 #include "train.h"
@@ -26,7 +28,25 @@ struct TrainArgs {
   bool quiet = false, print_config = false;
 };
 
+// A field given both by its own option and by --set would be decided by the order of the code, not
+// of the command line: refuse it.
+void check_no_double_setting(const TrainArgs& a) {
+  const std::pair<const char*, bool> by_option[] = {
+      {"train.ranks", a.ranks != 0},       {"train.steps", a.steps != 0},      {"train.tokens", a.tokens != 0},
+      {"moe.dim", a.dim != 0},             {"moe.n_routed_experts", a.experts != 0},
+      {"moe.n_activated_experts", a.topk != 0}, {"train.seed", a.seed >= 0}, {"train.lr", a.lr > 0},
+      {"backend.dispatcher", !a.backend.empty()}, {"train.device", !a.device.empty()}};
+  for (const std::string& s : a.overrides) {
+    const std::string key = s.substr(0, s.find('='));
+    for (const auto& [field, given] : by_option)
+      FLEXEP_CHECK_ARG(!given || key != field, "--set", "'", key, "' is also set by its own option (",
+                       field == std::string("backend.dispatcher") ? "--backend" : "--" + key.substr(key.find('.') + 1),
+                       "); give it once");
+  }
+}
+
 void run(const TrainArgs& a) {
+  check_no_double_setting(a);
   TrainOptions o = default_train_options();
   if (!a.config_file.empty()) {
     ConfigFile base;
@@ -40,6 +60,7 @@ void run(const TrainArgs& a) {
   for (const std::string& s : a.overrides) {
     if (s.rfind("train.", 0) == 0 && s.find('=') != std::string::npos) {  // the train section is this program's
       const std::size_t eq = s.find('=');
+      check_json_depth(s.substr(eq + 1), s.substr(0, eq));
       nlohmann::json value = nlohmann::json::parse(s.substr(eq + 1), nullptr, /*allow_exceptions=*/false);
       if (value.is_discarded()) value = s.substr(eq + 1);  // a bare word (cuda) is meant as a string
       apply_train_json(o, nlohmann::json{{s.substr(6, eq - 6), value}}.dump());
@@ -69,6 +90,7 @@ void run(const TrainArgs& a) {
              "device {}, {} steps x {} tokens\n",
              o.moe.dim, o.moe.n_routed_experts, o.moe.n_activated_experts, o.moe.n_shared_experts,
              o.moe.moe_inter_dim, o.ranks, to_string(o.backend.dispatcher), o.device, o.steps, o.tokens);
+  std::fflush(stdout);  // the setup and the first check can take a while; say what runs first
   const TrainReport r = run_training(o);
   fmt::print("check 1, loss falls:   {:.4e} -> {:.4e} ({:.1f}% of the start; needs < 25%)  {}\n", r.first_loss,
              r.last_loss, 100.0 * r.last_loss / r.first_loss, r.loss_check ? "PASSED" : "FAILED");
@@ -95,8 +117,14 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--topk", args->topk, "Experts per token")->check(whole_number(1, 1 << 16));
   cmd->add_option("--seed", args->seed, "Seed of data and initialisation")->check(whole_number(0, LLONG_MAX));
   cmd->add_option("--lr", args->lr, "Adam learning rate")->check(finite_number_above(0));
-  cmd->add_option("--backend", args->backend, "Dispatcher: host, alltoall (torch), hybridep, deepep");
-  cmd->add_option("--device", args->device, "cpu or cuda");
+  const auto non_empty = [](const char* allowed) {
+    return CLI::Validator(
+        [allowed](std::string& v) { return v.empty() ? std::string("is empty; allowed: ") + allowed : std::string(); },
+        "", "non-empty");
+  };
+  cmd->add_option("--backend", args->backend, "Dispatcher: host, alltoall (torch), hybridep, deepep")
+      ->check(non_empty("host, alltoall (torch), hybridep, deepep"));
+  cmd->add_option("--device", args->device, "cpu or cuda")->check(non_empty("cpu, cuda"));
   cmd->add_flag("--quiet", args->quiet, "No progress bar");
   cmd->add_flag("--print-config", args->print_config, "Print the configuration as JSON and exit");
   cmd->callback([args] { run(*args); });

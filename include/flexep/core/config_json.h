@@ -36,4 +36,13 @@ ConfigFile load_config_file(const std::string& path, const ConfigFile& base = {}
 // value is parsed as JSON when it is valid JSON, else taken as a string.
 void apply_override(MoEConfig& moe, BackendConfig& backend, const std::string& assignment);
 
+// JSON nested deeper than this is refused before it is parsed (a config nests 2 levels; printing a
+// value nested 100,000 deep in an error message would overflow the stack).
+constexpr int kMaxJsonDepth = 64;
+// Throws ArgumentError naming `where` when `text` (JSON, strings skipped) nests deeper than
+// kMaxJsonDepth.
+void check_json_depth(const std::string& text, const std::string& where);
+// A JSON value for an error message: its type and text, cut to about 80 characters.
+std::string describe_json_value(const std::string& type_name, const std::string& text);
+
 }  // namespace flexep
