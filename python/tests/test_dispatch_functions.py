@@ -147,3 +147,41 @@ def test_missing_rank_is_a_timeout_error():
     with pytest.raises(flexep.TimeoutError, match="timeout") as e:
         d.dispatch(torch.randn(2, 2), indices=torch.tensor([[0], [1]]), weights=torch.ones(2, 1))
     assert isinstance(e.value, TimeoutError)
+
+
+def test_python_arguments_of_the_wrong_kind_are_named():
+    """Arguments that used to be ignored or to fail deep inside (AttributeError) are named errors."""
+    import numpy as np
+    from automodel_pair import am_config
+
+    d = _flexep.make_host_dispatcher(_flexep.HostWorld(1, 5.0), 0, 4)
+    x, i, w = torch.randn(4, 8), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), torch.rand(4, 2)
+    for kw, name in [(dict(budget_rows=5), "budget_rows"), (dict(overflow="drop"), "overflow")]:
+        with pytest.raises(flexep.ArgumentError, match=f"'{name}'.*mode='budget' only"):
+            ft.dispatch(d, x, i, w, **kw)
+    with pytest.raises(flexep.ArgumentError, match="'pad_multiple'.*1 to 65536"):
+        ft.dispatch(d, x, i, w, pad_multiple=2**63 - 1)
+    with pytest.raises(flexep.ArgumentError, match="'budget_rows'.*2147483647"):
+        ft.dispatch(d, x, i, w, mode="budget", budget_rows=2**62)
+    with pytest.raises(flexep.ArgumentError, match="'x': a ndarray"):
+        ft.dispatch(d, x.numpy(), i, w)
+    with pytest.raises(flexep.ArgumentError, match="'indices': a list"):
+        ft.dispatch(d, x, i.tolist(), w)
+    with pytest.raises(flexep.ArgumentError, match="'expert_out': a NoneType"):
+        ft.combine(d, None, None)
+    for v in (-1, 10**6, "16", True):
+        with pytest.raises(flexep.ArgumentError, match="'num_sms'"):
+            ft.set_num_sms(v)
+    with pytest.raises(flexep.ArgumentError, match="'backend': 'bogus'"):
+        ft.FlexTokenDispatcher(d, backend="bogus")
+    with pytest.raises(flexep.ArgumentError, match="'backend': a str"):
+        ft.MoE(am_config(), "host", device="cpu")
+    m = ft.MoE(am_config(), device="cpu")
+    with pytest.raises(flexep.ArgumentError, match="'x': a ndarray"):
+        m(np.zeros((2, am_config().dim), dtype=np.float32))
+    with pytest.raises(flexep.ArgumentError, match="'padding_mask': a list"):
+        m(torch.randn(2, am_config().dim), padding_mask=[False, False])
+    world = _flexep.HostWorld(1, 5.0)
+    with pytest.raises(flexep.ArgumentError, match="'num_local_experts': 99.*4 per rank"):
+        ft.hybrid_ep_dispatch(x, None, torch.rand(4, 4), ft.HostRank(world, 0), num_local_experts=99, topk_idx=i,
+                              num_experts=4)

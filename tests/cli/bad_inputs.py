@@ -58,6 +58,11 @@ CASES = [
     ("train --set moe.route_scale=1e308", None, ["moe.route_scale", "up to 10000"]),
     ("train --lr 1e308", None, ["train.lr", "up to 10"]),
     ("train --set train.teacher_std=1e308", None, ["train.teacher_std", "up to 1000"]),
+    # plan options that mean something only beside another, and seeds out of range.
+    ("plan --drop", None, ["--drop", "give --budget too"]),
+    ("plan --zipf-s 2", None, ["--zipf-s", "--routing zipf", "'uniform'"]),
+    ("plan --seed -1", None, ["--seed", "from 0 to", "-1"]),
+    ("plan --budget 99999999999", None, ["--budget", "from 0 to 2147483647"]),
 ]
 
 

@@ -1,5 +1,6 @@
 // `flexep plan`: shows the dispatch plan of a synthetic routing: rows per rank, tokens per local
 // expert, padding, drops and the bytes a dispatch moves (own rank and remote), as text or JSON.
+#include <climits>
 #include <algorithm>
 #include <atomic>
 #include <exception>
@@ -162,15 +163,22 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--tokens", a->tokens, "Tokens per rank")->check(whole_number(0, 1 << 30));
   cmd->add_option("--hidden", a->hidden, "Hidden size (for bytes)")->check(whole_number(1, 1 << 20));
   cmd->add_option("--routing", a->routing, "uniform, zipf or hot");
-  cmd->add_option("--zipf-s", a->zipf_s, "Zipf exponent");
+  CLI::Option* zipf_s = cmd->add_option("--zipf-s", a->zipf_s, "Zipf exponent (with --routing zipf)");
   cmd->add_option("--pad-multiple", a->pad_multiple, "Pad each expert group to a multiple")
-      ->check(whole_number(1, 1 << 20));
-  cmd->add_option("--budget", a->budget, "Budget mode: output rows per rank")->check(whole_number(0, 1LL << 40));
-  cmd->add_flag("--drop", a->drop, "Drop rows over the budget instead of failing");
-  cmd->add_option("--seed", a->seed, "Routing seed");
+      ->check(whole_number(1, 1 << 16));
+  cmd->add_option("--budget", a->budget, "Budget mode: output rows per rank")
+      ->check(whole_number(0, (1LL << 31) - 1));
+  cmd->add_flag("--drop", a->drop, "Drop rows over the budget instead of failing (with --budget)");
+  cmd->add_option("--seed", a->seed, "Routing seed")->check(whole_number(0, LLONG_MAX));
   cmd->add_flag("--json", a->json, "Print JSON");
   cmd->add_flag("--quiet", a->quiet, "No progress output (shown on stderr for long plans)");
-  cmd->callback([a] { run(*a); });
+  cmd->callback([a, zipf_s] {
+    // Options that only mean something beside another: refused rather than ignored.
+    FLEXEP_CHECK_ARG(!a->drop || a->budget >= 0, "--drop", "drops rows over the budget; give --budget too");
+    FLEXEP_CHECK_ARG(zipf_s->count() == 0 || a->routing == "zipf", "--zipf-s", "is the exponent of --routing zipf, "
+                     "but the routing is '", a->routing, "'");
+    run(*a);
+  });
 }
 
 }  // namespace flexep::tools

@@ -296,6 +296,10 @@ def _record_gate_state(gate, outputs: _Outputs, training: bool) -> None:
 
 def run_moe(moe, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Automodel's MoE.forward: x [..., dim] -> the same shape, padding_mask [...] True = padding."""
+    for name, t in (("x", x), ("padding_mask", padding_mask)):
+        if not isinstance(t, torch.Tensor) and not (name == "padding_mask" and t is None):
+            raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': a {type(t).__name__}; allowed: a "
+                                        "torch.Tensor" + (" or None" if name == "padding_mask" else ""))
     shape, dim = x.shape, moe._flexep_config.dim
     require_strided(x, "x")
     if not x.dtype.is_floating_point:

@@ -197,6 +197,11 @@ class BackendConfig:
         """flexep's BackendConfig with the values of Automodel's (or any object with these fields)."""
         if isinstance(backend, cls):
             return backend
+        if isinstance(backend, (str, bytes, int, float, bool, list, tuple, dict)):
+            # getattr would find none of the fields and quietly give the defaults.
+            raise _flexep.ArgumentError(f"flexep: invalid argument 'backend': a {type(backend).__name__} "
+                                        f"({backend!r:.60}); allowed: a BackendConfig (flexep's or Automodel's), e.g. "
+                                        "BackendConfig(dispatcher='hybridep')")
         values = {f.name: getattr(backend, f.name) for f in dataclasses.fields(cls) if hasattr(backend, f.name)}
         for name in ("mok", "cuda_graph"):  # Automodel's own dataclasses: carried as their fields
             if name in values and dataclasses.is_dataclass(values[name]):

@@ -83,7 +83,10 @@ def create_communicator(group=None, device: Optional[torch.device] = None, *, re
 def set_num_sms(num_sms: int) -> None:
     """Automodel's set_deepep_num_sms: the SM count of dispatchers created from now on (process-wide)."""
     global _num_sms
-    _num_sms = int(num_sms)
+    if type(num_sms) is not int or not 0 <= num_sms <= 1024:  # bool and '16' are not SM counts
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'num_sms': {num_sms!r}; allowed: an int from 0 to "
+                                    "1024 (0 = the backend's default)")
+    _num_sms = num_sms
 
 
 def get_dispatcher(backend: BackendConfig, num_experts: int, group=None, device: Optional[torch.device] = None,
@@ -177,6 +180,10 @@ class FlexTokenDispatcher:
     Every backend takes the top-k indices as they are (no [T, E] round trip)."""
 
     def __init__(self, dispatcher, backend: str = "torch"):
+        allowed = ("torch", "alltoall", "host", "hybridep", "deepep")
+        if backend not in allowed:
+            raise _flexep.ArgumentError(f"flexep: invalid argument 'backend': {backend!r}; allowed: "
+                                        + ", ".join(allowed))
         self.dispatcher, self.backend = dispatcher, backend
         self._handle, self._hidden_shape = None, None
 

@@ -45,6 +45,15 @@ def _dense(t, name: str):
     return t
 
 
+def _check_tensors(**tensors) -> None:
+    """Each argument is a torch.Tensor, or an ArgumentError naming it (a list or a numpy array would
+    otherwise fail deep inside autograd with an AttributeError)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': a {type(t).__name__}; allowed: a "
+                                        "torch.Tensor")
+
+
 def _out(obj) -> Optional[torch.Tensor]:
     return None if obj is None else torch.from_dlpack(obj)
 
@@ -92,6 +101,11 @@ def dispatch(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.
     Returns (tokens [N,H], token_probs [N], tokens_per_expert [E_local], handle); differentiable in x
     and weights. The handle is what combine() needs.
     """
+    _check_tensors(x=x, indices=indices, weights=weights)
+    if mode != "budget" and (budget_rows != 0 or overflow != "error"):
+        name, value = ("budget_rows", budget_rows) if budget_rows != 0 else ("overflow", overflow)
+        raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': {value!r} given with mode={mode!r}; "
+                                    "it applies to mode='budget' only")
     opts = dict(pad_multiple=pad_multiple, mode=mode, budget_rows=budget_rows, overflow=overflow)
     holder = _HandleHolder()
     tokens, probs, tpe, _ = _DispatchWithHandle.apply(x, weights, indices, None, dispatcher, opts, holder)
@@ -100,6 +114,7 @@ def dispatch(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.
 
 def combine(dispatcher, handle, expert_out: torch.Tensor) -> torch.Tensor:
     """expert_out [N,H] -> out [T,H], the unweighted sum of each token's rows; backward re-dispatches."""
+    _check_tensors(expert_out=expert_out)
     return _Combine.apply(expert_out, dispatcher, handle)
 
 

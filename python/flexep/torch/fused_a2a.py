@@ -104,6 +104,10 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: Optional[torch.Tensor], pro
     topk = topk_idx.size(1) if topk_idx is not None else E
     d = _dispatcher(group, E, x.device, x.size(-1), x.size(0), topk, num_sms_dispatch_api, num_sms_combine_api,
                     num_sms_preprocessing_api)
+    ranks = d.world_size if d is not None else 1
+    if num_local_experts != E // ranks:
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'num_local_experts': {num_local_experts!r}, but "
+                                    f"{E} experts on {ranks} ranks are {E // ranks} per rank")
     opts = dict(pad_multiple=int(pad_multiple or 1))
     if num_permuted_tokens is not None:
         opts.update(mode="budget", budget_rows=int(num_permuted_tokens))
