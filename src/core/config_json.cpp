@@ -280,18 +280,18 @@ MoEConfig moe_config_from_json(const std::string& text, const std::string& where
 
 ConfigFile parse_config(const std::string& text, const std::string& where, const ConfigFile& base) {
   const json doc = parse_text(text, where);
-  if (!doc.is_object()) wrong_type(doc, where, "a JSON object with sections moe, backend, train, bench");
+  if (!doc.is_object()) wrong_type(doc, where, "a JSON object with sections moe, backend, train");
   ConfigFile f = base;
   for (const auto& [key, value] : doc.items()) {
     if (key == "moe") {
       apply_object(f.moe, moe_fields(), value, "moe");
     } else if (key == "backend") {
       apply_object(f.backend, backend_fields(), value, "backend");
-    } else if (key == "train" || key == "bench") {
+    } else if (key == "train") {
       if (!value.is_object()) wrong_type(value, key, "a JSON object");
-      (key == "train" ? f.extra_json : f.bench_json) = value.dump();
+      f.extra_json = value.dump();
     } else {
-      throw_argument_error(key, "unknown top-level section in ", where, "; allowed: moe, backend, train, bench");
+      throw_argument_error(key, "unknown top-level section in ", where, "; allowed: moe, backend, train");
     }
   }
   return f;

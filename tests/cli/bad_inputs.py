@@ -59,6 +59,7 @@ CASES = [
     ("train --lr 1e308", None, ["train.lr", "up to 10"]),
     ("train --set train.teacher_std=1e308", None, ["train.teacher_std", "up to 1000"]),
     # plan options that mean something only beside another, and seeds out of range.
+    ("train --config {cfg}", {"bench": {"reps": 3}}, ["'bench'", "allowed: moe, backend, train"]),
     ("plan --drop", None, ["--drop", "give --budget too"]),
     ("plan --zipf-s 2", None, ["--zipf-s", "--routing zipf", "'uniform'"]),
     ("plan --seed -1", None, ["--seed", "from 0 to", "-1"]),

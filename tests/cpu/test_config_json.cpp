@@ -275,8 +275,7 @@ TEST(ConfigJson, LoadConfigFile) {
     // comments are allowed in hand-written files
     "moe": {"n_routed_experts": 64, "n_activated_experts": 8, "dtype": "torch.bfloat16"},
     "backend": {"dispatcher": "hybridep", "experts": "te", "dispatcher_num_sms": 16},
-    "train": {"steps": 10, "lr": 0.001},
-    "bench": {"iters": 5}
+    "train": {"steps": 10, "lr": 0.001}
   })");
   const ConfigFile cf = load_config_file(f.path.string());
   EXPECT_EQ(cf.moe.n_routed_experts, 64);
@@ -286,7 +285,6 @@ TEST(ConfigJson, LoadConfigFile) {
   EXPECT_EQ(cf.backend.experts, ExpertsKind::te);
   EXPECT_EQ(cf.backend.dispatch_sms(), 16);
   EXPECT_EQ(nlohmann::json::parse(cf.extra_json), nlohmann::json::parse(R"({"steps": 10, "lr": 0.001})"));
-  EXPECT_EQ(nlohmann::json::parse(cf.bench_json), nlohmann::json::parse(R"({"iters": 5})"));
 }
 
 TEST(ConfigJson, LoadConfigFileSectionsOptional) {
@@ -295,13 +293,12 @@ TEST(ConfigJson, LoadConfigFileSectionsOptional) {
   EXPECT_EQ(cf.backend.dispatcher, DispatcherKind::deepep);
   expect_same(cf.moe, MoEConfig{});
   EXPECT_EQ(cf.extra_json, "{}");
-  EXPECT_EQ(cf.bench_json, "{}");
 }
 
 TEST(ConfigJson, LoadConfigFileErrors) {
   {
     const TempFile f(R"({"moe": {}, "model": {}})");
-    expect_arg_error([&] { load_config_file(f.path.string()); }, "model", "allowed: moe, backend, train, bench");
+    expect_arg_error([&] { load_config_file(f.path.string()); }, "model", "allowed: moe, backend, train");
   }
   {
     const TempFile f(R"({"moe": {"topk": 2}})");

@@ -19,13 +19,12 @@ std::string to_json(const MoEConfig& c);
 BackendConfig backend_config_from_json(const std::string& text, const std::string& where = "backend");
 MoEConfig moe_config_from_json(const std::string& text, const std::string& where = "moe");
 
-// A whole configuration document: {"moe": {...}, "backend": {...}, "train": {...}, "bench": {...}},
-// every section optional.
+// A whole configuration document: {"moe": {...}, "backend": {...}, "train": {...}}, every section
+// optional.
 struct ConfigFile {
   MoEConfig moe;
   BackendConfig backend;
   std::string extra_json = "{}";  // the "train" object, raw (compact JSON)
-  std::string bench_json = "{}";  // the "bench" object, raw (compact JSON)
 };
 // `where` names the document in syntax errors (a path, "<command line>"). The keys found are
 // applied on top of `base` (the library defaults unless a program has its own).
