@@ -32,9 +32,10 @@ struct PlanArgs {
 // Above this many routed slots (ranks x tokens x top-k; ~1 s on one core) the routing shows its
 // progress on stderr.
 constexpr double kProgressSlots = 5e7;
-// A source rank's routing is drawn and counted this many tokens at a time: a step of the progress
-// (a fraction of a second at 1024 experts), and the memory of one piece per worker.
-constexpr std::int64_t kPieceTokens = std::int64_t{1} << 16;
+// A source rank's routing is drawn and counted this many routed slots at a time (65536 tokens at
+// top-8, fewer at larger top-k): a step of the progress (a fraction of a second at 1024 experts),
+// and the memory of one piece per worker.
+constexpr std::int64_t kPieceSlots = std::int64_t{1} << 19;
 
 void run(const PlanArgs& a) {
   RoutingSpec spec;
@@ -60,16 +61,17 @@ void run(const PlanArgs& a) {
     for (std::size_t e = 0; e < counts_s.size(); ++e) counts_s[e] += piece_counts[e];
     std::vector<std::int64_t>& all = to_all[static_cast<std::size_t>(s)];
     std::vector<std::int64_t>& remote = to_remote[static_cast<std::size_t>(s)];
-    // A token's owners are found among its k slots (O(k^2) per token, not O(ranks)).
+    // A token's owners, once each: a rank's stamp is the last token that counted it (O(k) per
+    // token; top-k reaches 65536).
     const std::int64_t* ids = r.indices.data<std::int64_t>();
+    std::vector<std::int64_t> stamp(R, -1);
     for (std::int64_t t = 0; t < n; ++t)
       for (int j = 0; j < a.topk; ++j) {
-        const int d = p.owner(static_cast<int>(ids[t * a.topk + j]));
-        bool seen = false;
-        for (int q = 0; q < j && !seen; ++q) seen = p.owner(static_cast<int>(ids[t * a.topk + q])) == d;
-        if (seen) continue;
-        ++all[static_cast<std::size_t>(d)];
-        if (d != s) ++remote[static_cast<std::size_t>(d)];
+        const auto d = static_cast<std::size_t>(p.owner(static_cast<int>(ids[t * a.topk + j])));
+        if (stamp[d] == t) continue;
+        stamp[d] = t;
+        ++all[d];
+        if (d != static_cast<std::size_t>(s)) ++remote[d];
       }
   };
   for (std::size_t s = 0; s < R; ++s) {
@@ -80,7 +82,8 @@ void run(const PlanArgs& a) {
   {
     // The pieces of every source rank, taken in order by all cores (each piece is independent; a
     // rank's pieces go to one worker at a time, so its totals need no lock).
-    const std::int64_t pieces_per_rank = std::max<std::int64_t>(1, (a.tokens + kPieceTokens - 1) / kPieceTokens);
+    const std::int64_t piece_tokens = std::clamp<std::int64_t>(kPieceSlots / a.topk, 1, std::int64_t{1} << 16);
+    const std::int64_t pieces_per_rank = std::max<std::int64_t>(1, (a.tokens + piece_tokens - 1) / piece_tokens);
     const std::int64_t pieces = pieces_per_rank * a.ranks;
     const unsigned workers = std::max(1u, std::min(std::thread::hardware_concurrency(), static_cast<unsigned>(R)));
     std::atomic<int> next_rank{0};
@@ -98,10 +101,10 @@ void run(const PlanArgs& a) {
         try {
           for (int s = next_rank++; s < a.ranks; s = next_rank++)
             for (std::int64_t i = 0; i < pieces_per_rank; ++i) {
-              const std::int64_t first = i * kPieceTokens;
-              one_piece(s, first, std::min<std::int64_t>(kPieceTokens, a.tokens - first));
+              const std::int64_t first = i * piece_tokens;
+              one_piece(s, first, std::min<std::int64_t>(piece_tokens, a.tokens - first));
               const std::lock_guard<std::mutex> hold(lock);
-              if (show) progress.update(++done, fmt::format("pieces of up to {} tokens", kPieceTokens));
+              if (show) progress.update(++done, fmt::format("pieces of up to {} tokens", piece_tokens));
             }
         } catch (...) {
           const std::lock_guard<std::mutex> hold(lock);
