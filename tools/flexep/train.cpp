@@ -235,7 +235,9 @@ TrainReport run_training(const TrainOptions& o) {
 #endif
   TrainReport report;
 
-  // Check 2 first (fresh parameters): R ranks vs 1 rank on the first batch.
+  // Check 2 first (fresh parameters): R ranks vs 1 rank on the first batch. It can take a while
+  // before the progress bar starts (large layers): say so.
+  if (!o.quiet) fmt::print(stderr, "check 2: the first batch on {} rank(s) and on 1 rank...\n", o.ranks);
   const auto g_many = step_gradients(o, o.ranks);
   const auto g_one = step_gradients(o, 1);
   for (const auto& [name, ref] : g_one) {

@@ -173,6 +173,7 @@ TrainReport run_training_cuda(const TrainOptions& o) {
   TrainOptions oc = o;
   oc.moe.aux_loss_coeff = 0;  // as on the CPU: the per-rank aux loss depends on the split
   TrainReport report;
+  if (!o.quiet) fmt::print(stderr, "check 2: the first batch on {} GPU rank(s) and on the CPU...\n", o.ranks);
   std::tie(report.max_grad_rel_diff, report.worst_parameter) = gpu_vs_cpu_step(oc, o.ranks);
   report.rank_check = report.max_grad_rel_diff < 5e-2;
   report.rank_check_label = fmt::format("{} GPU rank(s) == CPU reference", o.ranks);
