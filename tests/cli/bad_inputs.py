@@ -60,6 +60,10 @@ CASES = [
     ("train --set train.teacher_std=1e308", None, ["train.teacher_std", "up to 1000"]),
     # plan options that mean something only beside another, and seeds out of range.
     ("train --config {cfg}", {"bench": {"reps": 3}}, ["'bench'", "allowed: moe, backend, train"]),
+    ("train --set train.padding_fraction=0.999999", None, ["train.padding_fraction", "valid tokens of 256"]),
+    ("bench --tokens 1.5", None, ["--tokens", "whole number from 0 to", "'1.5'"]),
+    ("bench dsv3-ep2 --routing bogus", None, ["--routing", "'bogus'", "uniform, zipf, hot"]),
+    ("bench dsv3-ep2 --sweep tokens=-1", None, ["--sweep", "tokens=-1", "from 0 to"]),
     ("plan --drop", None, ["--drop", "give --budget too"]),
     ("plan --zipf-s 2", None, ["--zipf-s", "--routing zipf", "'uniform'"]),
     ("plan --seed -1", None, ["--seed", "from 0 to", "-1"]),

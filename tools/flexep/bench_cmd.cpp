@@ -13,6 +13,7 @@
 #include "commands.h"
 #include "run_program.h"
 #include "flexep/core/error.h"
+#include "flexep/core/synthetic_routing.h"
 
 namespace flexep::tools {
 
@@ -31,15 +32,24 @@ struct BenchCli {
   BenchArgs args;
 };
 
+// A swept value as the option of the same name takes it (the same validator, the same message).
+template <class T>
+T checked_value(const std::string& v, const CLI::Validator& check, const std::string& key) {
+  std::string text = v;
+  const std::string err = check(text);
+  if (!err.empty()) throw_argument_error("--sweep", key, "=", v, ": ", err);
+  return static_cast<T>(std::stod(text));
+}
+
 // One "key=v1,v2,..." sweep dimension applied to a copy of the arguments.
 void apply_sweep_value(BenchArgs& a, const std::string& key, const std::string& v) {
   try {
-    if (key == "tokens") a.tokens = std::stoll(v);
-    else if (key == "hidden") a.hidden = std::stoi(v);
-    else if (key == "topk") a.topk = std::stoi(v);
-    else if (key == "experts") a.experts = std::stoi(v);
-    else if (key == "routing") a.routing = v;
-    else if (key == "zipf_s") a.zipf_s = std::stod(v);
+    if (key == "tokens") a.tokens = checked_value<long long>(v, whole_number(0, 1 << 30), key);
+    else if (key == "hidden") a.hidden = checked_value<int>(v, whole_number(0, 1 << 20), key);
+    else if (key == "topk") a.topk = checked_value<int>(v, whole_number(0, 1 << 16), key);
+    else if (key == "experts") a.experts = checked_value<int>(v, whole_number(0, 1 << 16), key);
+    else if (key == "routing") a.routing = (parse_routing(v, "--sweep routing"), v);
+    else if (key == "zipf_s") a.zipf_s = checked_value<double>(v, finite_number_above(0), key);
     else if (key == "backend") a.backend = v;
     else throw_argument_error("--sweep", "'", key, "' cannot be swept; allowed: tokens, hidden, topk, experts, routing, "
                               "zipf_s, backend (SM counts: --sms)");
@@ -93,6 +103,7 @@ void run(const BenchCli& cli) {
                  "; its message is above (it needs python3 with matplotlib)");
     return;
   }
+  parse_routing(cli.args.routing, "--routing");  // before any case is looked at (or found to need GPUs)
   const auto points = expand_sweep(cli.args, cli.sweep);  // validated before anything runs
   int gpus = 0;  // on the machine; the run records how many its cases used
   const std::string device = device_description(gpus);
@@ -128,11 +139,11 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--backend", cli->args.backend, "Backend to run, or all")
       ->check(CLI::IsMember({"all", "alltoall", "torch", "hybridep", "deepep"}));
   cmd->add_option("--routing", cli->args.routing, "uniform, zipf or hot");
-  cmd->add_option("--zipf-s", cli->args.zipf_s, "Zipf exponent");
-  cmd->add_option("--tokens", cli->args.tokens, "Tokens per rank (0 = case default)");
-  cmd->add_option("--hidden", cli->args.hidden, "Hidden size (0 = case default)");
-  cmd->add_option("--topk", cli->args.topk, "Experts per token (0 = case default)");
-  cmd->add_option("--experts", cli->args.experts, "Experts (0 = case default)");
+  cmd->add_option("--zipf-s", cli->args.zipf_s, "Zipf exponent")->check(finite_number_above(0));
+  cmd->add_option("--tokens", cli->args.tokens, "Tokens per rank (0 = case default)")->check(whole_number(0, 1 << 30));
+  cmd->add_option("--hidden", cli->args.hidden, "Hidden size (0 = case default)")->check(whole_number(0, 1 << 20));
+  cmd->add_option("--topk", cli->args.topk, "Experts per token (0 = case default)")->check(whole_number(0, 1 << 16));
+  cmd->add_option("--experts", cli->args.experts, "Experts (0 = case default)")->check(whole_number(0, 1 << 16));
   // One argument, split here: a list option would take the case names that follow it as counts.
   cmd->add_option_function<std::string>(
          "--sms",

@@ -35,6 +35,7 @@ bool unknown_command(const CLI::App& app, int argc, char** argv) {
 int main(int argc, char** argv) {
   CLI::App app{"flexep: Mixture-of-Experts expert parallelism (router, token dispatchers, experts)"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", "flexep " FLEXEP_VERSION);
   flexep::tools::add_train_command(app);
   flexep::tools::add_plan_command(app);
   flexep::tools::add_bench_command(app);

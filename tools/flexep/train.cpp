@@ -139,6 +139,10 @@ void validate_train_options(const TrainOptions& o) {
   FLEXEP_CHECK_ARG(o.lr > 0 && o.lr <= 10, "train.lr", "must be above 0, up to 10 (Adam's step size), got ", o.lr);
   FLEXEP_CHECK_ARG(o.padding_fraction >= 0 && o.padding_fraction < 1, "train.padding_fraction",
                    "must be in [0, 1), got ", o.padding_fraction);
+  // Each token is padding with this probability: a step needs some valid ones to have a loss.
+  FLEXEP_CHECK_ARG(o.tokens * (1 - o.padding_fraction) >= 8, "train.padding_fraction", "is ", o.padding_fraction,
+                   ", which leaves ", o.tokens * (1 - o.padding_fraction), " valid tokens of ", o.tokens,
+                   " per step on average; allowed: a fraction that leaves at least 8");
 #ifdef FLEXEP_WITH_CUDA
   FLEXEP_CHECK_ARG(o.device == "cpu" || o.device == "cuda", "train.device", "'", o.device,
                    "' is not a device; allowed: cpu, cuda");

@@ -163,6 +163,7 @@ std::pair<double, std::string> gpu_vs_cpu_step(const TrainOptions& o, int ranks)
 
 TrainReport run_training_cuda(const TrainOptions& o) {
   const int gpus = cuda::device_count();
+  FLEXEP_CHECK_ARG(gpus > 0, "train.device", "is cuda, but this machine has no GPU; allowed here: cpu");
   FLEXEP_CHECK_ARG(o.ranks <= gpus, "train.ranks", o.ranks, " ranks need as many GPUs; this machine has ", gpus);
   if (o.backend.dispatcher != DispatcherKind::host) {
     const DispatcherBackend& b = dispatcher_backend(to_string(o.backend.dispatcher));
