@@ -190,7 +190,7 @@ void validate(const MoEConfig& c) {
     FLEXEP_CHECK_ARG(is_floating(*c.gate_dtype), "moe.gate_dtype", "is ", dtype_name(*c.gate_dtype),
                      "; allowed: bf16, f16, f32, f64 or unset (= dtype)");
   FLEXEP_CHECK_ARG(c.moe_latent_size >= 0 && c.moe_latent_size <= (1 << 20), "moe.moe_latent_size", "is ",
-                   c.moe_latent_size, "; allowed: 1 to 1048576, or 0 (JSON null) for none");
+                   c.moe_latent_size, "; allowed: 1 to 1048576, or 0 (null in JSON, None in Python) for none");
 }
 
 void validate_ep(const MoEConfig& c, int ep_size) {

@@ -180,7 +180,7 @@ const std::vector<Field<MoEConfig>>& moe_fields() {
            return;
          }
          const int n = as_int(v, a);
-         FLEXEP_CHECK_ARG(n >= 1, a, "is ", n, "; allowed: an integer >= 1, or null for none");
+         FLEXEP_CHECK_ARG(n >= 1 && n <= (1 << 20), a, "is ", n, "; allowed: 1 to 1048576, or null for none");
          c.moe_latent_size = n;
        }},
       bool_field("enable_routing_replay", &M::enable_routing_replay),

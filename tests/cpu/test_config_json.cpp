@@ -224,7 +224,7 @@ TEST(ConfigJson, AutomodelSpellingsAccepted) {
   EXPECT_EQ(moe_config_from_json(R"({"moe_latent_size": 64})").moe_latent_size, 64);
   // An explicit 0 would be a zero-width projection in Automodel: null is how "none" is written.
   expect_arg_error([] { moe_config_from_json(R"({"moe_latent_size": 0})"); }, "moe.moe_latent_size",
-                   "is 0; allowed: an integer >= 1, or null for none");
+                   "is 0; allowed: 1 to 1048576, or null for none");
   expect_arg_error([] { moe_config_from_json(R"({"group_mask": "zeros"})"); }, "moe.group_mask",
                    "allowed: 'automodel', 'neg_inf'");
 }
