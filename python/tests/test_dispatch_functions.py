@@ -185,3 +185,25 @@ def test_python_arguments_of_the_wrong_kind_are_named():
     with pytest.raises(flexep.ArgumentError, match="'num_local_experts': 99.*4 per rank"):
         ft.hybrid_ep_dispatch(x, None, torch.rand(4, 4), ft.HostRank(world, 0), num_local_experts=99, topk_idx=i,
                               num_experts=4)
+
+
+def test_layer_arguments_and_changed_configs_are_named():
+    """ft.MoE checks its own arguments and the config as it is when the layer is made (a field
+    changed after the config was checked included); numpy's scalars count as numbers."""
+    import numpy as np
+    from automodel_pair import am_config
+
+    for kw, name in [(dict(init_std=-1.0), "init_std"), (dict(init_std=float("nan")), "init_std"),
+                     (dict(pad_multiple=2.5), "pad_multiple"), (dict(pad_multiple=0), "pad_multiple")]:
+        with pytest.raises(flexep.ArgumentError, match=f"'{name}'"):
+            ft.MoE(am_config(), device="cpu", **kw)
+    c = ft.MoEConfig.from_automodel(am_config())
+    c.dim = -5
+    with pytest.raises(flexep.ArgumentError, match="'moe.dim': is -5"):
+        ft.MoE(c, device="cpu")
+    with pytest.raises(flexep.ArgumentError, match="'backend.gate_precision': 'int8'"):
+        ft.BackendConfig(gate_precision="int8")
+    with pytest.raises(flexep.ArgumentError, match="'moe.dim': a object"):
+        ft.MoE(ft.MoEConfig.from_automodel(am_config(dim=object())), device="cpu")
+    m = ft.MoE(am_config(dim=np.int64(16)), device="cpu")
+    assert m(torch.randn(3, 16)).shape == (3, 16)

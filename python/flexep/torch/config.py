@@ -33,14 +33,15 @@ _DTYPES = {
 }
 
 
-def dtype_from_str(value: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
-    """Automodel's dtype_from_str: "torch.bfloat16", "bfloat16" and torch dtypes alike."""
+def dtype_from_str(value: Union[str, torch.dtype, None], arg: str = "dtype") -> Optional[torch.dtype]:
+    """Automodel's dtype_from_str: "torch.bfloat16", "bfloat16" and torch dtypes alike. `arg` names
+    the field in the error."""
     if value is None or isinstance(value, torch.dtype):
         return value
     name = str(value).strip().lower()
     name = name[len("torch."):] if name.startswith("torch.") else name
     if name not in _DTYPES:
-        raise _flexep.ArgumentError(f"flexep: invalid argument 'dtype': '{value}' is not a dtype; allowed: "
+        raise _flexep.ArgumentError(f"flexep: invalid argument '{arg}': '{value}' is not a dtype; allowed: "
                                     + ", ".join(sorted(set(_DTYPES))))
     return _DTYPES[name]
 
@@ -54,10 +55,17 @@ def _default_experts() -> str:
 
 
 def _to_json(values: dict, section: str) -> str:
-    """JSON for the library; a float that JSON cannot carry (nan, inf) is refused here by name."""
+    """JSON for the library; a float that JSON cannot carry (nan, inf) is refused here by name, and
+    numpy's scalars (np.int64(16)) are taken as the Python numbers they hold."""
+    values = {k: v.item() if type(v).__module__ == "numpy" and hasattr(v, "item") else v for k, v in values.items()}
     for k, v in values.items():
         if isinstance(v, float) and not math.isfinite(v):
             raise _flexep.ArgumentError(f"flexep: invalid argument '{section}.{k}': must be a finite number, got {v}")
+        try:
+            json.dumps(v)
+        except TypeError:
+            raise _flexep.ArgumentError(f"flexep: invalid argument '{section}.{k}': a {type(v).__name__} "
+                                        f"({v!r:.60}); allowed: a number, string, bool or None") from None
     return json.dumps(values, allow_nan=False)
 
 
@@ -231,7 +239,7 @@ class BackendConfig:
             self.mok = MoKBackendConfig(**dataclasses.asdict(self.mok))
         elif not isinstance(self.mok, MoKBackendConfig):
             raise TypeError("mok must be a MoKBackendConfig or mapping")
-        self.gate_precision = dtype_from_str(self.gate_precision)
+        self.gate_precision = dtype_from_str(self.gate_precision, "backend.gate_precision")
         if self.experts == "gmm":
             warnings.warn("experts='gmm' is deprecated; use experts='torch_mm' instead.", FutureWarning, stacklevel=3)
         if self.enable_deepep is not None:
@@ -342,8 +350,8 @@ class MoEConfig:
         return _from_fields(cls, config)
 
     def __post_init__(self) -> None:
-        self.dtype = dtype_from_str(self.dtype) if self.dtype is not None else torch.bfloat16
-        self.gate_dtype = dtype_from_str(self.gate_dtype)
+        self.dtype = dtype_from_str(self.dtype, "moe.dtype") if self.dtype is not None else torch.bfloat16
+        self.gate_dtype = dtype_from_str(self.gate_dtype, "moe.gate_dtype")
         _flexep.config.check_moe(self._cpp_json())
 
     @property

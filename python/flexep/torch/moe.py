@@ -8,6 +8,7 @@ moment (_layer_call.py). Only shapes, names and autograd plumbing live here.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -57,7 +58,16 @@ class MoE(nn.Module):
                                         "torch.distributed initialised; for simulated CPU ranks pass "
                                         "HostRank(world, rank)")
         ep_size = _ep_size(group)
+        # Again here: a config's fields may have changed since it was made and checked.
+        _flexep.config.check_moe(config._cpp_json())
+        _flexep.config.check_backend(backend._cpp_json())
         _flexep.config.check_ep(config._cpp_json(), ep_size)
+        if not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std >= 0):
+            raise _flexep.ArgumentError(f"flexep: invalid argument 'init_std': {init_std!r}; allowed: a finite "
+                                        "number >= 0")
+        if type(pad_multiple) is not int or not 1 <= pad_multiple <= 65536:
+            raise _flexep.ArgumentError(f"flexep: invalid argument 'pad_multiple': {pad_multiple!r}; allowed: an int "
+                                        "from 1 to 65536")
         self.backend = backend
         self.dim = config.dim
         self.n_routed_experts = config.n_routed_experts
