@@ -783,6 +783,29 @@ TEST_P(HybridEpMultiGpu, NumExpertsMismatchRaisesOnEveryRank) {
                                        })));
 }
 
+// Buffers larger than the GPU's free memory (10^8 tokens per rank at H 7168) are refused by every
+// rank before any allocation, naming `options` with the GiB needed and free; the rank whose check
+// failed raises its own error, the others the agreed one.
+TEST_P(HybridEpMultiGpu, BuffersThatCannotFitAreRefusedOnEveryRank) {
+  if (!require_ranks()) return;
+  const int R = gpu_ranks();
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        HybridEpOptions o;
+        o.hidden = 7168;
+        o.max_tokens_per_rank = 100'000'000;
+        o.max_topk = 8;
+        o.stream = g.stream;
+        make_hybridep_dispatcher(g.comm, 8 * R, o);
+      },
+      test_comm_options());
+  EXPECT_TRUE(all_threw<ArgumentError>(errors, argument_is("options", [](const std::string& m) {
+    return (contains(m, "the hybridep buffers") && contains(m, "GiB of device memory, more than the")) ||
+           contains(m, "rejected its hybridep options");
+  })));
+}
+
 // An argument error found on one rank in combine or a backward reaches every rank as an
 // ArgumentError naming that argument: the failing rank's kernel still releases its flags, with its
 // abort words beside them (Dispatcher::stop_together), instead of leaving its peers to time out.

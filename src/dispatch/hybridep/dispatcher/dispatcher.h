@@ -151,4 +151,8 @@ class Dispatcher final : public HybridEpDispatcher {
   bool recorded_[ev_count] = {};
 };
 
+// Refuses (ArgumentError naming "options", with the GiB needed and free) buffers for `options` that
+// the device cannot hold, counting `reusable` bytes a resize frees first.
+void require_memory(const HybridEpOptions& options, int ranks, int experts, int device, std::size_t reusable);
+
 }  // namespace flexep::hybridep

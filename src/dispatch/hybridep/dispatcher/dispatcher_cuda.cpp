@@ -174,6 +174,7 @@ void Dispatcher::resize(const HybridEpOptions& options) {
   std::exception_ptr local;
   try {
     next = config_of(options, comm_->size(), experts_);
+    require_memory(options, comm_->size(), experts_, comm_->device(), memory().total());
   } catch (...) {
     local = std::current_exception();
   }
@@ -405,6 +406,16 @@ HandleView Dispatcher::handle_view(const HepHandle& h) const {
   return v;
 }
 
+// Buffers that cannot fit are refused before the collective set-up, by every rank (the outcome is
+// agreed), rather than by a failed allocation inside it. `reusable`: what a resize frees first.
+void require_memory(const HybridEpOptions& options, int ranks, int experts, int device, std::size_t reusable) {
+  const HybridEpMemory need = HybridEpDispatcher::size_hint(options, ranks, experts);
+  cuda::require_device_memory(need.total(), reusable, device, "options",
+                              detail::concat("the hybridep buffers (dispatch window ", need.dispatch_window,
+                                             " bytes, combine window ", need.combine_window, " bytes, ",
+                                             need.dispatch_local + need.combine_local, " bytes of this rank's own)"));
+}
+
 std::unique_ptr<TokenDispatcher> Dispatcher::make_sibling(std::int64_t max_tokens_per_rank) const {
   HybridEpOptions o = options_;
   if (max_tokens_per_rank > 0) o.max_tokens_per_rank = max_tokens_per_rank;
@@ -426,6 +437,7 @@ std::unique_ptr<HybridEpDispatcher> make_hybridep_dispatcher(std::shared_ptr<Com
     p.experts = num_experts;
     validate(p);  // E >= 1 and divisible by the ranks, named "num_experts"
     (void)config_of(options, comm->size(), num_experts);
+    hybridep::require_memory(options, comm->size(), num_experts, comm->device(), 0);
   } catch (...) {
     local = std::current_exception();
   }
