@@ -53,6 +53,7 @@ CASES = [
     ("train --config /dev/zero", None, ["config_file", "not a regular file"]),
     ("train --set moe.dim=32 --dim 16", None, ["--set", "'moe.dim' is also set by its own option (--dim)"]),
     ("train --set train.steps=9 --steps 7", None, ["'train.steps' is also set by its own option (--steps)"]),
+    ("train --topk 2 --set moe.n_activated_experts=3", None, ["'moe.n_activated_experts' is also set by its own option (--topk)"]),
     ("train --set moe.train_gate=null", None, ["moe.train_gate", "got null"]),
     # Finite values whose products overflow downstream.
     ("train --set moe.route_scale=1e308", None, ["moe.route_scale", "up to 10000"]),

@@ -8,8 +8,8 @@
 #include <spdlog/spdlog.h>
 
 #include "cli_checks.h"
-#include "flexep/core/checks.h"
 #include "commands.h"
+#include "flexep/core/checks.h"
 #include "flexep/core/config_json.h"
 #include "train.h"
 
@@ -31,16 +31,25 @@ struct TrainArgs {
 // A field given both by its own option and by --set would be decided by the order of the code, not
 // of the command line: refuse it.
 void check_no_double_setting(const TrainArgs& a) {
-  const std::pair<const char*, bool> by_option[] = {
-      {"train.ranks", a.ranks != 0},       {"train.steps", a.steps != 0},      {"train.tokens", a.tokens != 0},
-      {"moe.dim", a.dim != 0},             {"moe.n_routed_experts", a.experts != 0},
-      {"moe.n_activated_experts", a.topk != 0}, {"train.seed", a.seed >= 0}, {"train.lr", a.lr > 0},
-      {"backend.dispatcher", !a.backend.empty()}, {"train.device", !a.device.empty()}};
+  struct ByOption {
+    const char* field;
+    const char* option;
+    bool given;
+  };
+  const ByOption by_option[] = {{"train.ranks", "--ranks", a.ranks != 0},
+                                {"train.steps", "--steps", a.steps != 0},
+                                {"train.tokens", "--tokens", a.tokens != 0},
+                                {"moe.dim", "--dim", a.dim != 0},
+                                {"moe.n_routed_experts", "--experts", a.experts != 0},
+                                {"moe.n_activated_experts", "--topk", a.topk != 0},
+                                {"train.seed", "--seed", a.seed >= 0},
+                                {"train.lr", "--lr", a.lr > 0},
+                                {"backend.dispatcher", "--backend", !a.backend.empty()},
+                                {"train.device", "--device", !a.device.empty()}};
   for (const std::string& s : a.overrides) {
     const std::string key = s.substr(0, s.find('='));
-    for (const auto& [field, given] : by_option)
-      FLEXEP_CHECK_ARG(!given || key != field, "--set", "'", key, "' is also set by its own option (",
-                       field == std::string("backend.dispatcher") ? "--backend" : "--" + key.substr(key.find('.') + 1),
+    for (const ByOption& o : by_option)
+      FLEXEP_CHECK_ARG(!o.given || key != o.field, "--set", "'", key, "' is also set by its own option (", o.option,
                        "); give it once");
   }
 }
