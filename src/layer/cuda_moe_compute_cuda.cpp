@@ -203,8 +203,11 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   }
   // Collective where the backend's creation is: every rank makes the same siblings in this order.
+  // A chunk holds at most ceil(T / C) of the T rows the given dispatcher is sized for.
+  const int C = backend_.dispatch_chunks;
+  const std::int64_t chunk_tokens = (dispatcher_->max_tokens_per_rank() + C - 1) / C;
   chunk_dispatchers_ = {dispatcher_};
-  for (int c = 1; c < backend_.dispatch_chunks; ++c) chunk_dispatchers_.push_back(dispatcher_->make_sibling(0));
+  for (int c = 1; c < C; ++c) chunk_dispatchers_.push_back(dispatcher_->make_sibling(chunk_tokens));
   if (backend_.dispatch_chunks > 1)
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&expert_stream_, cudaStreamNonBlocking));
   events_ = std::make_unique<Events>(backend_.dispatch_chunks);

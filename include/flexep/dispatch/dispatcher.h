@@ -127,6 +127,9 @@ class TokenDispatcher {
   // where the backend's creation is: every rank makes its siblings in the same order. The default
   // refuses, naming backend.dispatch_chunks.
   virtual std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t max_tokens_per_rank) const;
+  // The most tokens a rank may pass to one dispatch, where the backend's buffers are sized for it;
+  // 0: no such bound (buffers sized per call).
+  virtual std::int64_t max_tokens_per_rank() const { return 0; }
 
  protected:
   // Common handle validation: the handle is not empty and was made by this dispatcher object

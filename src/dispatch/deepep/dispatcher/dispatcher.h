@@ -65,6 +65,7 @@ class Dispatcher final : public DeepEpDispatcher {
   int world_size() const override { return comm_->size(); }
   int num_experts() const override { return experts_; }
   std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t max_tokens_per_rank) const override;
+  std::int64_t max_tokens_per_rank() const override { return options_.max_tokens_per_rank; }
 
   DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
   Fp8DispatchResult dispatch_fp8(const DispatchInput& input, const TensorView& scales,

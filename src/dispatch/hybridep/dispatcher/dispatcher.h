@@ -50,6 +50,7 @@ class Dispatcher final : public HybridEpDispatcher {
   int world_size() const override { return comm_->size(); }
   int num_experts() const override { return experts_; }
   std::unique_ptr<TokenDispatcher> make_sibling(std::int64_t max_tokens_per_rank) const override;
+  std::int64_t max_tokens_per_rank() const override { return options_.max_tokens_per_rank; }
 
   DispatchResult dispatch(const DispatchInput& input, const DispatchOptions& options) override;
   HybridEpFp8Result dispatch_fp8(const DispatchInput& input, const TensorView& scales,
