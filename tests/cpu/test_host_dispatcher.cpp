@@ -398,3 +398,52 @@ TEST(HostDispatcher, SingleRankCombineEqualsCoreUnpermute) {
   unpermute(distinct_rows(0, o.results[0], 8), in[0].indices, rows, out);
   EXPECT_TRUE(same_bits(o.combined[0], out));
 }
+
+// make_sibling: a second dispatcher over the same ranks, whose calls interleave with the first's
+// (what the MoE layer's chunks do: dispatch a, dispatch b, combine a, combine b) and give the same
+// results as the two sequences run one after the other; each keeps its own handles.
+TEST(HostDispatcher, SiblingsInterleaveAndKeepTheirOwnHandles) {
+  const int R = 2;
+  Spec s;
+  s.ranks = R;
+  s.experts = 4;
+  s.topk = 2;
+  s.hidden = 6;
+  s.tokens = {5, 3};
+  s.seed = 11;
+  const auto in_a = make_inputs(s);
+  s.seed = 12;
+  s.tokens = {2, 7};
+  const auto in_b = make_inputs(s);
+  std::vector<Tensor> want_a(R), want_b(R), got_a(R), got_b(R);
+  Group plain(R, s.experts);
+  ASSERT_TRUE(all_ok(plain.run([&](int r, TokenDispatcher& d) {
+    const auto i = static_cast<std::size_t>(r);
+    const DispatchResult a = d.dispatch(in_a[i].topk(), {});
+    want_a[i] = d.combine(a.handle, a.tokens);
+    const DispatchResult b = d.dispatch(in_b[i].topk(), {});
+    want_b[i] = d.combine(b.handle, b.tokens);
+  })));
+  Group g(R, s.experts);
+  std::vector<std::exception_ptr> crossed(R);
+  ASSERT_TRUE(all_ok(g.run([&](int r, TokenDispatcher& d) {
+    const auto i = static_cast<std::size_t>(r);
+    const std::unique_ptr<TokenDispatcher> sib = d.make_sibling(0);
+    EXPECT_EQ(sib->backend(), "host");
+    EXPECT_EQ(sib->rank(), r);
+    const DispatchResult a = d.dispatch(in_a[i].topk(), {});
+    const DispatchResult b = sib->dispatch(in_b[i].topk(), {});
+    got_a[i] = d.combine(a.handle, a.tokens);
+    got_b[i] = sib->combine(b.handle, b.tokens);
+    try {  // every rank passes the other dispatcher's handle: each raises, naming it
+      sib->combine(a.handle, a.tokens);
+    } catch (...) {
+      crossed[i] = std::current_exception();
+    }
+  })));
+  for (int r = 0; r < R; ++r) {
+    EXPECT_TRUE(same_bits(got_a[static_cast<std::size_t>(r)], want_a[static_cast<std::size_t>(r)]));
+    EXPECT_TRUE(same_bits(got_b[static_cast<std::size_t>(r)], want_b[static_cast<std::size_t>(r)]));
+  }
+  EXPECT_TRUE(all_threw<ArgumentError>(crossed, [](const ArgumentError& e) { return e.argument() == "handle"; }));
+}
