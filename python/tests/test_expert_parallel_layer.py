@@ -33,12 +33,12 @@ def _inputs(R, T=10, dim=16, seed=3):
     return xs, grads, masks
 
 
-@pytest.mark.parametrize("R", [1, 2, 4])
-@pytest.mark.parametrize("case", list(CASES))
-def test_expert_parallel_ranks_match_automodel(ranks, R, case):
+def _ranks_match_automodel(ranks, R, case, seed, backend=None):
+    """flexep.torch.MoE on R simulated ranks (`backend`: flexep's BackendConfig, default Automodel's
+    own) against Automodel's layer holding all experts."""
     cfg, b = am_config(**CASES[case]), am_backend()
     ref = AmMoE(cfg, b)
-    randomize(ref, seed=R)
+    randomize(ref, seed=seed)
     if ref.gate.e_score_correction_bias is not None:
         with torch.no_grad():
             ref.gate.e_score_correction_bias.abs_().mul_(0.2)  # no score ties at zero (see test_automodel_parity)
@@ -48,7 +48,7 @@ def test_expert_parallel_ranks_match_automodel(ranks, R, case):
     world = _flexep.HostWorld(R, 60.0)
 
     def rank_fn(r):
-        m = ft.MoE(cfg, b, device="cpu", group=ft.HostRank(world, r))
+        m = ft.MoE(cfg, backend or b, device="cpu", group=ft.HostRank(world, r))
         m.load_state_dict({k: (v[r * local:(r + 1) * local] if k.startswith("experts.") else v)
                            for k, v in full.items()})
         x = xs[r].clone().requires_grad_()
@@ -74,6 +74,12 @@ def test_expert_parallel_ranks_match_automodel(ranks, R, case):
         for n, g in got[r][2].items():
             if n.startswith("experts."):
                 assert_close(g, totals[n][r * local:(r + 1) * local], msg=f"rank {r} {n}")
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_ranks_match_automodel(ranks, R, case):
+    _ranks_match_automodel(ranks, R, case, seed=R)
 
 
 def test_gradcheck_float64():
@@ -117,41 +123,5 @@ def test_dispatch_chunks_match_automodel(ranks, R, chunks):
     """backend.dispatch_chunks (flexep's): each rank's tokens in chunks of rows, each chunk through
     its own host dispatcher; with 7 chunks of 10 or 11 tokens some chunks are a single token."""
     import dataclasses
-    cfg, b = am_config(**CASES["sigmoid-groups-shared"]), am_backend()
-    ref = AmMoE(cfg, b)
-    randomize(ref, seed=11)
-    with torch.no_grad():
-        ref.gate.e_score_correction_bias.abs_().mul_(0.2)
-    full = ref.state_dict()
-    local = cfg.n_routed_experts // R
-    xs, grads, masks = _inputs(R)
-    world = _flexep.HostWorld(R, 60.0)
-    fb = dataclasses.replace(ft.BackendConfig.from_automodel(b), dispatch_chunks=chunks)
-
-    def rank_fn(r):
-        m = ft.MoE(cfg, fb, device="cpu", group=ft.HostRank(world, r))
-        m.load_state_dict({k: (v[r * local:(r + 1) * local] if k.startswith("experts.") else v)
-                           for k, v in full.items()})
-        x = xs[r].clone().requires_grad_()
-        y = m(x, padding_mask=masks[r])
-        (y * grads[r]).sum().backward()
-        return y.detach(), x.grad, {n: p.grad for n, p in m.named_parameters()}
-
-    got = ranks(R, rank_fn)
-    ref.train()
-    totals = {}
-    for r in range(R):
-        ref.zero_grad(set_to_none=True)
-        x = xs[r].clone().requires_grad_()
-        y = ref(x, padding_mask=masks[r])
-        (y * grads[r]).sum().backward()
-        assert_close(got[r][0], y.detach(), msg=f"rank {r} output")
-        assert_close(got[r][1], x.grad, msg=f"rank {r} grad x")
-        for n, p in ref.named_parameters():
-            totals[n] = p.grad.clone() if n not in totals else totals[n] + p.grad
-            if not n.startswith("experts."):
-                assert_close(got[r][2][n], p.grad, msg=f"rank {r} {n}")
-    for r in range(R):
-        for n, g in got[r][2].items():
-            if n.startswith("experts."):
-                assert_close(g, totals[n][r * local:(r + 1) * local], msg=f"rank {r} {n}")
+    fb = dataclasses.replace(ft.BackendConfig.from_automodel(am_backend()), dispatch_chunks=chunks)
+    _ranks_match_automodel(ranks, R, "sigmoid-groups-shared", seed=11, backend=fb)

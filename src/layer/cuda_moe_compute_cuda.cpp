@@ -533,6 +533,14 @@ MoEBackward CudaMoECompute::backward(const MoEWeights& w, const CudaMoESaved& s,
   return out;
 }
 
+cudaStream_t CudaMoECompute::hand_over_to_experts(int c, cudaStream_t stream) {
+  if (chunk_dispatchers_.size() == 1) return stream;
+  cudaEvent_t ready = events_->rows_ready[static_cast<std::size_t>(c)];
+  FLEXEP_CUDA_CHECK(cudaEventRecord(ready, stream));
+  FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(expert_stream_, ready, 0));
+  return expert_stream_;
+}
+
 // Chunk c's experts run on expert_stream_ (its rows handed over by rows_ready[c]) while the caller's
 // stream dispatches chunk c + 1 and combines chunk c - 1 (joined by computed[c - 1]):
 //
@@ -565,12 +573,7 @@ Tensor CudaMoECompute::forward_routed(const MoEWeights& w, const TensorView& hid
   auto experts = [&](int c) {
     CudaMoEChunk& ch = s.chunks[static_cast<std::size_t>(c)];
     const std::vector<std::int64_t> counts = host_counts(ch.dispatched.tokens_per_expert, stream);
-    cudaStream_t es = stream;
-    if (C > 1) {
-      es = expert_stream_;
-      FLEXEP_CUDA_CHECK(cudaEventRecord(ev.rows_ready[static_cast<std::size_t>(c)], stream));
-      FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(es, ev.rows_ready[static_cast<std::size_t>(c)], 0));
-    }
+    const cudaStream_t es = hand_over_to_experts(c, stream);
     cuda::StreamGuard on_experts(es);
     if (rows_in_place_ && ch.dispatched.expert_rows.defined()) {
       // deepep's in-place rows are its own copy of the received rows; the single-GPU dispatcher's
@@ -633,12 +636,7 @@ DispatchGrads CudaMoECompute::backward_routed(const MoEWeights& w, const CudaMoE
         ch.dispatched.handle, grad.rows(ch.begin, ch.end));
   };
   auto experts = [&](int c) {
-    cudaStream_t es = stream;
-    if (C > 1) {
-      es = expert_stream_;
-      FLEXEP_CUDA_CHECK(cudaEventRecord(ev.rows_ready[static_cast<std::size_t>(c)], stream));
-      FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(es, ev.rows_ready[static_cast<std::size_t>(c)], 0));
-    }
+    const cudaStream_t es = hand_over_to_experts(c, stream);
     {
       cuda::StreamGuard on_experts(es);
       eg[static_cast<std::size_t>(c)] =

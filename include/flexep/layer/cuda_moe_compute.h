@@ -126,6 +126,9 @@ class CudaMoECompute {
   // Its backward, combine_backward to dispatch_backward: grads of hidden and of the routing weights.
   DispatchGrads backward_routed(const MoEWeights& w, const CudaMoESaved& s, const TensorView& grad,
                                 const CudaExpertGradTargets& targets, cudaStream_t stream);
+  // The stream chunk `c`'s experts run on: `stream` for one chunk, else the experts' stream, made
+  // to wait for what `stream` has queued so far (the chunk's rows).
+  cudaStream_t hand_over_to_experts(int c, cudaStream_t stream);
   MoEConfig config_;
   BackendConfig backend_;
   DispatchOptions dispatch_;
