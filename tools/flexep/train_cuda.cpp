@@ -14,6 +14,7 @@
 #include "flexep/cuda/runtime.h"
 #include "flexep/dispatch/registry.h"
 #include "flexep/layer/cuda_moe_layer.h"
+#include "flexep/layer/memory_estimate.h"
 #include "progress.h"
 #include "train_common.h"
 
@@ -171,6 +172,18 @@ TrainReport run_training_cuda(const TrainOptions& o) {
                      b.make ? "is not a GPU backend" : b.missing, "; for training on GPUs: ",
                      built_dispatcher_names(true), " (host means the default, alltoall)");
   }
+  // Each GPU's share of the layer, refused up front if it cannot fit (the dispatchers check their
+  // own buffers when they are made).
+  const std::int64_t tokens_per_rank = (o.tokens + o.ranks - 1) / o.ranks;
+  const LayerMemoryEstimate need = estimate_gpu_layer_memory(o.moe, o.backend, o.ranks, tokens_per_rank);
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  for (int r = 0; r < o.ranks; ++r)
+    cuda::require_device_memory(
+        need.total(), 0, r, "moe",
+        fmt::format("this job's layer (weights {:.2f} GiB, f32 gradients {:.2f} GiB, activations {:.2f} GiB at {} "
+                    "tokens per rank) would",
+                    static_cast<double>(need.weights) / gib, static_cast<double>(need.gradients) / gib,
+                    static_cast<double>(need.activations) / gib, tokens_per_rank));
   TrainOptions oc = o;
   oc.moe.aux_loss_coeff = 0;  // as on the CPU: the per-rank aux loss depends on the split
   TrainReport report;
