@@ -207,3 +207,32 @@ def test_layer_arguments_and_changed_configs_are_named():
         ft.MoE(ft.MoEConfig.from_automodel(am_config(dim=object())), device="cpu")
     m = ft.MoE(am_config(dim=np.int64(16)), device="cpu")
     assert m(torch.randn(3, 16)).shape == (3, 16)
+
+
+def test_dispatchers_handles_modes_and_double_backward_are_named():
+    from automodel_pair import am_config
+    from flexep.torch.token_dispatcher import MoEFlexTokenDispatcher, TokenDispatcherConfig
+
+    d = _flexep.make_host_dispatcher(_flexep.HostWorld(1, 5.0), 0, 4)
+    x, i, w = torch.randn(4, 8), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), torch.rand(4, 2)
+    tokens, _, _, handle = ft.dispatch(d, x, i, w)
+    for call, name in [(lambda: ft.combine(d, "h", tokens), "'handle': a str"),
+                       (lambda: ft.combine(None, handle, tokens), "'dispatcher': a NoneType"),
+                       (lambda: ft.dispatch(None, x, i, w), "'dispatcher': a NoneType"),
+                       (lambda: ft.dispatch(d, x, i, w, mode=None), "'mode': None"),
+                       (lambda: ft.dispatch(d, x, i, w, mode="budget", budget_rows=8, overflow="skip"),
+                        "'overflow': 'skip'"),
+                       (lambda: MoEFlexTokenDispatcher(2, [0, 1], TokenDispatcherConfig(), None), "'ep_group'")]:
+        with pytest.raises(flexep.ArgumentError, match=name):
+            call()
+    # One backward is what the layer and the dispatch functions give: asking for a graph of the
+    # gradient (create_graph=True, a double backward) is refused by name at once.
+    m = ft.MoE(am_config(), device="cpu")
+    xx = torch.randn(3, am_config().dim, requires_grad=True)
+    with pytest.raises(flexep.ArgumentError, match="'create_graph'.*MoE layer has a first derivative only"):
+        torch.autograd.grad(m(xx).sum(), xx, create_graph=True)
+    xd = x.clone().requires_grad_()
+    t2, _, _, h2 = ft.dispatch(d, xd, i, w)
+    with pytest.raises(flexep.ArgumentError, match="'create_graph'.*combine"):
+        torch.autograd.grad(ft.combine(d, h2, t2).sum(), xd, create_graph=True)
+    assert torch.autograd.grad(m(xx).sum(), xx)[0].shape == xx.shape  # a plain backward still works

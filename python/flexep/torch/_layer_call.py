@@ -27,7 +27,7 @@ import torch.distributed as dist
 from flexep import _flexep
 from flexep.torch.config import MoEConfig
 from flexep.torch.dispatcher import HostRank, get_dispatcher
-from flexep.torch.functions import require_strided
+from flexep.torch.functions import no_double_backward, require_strided
 from flexep.torch.fake_gate import FakeBalancedGate, fake_gate_routing
 
 
@@ -230,6 +230,7 @@ class _MoEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        no_double_backward("flexep's MoE layer")
         token, *tensors = ctx.saved_tensors
         weights = dict(zip(ctx.names, tensors))
         g = grad_out.contiguous()

@@ -45,6 +45,32 @@ def _dense(t, name: str):
     return t
 
 
+def no_double_backward(what: str) -> None:
+    """Called first in every backward here: with create_graph=True the gradient would need a
+    backward of its own, which flexep's kernels do not have; said at once, by name, instead of
+    PyTorch's "element 0 of tensors does not require grad" at the second backward."""
+    if torch.is_grad_enabled():
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'create_graph': True; {what} has a first "
+                                    "derivative only (no double backward); allowed: False")
+
+
+def _check_call(dispatcher, handle=None, mode: str = "blocking", overflow: str = "error", **tensors) -> None:
+    """The dispatcher, the handle (when given), the modes and the tensors of a call, each checked by
+    name before anything reaches the library (a wrong kind of object there fails as a nanobind
+    TypeError listing signatures, or an AttributeError)."""
+    if not isinstance(dispatcher, _flexep.TokenDispatcher):
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'dispatcher': a {type(dispatcher).__name__}; "
+                                    "allowed: a flexep dispatcher (make_dispatcher, make_host_dispatcher, ...)")
+    if handle is not None and not isinstance(handle, _flexep.Handle):
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'handle': a {type(handle).__name__}; allowed: the "
+                                    "handle a dispatch returned")
+    if mode not in ("blocking", "budget"):
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'mode': {mode!r}; allowed: 'blocking', 'budget'")
+    if overflow not in ("error", "drop"):
+        raise _flexep.ArgumentError(f"flexep: invalid argument 'overflow': {overflow!r}; allowed: 'error', 'drop'")
+    _check_tensors(**tensors)
+
+
 def _check_tensors(**tensors) -> None:
     """Each argument is a torch.Tensor, or an ArgumentError naming it (a list or a numpy array would
     otherwise fail deep inside autograd with an AttributeError)."""
@@ -77,6 +103,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_tokens, grad_probs, _tpe, _dropped):
+        no_double_backward("flexep's dispatch")
         gx, gw = ctx.dispatcher.dispatch_backward(ctx.handle, grad_tokens.contiguous(), grad_probs.contiguous(),
                                                   stream=_stream(grad_tokens))
         return _out(gx), _out(gw), None, None, None, None
@@ -90,6 +117,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        no_double_backward("flexep's combine")
         g = ctx.dispatcher.combine_backward(ctx.handle, grad_out.contiguous(), stream=_stream(grad_out))
         return _out(g), None, None
 
@@ -101,7 +129,7 @@ def dispatch(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.
     Returns (tokens [N,H], token_probs [N], tokens_per_expert [E_local], handle); differentiable in x
     and weights. The handle is what combine() needs.
     """
-    _check_tensors(x=x, indices=indices, weights=weights)
+    _check_call(dispatcher, mode=mode, overflow=overflow, x=x, indices=indices, weights=weights)
     if mode != "budget" and (budget_rows != 0 or overflow != "error"):
         name, value = ("budget_rows", budget_rows) if budget_rows != 0 else ("overflow", overflow)
         raise _flexep.ArgumentError(f"flexep: invalid argument '{name}': {value!r} given with mode={mode!r}; "
@@ -114,7 +142,7 @@ def dispatch(dispatcher, x: torch.Tensor, indices: torch.Tensor, weights: torch.
 
 def combine(dispatcher, handle, expert_out: torch.Tensor) -> torch.Tensor:
     """expert_out [N,H] -> out [T,H], the unweighted sum of each token's rows; backward re-dispatches."""
-    _check_tensors(expert_out=expert_out)
+    _check_call(dispatcher, handle, expert_out=expert_out)
     return _Combine.apply(expert_out, dispatcher, handle)
 
 
@@ -144,6 +172,7 @@ class _RankMajorDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, _idx, grad_w, _tpe, _rows):
+        no_double_backward("flexep's rank-major dispatch")
         if grad_w is None:
             grad_w = torch.zeros(ctx.handle.rows, ctx.handle.topk, dtype=torch.float32, device=grad_x.device)
         gx, gw = ctx.dispatcher.dispatch_backward(ctx.handle, grad_x.contiguous(), grad_w.contiguous(),

@@ -69,6 +69,11 @@ class MoEFlexTokenDispatcher:
             raise _flexep.ArgumentError("flexep: invalid argument 'config.moe_expert_capacity_factor': "
                                         f"{config.moe_expert_capacity_factor} (token dropping) is not offered; "
                                         "allowed: None (dropless)")
+        if not hasattr(ep_group, "size") and not (torch.distributed.is_available()
+                                                  and torch.distributed.is_initialized()):
+            raise _flexep.ArgumentError(f"flexep: invalid argument 'ep_group': {ep_group!r}, and torch.distributed "
+                                        "is not initialised; allowed: a process group (or HostRank for simulated "
+                                        "CPU ranks)")
         self.config, self.group = config, ep_group
         self.ep_size = ep_group.size() if hasattr(ep_group, "size") else torch.distributed.get_world_size(ep_group)
         self.tp_size = 1
