@@ -5,6 +5,8 @@
 #include <cstring>
 #include <thread>
 
+#include <spdlog/spdlog.h>
+
 #include "flexep/core/checks.h"
 
 namespace flexep {
@@ -94,6 +96,26 @@ void HostWorld::barrier(int rank, const std::string& phase) {
   fire_fault(rank, phase, true);
 }
 
+void HostWorld::set_notice(double seconds, std::function<void(const std::string&)> notice) {
+  FLEXEP_CHECK_ARG(seconds > 0.0, "seconds", "must be > 0, got ", seconds);
+  const std::lock_guard<std::mutex> lock(mutex_);
+  notice_seconds_ = seconds;
+  notice_ = std::move(notice);
+}
+
+int HostWorld::first_present() const {
+  for (int r = 0; r < size_; ++r)
+    if (present_[static_cast<std::size_t>(r)]) return r;
+  return -1;
+}
+
+std::string HostWorld::missing_ranks() const {
+  std::string missing;
+  for (int r = 0; r < size_; ++r)
+    if (!present_[static_cast<std::size_t>(r)]) missing += detail::concat(missing.empty() ? "" : ", ", r);
+  return missing;
+}
+
 void HostWorld::leave(int rank) {
   check_rank(rank, size_);
   std::unique_lock<std::mutex> lock(mutex_);
@@ -148,10 +170,23 @@ void HostWorld::meet(int rank, const std::string& phase) {
   }
   const std::uint64_t gen = generation_;
   const double timeout = timeout_seconds_;
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout));
-  const bool released = cv_.wait_until(lock, deadline, [&] { return generation_ != gen || !broken_reason_.empty(); });
+  const auto start = std::chrono::steady_clock::now();
+  auto after = [&](double s) {
+    return start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+  };
+  const auto done = [&] { return generation_ != gen || !broken_reason_.empty(); };
+  bool released = false;
+  if (notice_seconds_ < timeout) {
+    released = cv_.wait_until(lock, after(notice_seconds_), done);
+    if (!released && rank == first_present()) {
+      const std::string message = detail::concat("flexep: rank ", rank, " has waited ", fmt_seconds(notice_seconds_),
+                                                 " in '", phase, "' for rank(s) ", missing_ranks(), " (deadline ",
+                                                 fmt_seconds(timeout), ")");
+      if (notice_) notice_(message);
+      else spdlog::warn("{}", message);
+    }
+  }
+  if (!released) released = cv_.wait_until(lock, after(timeout), done);
   if (generation_ != gen) return;  // completed, even if the world broke right after
   if (released) {
     wait_for_readers(lock, rank);

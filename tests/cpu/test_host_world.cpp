@@ -3,8 +3,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "cpu/host_ranks.h"
 #include "flexep/comm/host_world.h"
@@ -233,4 +235,24 @@ TEST(HostWorld, RejectsBadArguments) {
   EXPECT_THROW(HostProcessGroup(world, -1), ArgumentError);
   EXPECT_THROW(HostProcessGroup(nullptr, 0), ArgumentError);
   EXPECT_FALSE(world->broken());
+}
+
+// A rank kept waiting says so long before the deadline, once per wait and from one rank only;
+// waits shorter than the notice say nothing.
+TEST(HostWorld, AWaitingRankSaysWhatItWaitsFor) {
+  auto world = std::make_shared<HostWorld>(3, 5.0);
+  std::mutex m;
+  std::vector<std::string> notices;
+  world->set_notice(0.2, [&](const std::string& s) {
+    const std::lock_guard<std::mutex> lock(m);
+    notices.push_back(s);
+  });
+  ASSERT_TRUE(all_ok(run_ranks(3, [&](int rank) {
+    world->barrier(rank, "quick");
+    if (rank == 2) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    world->barrier(rank, "slow");
+  })));
+  ASSERT_EQ(notices.size(), 1u);
+  EXPECT_EQ(notices[0], "flexep: rank 0 has waited 0.2 s in 'slow' for rank(s) 2 (deadline 5 s)");
+  EXPECT_THROW(world->set_notice(0), ArgumentError);
 }

@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,6 +23,10 @@ class HostWorld {
   int size() const { return size_; }
   double timeout_seconds() const { return timeout_seconds_; }
   void set_timeout_seconds(double s) { timeout_seconds_ = s; }
+  // The lowest-ranked rank waiting in a collective for `seconds` (10 by default; a wait shorter
+  // than the deadline only) says what it waits for, once per wait, through `notice` (empty: a
+  // warning in the log): a slow or missing peer shows long before the deadline (300 s by default).
+  void set_notice(double seconds, std::function<void(const std::string&)> notice = {});
 
   // Blocks until all ranks arrived at this barrier (same call count on every rank).
   void barrier(int rank, const std::string& phase);
@@ -60,6 +65,8 @@ class HostWorld {
   // Before a rank leaves a collective by an error: up to the deadline, until no peer still reads
   // what it gathered (its caller frees the rows this rank published once the error unwinds).
   void wait_for_readers(std::unique_lock<std::mutex>& lock, int rank);
+  int first_present() const;          // of the barrier being filled (under the lock)
+  std::string missing_ranks() const;  // "1, 3"
 
   const int size_;
   double timeout_seconds_;
@@ -76,6 +83,8 @@ class HostWorld {
   std::string broken_phase_;   // set when a timeout broke the world: ranks waiting in that barrier
   int broken_peer_ = -1;       // get the TimeoutError, later callers a plain Error
   std::vector<Fault> faults_;  // injected, not yet fired
+  double notice_seconds_ = 10.0;
+  std::function<void(const std::string&)> notice_;
   bool tracing_ = false;
   std::vector<std::vector<std::string>> traced_;  // per rank
 };
