@@ -9,6 +9,14 @@ std::unique_ptr<TokenDispatcher> TokenDispatcher::make_sibling(std::int64_t) con
                        "' dispatcher cannot make more of itself; allowed with it: 1");
 }
 
+std::vector<std::shared_ptr<TokenDispatcher>> make_chunk_dispatchers(std::shared_ptr<TokenDispatcher> first,
+                                                                     int chunks) {
+  const std::int64_t chunk_tokens = (first->max_tokens_per_rank() + chunks - 1) / chunks;
+  std::vector<std::shared_ptr<TokenDispatcher>> all{first};
+  for (int c = 1; c < chunks; ++c) all.push_back(first->make_sibling(chunk_tokens));
+  return all;
+}
+
 void TokenDispatcher::check_handle(const Handle& handle) const {
   FLEXEP_CHECK_ARG(handle != nullptr, "handle", "is empty; pass the handle returned by this dispatcher's dispatch");
   FLEXEP_CHECK_ARG(handle->owner == this, "handle", "was made by another dispatcher (backend '", handle->backend,

@@ -202,12 +202,7 @@ CudaMoECompute::CudaMoECompute(const MoEConfig& config, const BackendConfig& bac
     shared_.emplace(shared_expert_config(config_), 1, device_, "shared_experts.");
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   }
-  // Collective where the backend's creation is: every rank makes the same siblings in this order.
-  // A chunk holds at most ceil(T / C) of the T rows the given dispatcher is sized for.
-  const int C = backend_.dispatch_chunks;
-  const std::int64_t chunk_tokens = (dispatcher_->max_tokens_per_rank() + C - 1) / C;
-  chunk_dispatchers_ = {dispatcher_};
-  for (int c = 1; c < C; ++c) chunk_dispatchers_.push_back(dispatcher_->make_sibling(chunk_tokens));
+  chunk_dispatchers_ = make_chunk_dispatchers(dispatcher_, backend_.dispatch_chunks);
   if (backend_.dispatch_chunks > 1)
     FLEXEP_CUDA_CHECK(cudaStreamCreateWithFlags(&expert_stream_, cudaStreamNonBlocking));
   events_ = std::make_unique<Events>(backend_.dispatch_chunks);
@@ -559,8 +554,8 @@ Tensor CudaMoECompute::forward_routed(const MoEWeights& w, const TensorView& hid
   options.rows_in_place = rows_in_place_;
   s.chunks.resize(static_cast<std::size_t>(C));
   for (int c = 0; c < C; ++c) {
-    s.chunks[static_cast<std::size_t>(c)].begin = T * c / C;
-    s.chunks[static_cast<std::size_t>(c)].end = T * (c + 1) / C;
+    s.chunks[static_cast<std::size_t>(c)].begin = chunk_begin(T, c, C);
+    s.chunks[static_cast<std::size_t>(c)].end = chunk_begin(T, c + 1, C);
   }
   auto dispatch = [&](int c) {
     CudaMoEChunk& ch = s.chunks[static_cast<std::size_t>(c)];

@@ -156,8 +156,7 @@ MoECompute::MoECompute(const MoEConfig& config, const BackendConfig& backend,
     // EP size 1: the local path is the host backend over a world of one rank (same plan code).
     dispatcher_ = make_host_dispatcher(std::make_shared<HostWorld>(1), 0, config_.n_routed_experts);
   }
-  chunk_dispatchers_ = {dispatcher_};
-  for (int c = 1; c < backend_.dispatch_chunks; ++c) chunk_dispatchers_.push_back(dispatcher_->make_sibling(0));
+  chunk_dispatchers_ = make_chunk_dispatchers(dispatcher_, backend_.dispatch_chunks);
   if (backend_.fake_balanced_gate) fake_gate_.emplace(config_, backend_.fake_gate_noise);
   else gate_.emplace(config_, backend_.gate_precision);
   experts_.emplace(config_.routed_expert_config(), num_local_experts());
@@ -238,8 +237,8 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
   const int C = static_cast<int>(chunk_dispatchers_.size());
   for (int c = 0; c < C; ++c) {
     MoEChunk& ch = saved->chunks.emplace_back();
-    ch.begin = T * c / C;
-    ch.end = T * (c + 1) / C;
+    ch.begin = chunk_begin(T, c, C);
+    ch.end = chunk_begin(T, c + 1, C);
     TokenDispatcher& d = *chunk_dispatchers_[static_cast<std::size_t>(c)];
     DispatchInput in;
     in.hidden = routed_x.view().rows(ch.begin, ch.end);

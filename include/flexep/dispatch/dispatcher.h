@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 #include <string>
 #include <string_view>
 
@@ -140,5 +141,13 @@ class TokenDispatcher {
   static void check_handle_tensor(const TensorView& t, std::int64_t rows, std::int64_t cols, DType dtype,
                                   const std::string& arg);
 };
+
+// A layer's routed path in `chunks` chunks of rows (BackendConfig::dispatch_chunks): chunk c of T
+// tokens is rows [chunk_begin(T, c, chunks), chunk_begin(T, c + 1, chunks)).
+inline std::int64_t chunk_begin(std::int64_t tokens, int chunk, int chunks) { return tokens * chunk / chunks; }
+// Its dispatchers: `first`, then chunks - 1 siblings sized for ceil(T_max / chunks) tokens (the
+// most a chunk holds). Collective where the backend's creation is.
+std::vector<std::shared_ptr<TokenDispatcher>> make_chunk_dispatchers(std::shared_ptr<TokenDispatcher> first,
+                                                                     int chunks);
 
 }  // namespace flexep
