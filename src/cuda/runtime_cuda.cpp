@@ -1,9 +1,9 @@
 #include "flexep/cuda/runtime.h"
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace flexep::cuda {
@@ -32,7 +32,8 @@ thread_local cudaStream_t t_stream = nullptr;
 // before its allocations are freed is retired first (retire_stream): its work is waited for and its
 // allocations are freed on the legacy stream from then on, since freeing on a destroyed stream is
 // undefined (the first run of the map without retirement crashed in the MoE layer's test, whose
-// layer destroys its side stream before its members' tensors).
+// layer destroys its side stream before its members' tensors). Memory made on one stream and last
+// read on another, which has joined the first, is moved to the reader's stream (free_on).
 class PoolAllocator final : public Allocator {
  public:
   void* allocate(std::size_t bytes, Device device) override {
@@ -41,7 +42,7 @@ class PoolAllocator final : public Allocator {
     FLEXEP_CUDA_CHECK(cudaMallocAsync(&p, bytes, t_stream));
     if (p != nullptr) {
       const std::lock_guard<std::mutex> lock(mutex_);
-      streams_[p] = t_stream;
+      live_[static_cast<char*>(p)] = {t_stream, bytes};
     }
     return p;
   }
@@ -49,8 +50,8 @@ class PoolAllocator final : public Allocator {
     cudaStream_t stream = t_stream;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
-      const auto it = streams_.find(p);
-      if (it != streams_.end()) stream = it->second, streams_.erase(it);
+      const auto it = live_.find(static_cast<char*>(p));
+      if (it != live_.end()) stream = it->second.stream, live_.erase(it);
     }
     int previous = 0;
     cudaGetDevice(&previous);
@@ -65,13 +66,25 @@ class PoolAllocator final : public Allocator {
   // After `s` has completed its work: its live allocations are freed on the legacy stream.
   void retire(cudaStream_t s) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [p, stream] : streams_)
-      if (stream == s) stream = nullptr;
+    for (auto& [p, a] : live_)
+      if (a.stream == s) a.stream = nullptr;
+  }
+  // The allocation holding address p (any byte of it) is freed on s from now on.
+  void free_on(const void* p, cudaStream_t s) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    auto it = live_.upper_bound(static_cast<char*>(const_cast<void*>(p)));
+    if (it == live_.begin()) return;
+    --it;
+    if (static_cast<const char*>(p) < it->first + it->second.bytes) it->second.stream = s;
   }
 
  private:
+  struct Live {
+    cudaStream_t stream;  // where it is freed: the stream it was made on, unless free_on moved it
+    std::size_t bytes;
+  };
   std::mutex mutex_;
-  std::unordered_map<void*, cudaStream_t> streams_;  // live allocations -> the stream they were made on
+  std::map<char*, Live> live_;  // by address, so that a view's address finds its allocation
 };
 
 // Keep freed memory in the pool instead of returning it to the driver at each sync: training and
@@ -108,6 +121,10 @@ void retire_stream(cudaStream_t s) {
 void destroy_stream(cudaStream_t s) {
   retire_stream(s);
   cudaStreamDestroy(s);
+}
+
+void free_on(const TensorView& t, cudaStream_t s) {
+  if (t.data != nullptr && t.device.is_cuda()) pool_allocator().free_on(t.data, s);
 }
 
 StreamGuard::StreamGuard(cudaStream_t s) : previous_(t_stream) { t_stream = s; }

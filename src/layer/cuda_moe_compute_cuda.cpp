@@ -131,6 +131,13 @@ void put_rows(Tensor& whole, std::int64_t T, std::int64_t begin, std::int64_t en
   if (end > begin) cuda::copy_async(whole.view().rows(begin, end), part, stream);
 }
 
+// Drops `t`, last read on `stream` (which has joined the stream `t` was made on, if another): its
+// memory goes back to the pool behind that read.
+void release_after_read(Tensor& t, cudaStream_t stream) {
+  cuda::free_on(t, stream);
+  t = Tensor();
+}
+
 // A copy of `src` on the current stream (saved state must not alias the caller's tensors).
 Tensor device_copy(const TensorView& src, cudaStream_t stream) {
   Tensor t = Tensor::empty(src.shape, src.dtype, src.device);
@@ -383,6 +390,7 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
     FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
     cuda::add_into(y, s->shared.out, stream);
     s->shared.saved->stream = stream;  // joined: free on the main stream from now on
+    release_after_read(s->shared.out, stream);  // not read by the backward
   }
   if (timing_) {
     FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[5], stream));
@@ -598,6 +606,8 @@ Tensor CudaMoECompute::forward_routed(const MoEWeights& w, const TensorView& hid
     if (timing_ && c == C - 1) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
     const Tensor yc = chunk_dispatchers_[static_cast<std::size_t>(c)]->combine(ch.dispatched.handle, ch.experts.out);
     put_rows(y, T, ch.begin, ch.end, yc, stream);
+    // The backward does not read the experts' output: [rows, dim] less kept per layer.
+    release_after_read(ch.experts.out, stream);
   }
   return y;
 }
@@ -658,9 +668,10 @@ DispatchGrads CudaMoECompute::backward_routed(const MoEWeights& w, const CudaMoE
         chunk_dispatchers_[static_cast<std::size_t>(c)]->dispatch_backward(ch.dispatched.handle, g.tokens, g.probs);
     put_rows(dg.hidden, T, ch.begin, ch.end, dgc.hidden, stream);
     put_rows(dg.weights, T, ch.begin, ch.end, dgc.weights, stream);
-    // Read on the experts' stream, which the caller's has joined: freed on the caller's.
+    // rows[c] was read on the experts' stream, which the caller's has joined; g was made there.
     rows[static_cast<std::size_t>(c)] = Tensor();
-    g = CudaExpertsGrads();
+    release_after_read(g.tokens, stream);
+    release_after_read(g.probs, stream);
   }
   if (round_at_end) {
     cuda::convert_f32_to_bf16(gu32, targets.gate_and_up_projs, stream);

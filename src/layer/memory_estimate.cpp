@@ -14,10 +14,11 @@ LayerMemoryEstimate estimate_gpu_layer_memory(const MoEConfig& c, const BackendC
   const double T = static_cast<double>(tokens_per_rank), rows = T * c.n_activated_experts;
   const double D = c.expert_dim(), up = c.up_dim(), I = c.moe_inter_dim, E = c.n_routed_experts;
   const double S = c.shared_inter(), shared_up = c.shared_expert_activation == Activation::relu2 ? S : 2 * S;
-  // Kept for backward, bf16 unless said: the routed rows (D), x W_gu (up), the activation (I) and
-  // the experts' output (D) per row; the router's scores and probabilities (f32, E per token); the
-  // shared expert's x W_gu and activation, x itself and the layer's output per token.
-  const double kept = 2 * rows * (2 * D + up + I) + 2 * 4 * T * E + 2 * T * (shared_up + S) + 2 * 2 * T * c.dim;
+  // Kept for backward, bf16 unless said: the routed rows (D; a copy unless the experts read them in
+  // place), x W_gu (up) and the activation (I) per row; the router's scores and probabilities (f32,
+  // E per token); the shared expert's x W_gu and activation, and x itself per token. The experts'
+  // outputs are released once combined.
+  const double kept = 2 * rows * (D + up + I) + 2 * 4 * T * E + 2 * T * (shared_up + S) + 2 * T * c.dim;
   auto bytes = [](double b) { return static_cast<std::size_t>(b); };
   m.weights = bytes(2 * params);
   m.gradients = bytes(4 * params);

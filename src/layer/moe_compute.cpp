@@ -257,6 +257,7 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
       ch.experts = experts_->forward(w.experts, ch.dispatched.tokens, ch.dispatched.token_probs, counts);
       yc = d.combine(ch.dispatched.handle, ch.experts.out);
     }
+    ch.experts.out = Tensor();  // the backward does not read it
     put_rows(y, T, ch.begin, ch.end, yc);
   }
   if (config_.latent()) {
@@ -266,6 +267,7 @@ MoEOutput MoECompute::forward(const MoEWeights& weights, const TensorView& x, co
   if (shared_) {
     saved->shared = shared_->forward(views_of(w.shared), xc);
     ref::add_into(y, saved->shared.out);
+    saved->shared.out = Tensor();
   }
   MoEOutput out;
   out.out = as_dtype(y, x.dtype);

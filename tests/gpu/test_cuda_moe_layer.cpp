@@ -15,6 +15,7 @@
 #include "flexep/core/random.h"
 #include "flexep/cuda/runtime.h"
 #include "flexep/layer/cuda_moe_layer.h"
+#include "flexep/layer/memory_estimate.h"
 #include "flexep/layer/moe_layer.h"
 #include "experts_test_util.h"
 #include "gpu_test_util.h"
@@ -469,6 +470,46 @@ TEST(CudaMoELayer, ZeroTokensAndBadInput) {
   }
   Tensor host = Tensor::empty({4, c.dim}, DType::bf16);
   EXPECT_THROW(gpu.forward(host, TensorView(), true, nullptr), ArgumentError);
+}
+
+// What the forward keeps for backward, read from the pool (beyond y), against
+// estimate_gpu_layer_memory's forward share: within 10%, where keeping the experts' and the shared
+// expert's outputs (released once combined) would be 40% over. In one chunk and in two, whose
+// outputs are released chunk by chunk.
+TEST(CudaMoELayer, KeepsForBackwardWhatTheEstimateSays) {
+  if (!testing::require_gpus(1)) return;
+  MoEConfig c;
+  c.dim = 1024;
+  c.moe_inter_dim = 512;
+  c.n_routed_experts = 16;
+  c.n_activated_experts = 4;
+  c.n_shared_experts = 1;
+  c.score_func = ScoreFunc::sigmoid;
+  c.norm_topk_prob = true;
+  c.dtype = DType::bf16;
+  const std::int64_t T = 2048;
+  for (const int chunks : {1, 2}) {
+    SCOPED_TRACE("dispatch_chunks " + std::to_string(chunks));
+    BackendConfig b;
+    b.dispatch_chunks = chunks;
+    const cuda::OwnedStream stream;
+    CudaMoELayer gpu(c, b, nullptr, {});
+    Tensor x = Tensor::empty({T, c.dim}, DType::f32);
+    fill_normal(x, 3, stream_id("x"), 0, 1);
+    const Tensor dx = cuda::to_device(x.to(DType::bf16), 0, stream);
+    {  // a first step makes what the layer keeps between steps (gradients, workspaces)
+      CudaMoEOutput first = gpu.forward(dx, TensorView(), true, stream);
+      gpu.backward(first, Tensor::zeros({T, c.dim}, DType::bf16, Device::cuda(0)), stream);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const double before = static_cast<double>(cuda::pool_used_bytes(0));
+    CudaMoEOutput out = gpu.forward(dx, TensorView(), true, stream);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const double kept = static_cast<double>(cuda::pool_used_bytes(0)) - before - static_cast<double>(out.out.nbytes());
+    const double estimate = static_cast<double>(estimate_gpu_layer_memory(c, b, 1, T).activations) / 2;
+    std::printf("dispatch_chunks %d: kept %.2f MB, estimate %.2f MB\n", chunks, kept / 1e6, estimate / 1e6);
+    EXPECT_NEAR(kept, estimate, 0.1 * estimate);
+  }
 }
 
 }  // namespace

@@ -62,6 +62,14 @@ class StreamGuard {
 void retire_stream(cudaStream_t s);
 void destroy_stream(cudaStream_t s);
 
+// The pool allocation holding `t` is freed on `s` from now on, not on the stream it was made on: for
+// memory written on a side stream and last read on `s` after `s` joined that side stream (an
+// experts' output read by the caller's combine). Freed on the side stream, the memory could go to
+// another stream's allocation (another rank's thread) while `s` still reads it; making the side
+// stream wait for `s` instead would also leave a CUDA graph's capture unjoined. Memory that is not
+// the pool's (a caller's tensor) is left alone.
+void free_on(const TensorView& t, cudaStream_t s);
+
 // An owned stream, retired and destroyed with its owner.
 class OwnedStream {
  public:
