@@ -6,6 +6,8 @@
 #   FLEXEP_SANITIZE_TOOLS   (default "memcheck racecheck synccheck")
 #   FLEXEP_SANITIZE_FILTER  gtest filter of the tests to sweep (default: all of them)
 #   FLEXEP_SANITIZE_EXCLUDE gtest patterns to leave out, ":"-separated (the soak: its own deadline)
+#   FLEXEP_SANITIZE_SHARD   i/n: only every n-th test from the i-th (0-based), so that a sweep longer
+#                           than one device call is split over n calls with the same list
 #   FLEXEP_SANITIZE_JOBS    processes at once (default 8)
 #   FLEXEP_SANITIZE_TIMEOUT seconds per test and tool (default 300)
 set -uo pipefail
@@ -23,7 +25,13 @@ export CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32
 # One GPU: the tests of real multi-GPU ranks need two (their simulated-rank twins run).
 tests="$("$bin" --gtest_list_tests --gtest_filter="${FLEXEP_SANITIZE_FILTER:-*}:-OneRankPerGpu/*:AlltoallMultiGpu.*:CommunicatorMultiGpu.*:*DISABLED_*${FLEXEP_SANITIZE_EXCLUDE:+:$FLEXEP_SANITIZE_EXCLUDE}" |
   awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}')"
-echo "$(echo "$tests" | wc -l) tests x ${FLEXEP_SANITIZE_TOOLS:-memcheck racecheck synccheck}"
+shard="${FLEXEP_SANITIZE_SHARD:-0/1}"
+if ! [[ "$shard" =~ ^([0-9]+)/([1-9][0-9]*)$ ]] || (( BASH_REMATCH[1] >= BASH_REMATCH[2] )); then
+  echo "gpu-sanitize: FLEXEP_SANITIZE_SHARD is '$shard'; expected i/n with 0 <= i < n" >&2
+  exit 2
+fi
+tests="$(echo "$tests" | awk -v i="${BASH_REMATCH[1]}" -v n="${BASH_REMATCH[2]}" '(NR - 1) % n == i')"
+echo "$(echo "$tests" | wc -l) tests (shard $shard) x ${FLEXEP_SANITIZE_TOOLS:-memcheck racecheck synccheck}"
 one() {
   local tool=$1 test=$2 log
   log="$out/$tool-$(echo "$test" | tr '/' '_').log"
