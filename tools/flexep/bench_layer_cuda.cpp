@@ -7,9 +7,10 @@
 // bf16 weight gradients per backward (fresh_bf16_weights: what flexep.torch and autograd produce, so the
 // mode to set beside Automodel's layer; labels ending in -fresh-bf16).
 // Also backward's data gradients on flexep's grouped GEMM (-dgrad-kernel), its weight gradients on
-// flexep's wgrad kernel (-wgrad-kernel) and both (-kernels); and each step's host enqueue time
-// (host_us).
+// flexep's wgrad kernel (-wgrad-kernel) and both (-kernels); the routed path in two chunks
+// (-chunks2); and each step's host enqueue time (host_us).
 #include <chrono>
+#include <string>
 #include <vector>
 
 #include "bench_cases.h"
@@ -44,13 +45,24 @@ void run(const BenchArgs& a, BenchRun& run) {
   cuda::fill_random(gy, 2, 1.0f, stream);
   // Both ways of feeding the routed experts in the same run: the rows copied by the dispatcher (the
   // default; kept for backward), and the tokens read in place through the row table.
-  for (const GradMode grad_mode : {GradMode::accumulate_f32, GradMode::fresh_bf16_weights}) {
+  // Last, the routed path in two chunks (backend.dispatch_chunks; copied rows, cuBLAS, bf16
+  // gradients): at EP 1 there is no communication to hide, so this is what chunking costs the GEMMs.
+  struct LayerSetup {
+    GradMode grad_mode;
+    int chunks;
+  };
+  for (const LayerSetup setup : {LayerSetup{GradMode::accumulate_f32, 1}, LayerSetup{GradMode::fresh_bf16_weights, 1},
+                                 LayerSetup{GradMode::fresh_bf16_weights, 2}}) {
+    const GradMode grad_mode = setup.grad_mode;
     CudaMoELayerOptions o;
     o.fast_init = true;
     o.init_std = 0.02;
     o.grad_mode = grad_mode;
-    CudaMoELayer layer(c, BackendConfig{}, nullptr, o);
+    BackendConfig backend;
+    backend.dispatch_chunks = setup.chunks;
+    CudaMoELayer layer(c, backend, nullptr, o);
     const bool fresh = grad_mode == GradMode::fresh_bf16_weights;
+    const bool chunked = setup.chunks > 1;
     // Copied rows; in place; in place with CTA pairs multicasting B in the gathered GEMM (GatherGemmB);
     // then backward's data (ExpertDgrad) and weight (ExpertWgrad) gradients on flexep's kernels
     // instead of cuBLAS, each alone on copied rows and both, on copied rows and in place.
@@ -61,6 +73,7 @@ void run(const BenchArgs& a, BenchRun& run) {
                             Variant{true, true, false, false}, Variant{false, true, true, false},
                             Variant{false, true, false, true}, Variant{false, true, true, true},
                             Variant{true, true, true, true}}) {
+      if (chunked && (v.in_place || v.pair || v.dgrad_kernel || v.wgrad_kernel)) continue;
       // The kernels with B shared by CTA pairs (their faster way: bench gather-gemm's -dgrad rows).
       const bool in_place = v.in_place, pair = v.pair, dgrad_kernel = v.dgrad_kernel, wgrad_kernel = v.wgrad_kernel;
       layer.compute().set_rows_in_place(in_place);
@@ -118,7 +131,7 @@ void run(const BenchArgs& a, BenchRun& run) {
                    : dgrad_kernel              ? "-dgrad-kernel"
                    : wgrad_kernel              ? "-wgrad-kernel"
                                                : "") +
-                  (fresh ? "-fresh-bf16" : "");
+                  (chunked ? "-chunks" + std::to_string(setup.chunks) : "") + (fresh ? "-fresh-bf16" : "");
       r.phase = "layer_fwd_bwd";
       r.timing = "call";
       r.tokens_per_rank = T;
@@ -139,6 +152,9 @@ void run(const BenchArgs& a, BenchRun& run) {
       if (pair && in_place) r.note += "; the gathered GEMM's CTAs run in pairs multicasting B";
       if (dgrad_kernel) r.note += "; backward's data gradients on flexep's grouped GEMM (CTA pairs), not cuBLAS";
       if (wgrad_kernel) r.note += "; backward's weight gradients on flexep's wgrad kernel (CTA pairs), not cuBLAS";
+      if (chunked)
+        r.note += "; the routed path in " + std::to_string(setup.chunks) +
+                  " chunks (backend.dispatch_chunks), the experts on a second stream";
       r.note += fresh ? "; new bf16 weight gradients every backward (fresh_bf16_weights)"
                       : "; gradients accumulated in f32 (accumulate_f32)";
       run.records.push_back(r);
