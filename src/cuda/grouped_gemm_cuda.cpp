@@ -126,16 +126,16 @@ struct Problems {
   }
 };
 
-// The problems, bf16 in and out, fp32 accumulation, alpha = 1, beta = 0 (C is not read). Large
-// problems run as single GEMMs, the rest in one cublasGemmGroupedBatchedEx call with one problem per
-// group (their sizes differ).
+// The problems, bf16 in and out, fp32 accumulation, alpha = 1, beta = 0 (C is not read) or with
+// `add` beta = 1 (C read, the sum rounded once). Large problems run as single GEMMs, the rest in one
+// cublasGemmGroupedBatchedEx call with one problem per group (their sizes differ).
 void grouped_bf16(cudaStream_t stream, int device, cublasOperation_t op_a, cublasOperation_t op_b, int m, int lda,
-                  int ldb, int ldc, const Problems& p) {
+                  int ldb, int ldc, const Problems& p, bool add = false) {
   if (p.n.empty()) return;
   cublasHandle_t handle = cublas_handle(stream);
   // alpha/beta live on the host; the grouped API refuses device pointer mode anyway.
   FLEXEP_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST));
-  const float one = 1.f, zero = 0.f;
+  const float one = 1.f, beta_c = add ? 1.f : 0.f;
   const std::int64_t min_work = g_own_gemm_min_work.load(std::memory_order_relaxed);
   std::vector<std::size_t> batched;
   for (std::size_t i = 0; i < p.n.size(); ++i) {
@@ -144,7 +144,7 @@ void grouped_bf16(cudaStream_t stream, int device, cublasOperation_t op_a, cubla
       continue;
     }
     FLEXEP_CUBLAS_CHECK(cublasGemmEx(handle, op_a, op_b, m, p.n[i], p.k[i], &one, p.a[i], CUDA_R_16BF, lda, p.b[i],
-                                     CUDA_R_16BF, ldb, &zero, p.c[i], CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
+                                     CUDA_R_16BF, ldb, &beta_c, p.c[i], CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT));
   }
   const auto count = batched.size();
@@ -165,7 +165,7 @@ void grouped_bf16(cudaStream_t stream, int device, cublasOperation_t op_a, cubla
   void** d = static_cast<void**>(ptrs.raw());
   const std::vector<cublasOperation_t> ta(count, op_a), tb(count, op_b);
   const std::vector<int> ms(count, m), ldas(count, lda), ldbs(count, ldb), ldcs(count, ldc), sizes(count, 1);
-  const std::vector<float> alpha(count, 1.f), beta(count, 0.f);
+  const std::vector<float> alpha(count, 1.f), beta(count, beta_c);
   const int groups = static_cast<int>(count);
   FLEXEP_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(),
                                                  alpha.data(), d, CUDA_R_16BF, ldas.data(), d + groups, CUDA_R_16BF,
@@ -313,13 +313,13 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vec
 }
 
 void grouped_gemm_wgrad_bf16(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
-                             const TensorView& c, cudaStream_t stream) {
+                             const TensorView& c, cudaStream_t stream, bool accumulate) {
   const WgradDims w = check_wgrad(a, d, counts, c, DType::bf16);
   check_aligned(a, "a");
   check_aligned(d, "d");
   check_aligned(c, "c");
   DeviceGuard guard(a.device.index);
-  zero_empty_blocks(c, counts, stream);
+  if (!accumulate) zero_empty_blocks(c, counts, stream);
   // Column-major, per non-empty group: C_g^T (M x K, ld M) = D_g^T (M x n_g, ld M) * op_T(A_g^T stored
   // K x n_g, ld K); the inner dimension is the group's row count.
   Problems p;
@@ -331,7 +331,7 @@ void grouped_gemm_wgrad_bf16(const TensorView& a, const TensorView& d, const std
             mutable_bytes_at(c, static_cast<std::int64_t>(g) * w.K * w.M));
     row += rows;
   }
-  grouped_bf16(stream, a.device.index, CUBLAS_OP_N, CUBLAS_OP_T, w.m, w.m, w.k, w.m, p);
+  grouped_bf16(stream, a.device.index, CUBLAS_OP_N, CUBLAS_OP_T, w.m, w.m, w.k, w.m, p, accumulate);
 }
 
 void set_grouped_gemm_own_gemm_min_work(std::int64_t macs) {

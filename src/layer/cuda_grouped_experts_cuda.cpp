@@ -433,8 +433,10 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
   auto weight_grad = [&](const TensorView& a_rows, const TensorView& row_ids, const TensorView& d,
                          const TensorView& grad) {
     const bool accumulate = grad.dtype == DType::f32 && targets.accumulate_weights;
+    const bool add_bf16 = grad.dtype == DType::bf16 && targets.add_to_bf16_weights;  // cuBLAS only
     // The kernel's limits are the gathered GEMM's: 16-byte rows and addresses, at most 1024 experts.
-    if (wgrad_kernel && gather_gemm_fits(a_rows, d, d.size(1), static_cast<std::size_t>(grad.size(0)), grad)) {
+    if (wgrad_kernel && !add_bf16 &&
+        gather_gemm_fits(a_rows, d, d.size(1), static_cast<std::size_t>(grad.size(0)), grad)) {
       cuda::wgrad_grouped_gemm(a_rows, row_ids, d, s.offsets, grad, accumulate, stream);
       return;
     }
@@ -444,7 +446,7 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
       cuda::gather_rows(a_rows, row_ids, gathered, stream);
     }
     const TensorView a = row_ids.defined() ? gathered.view() : a_rows;
-    if (grad.dtype == DType::bf16) cuda::grouped_gemm_wgrad_bf16(a, d, counts, grad, stream);
+    if (grad.dtype == DType::bf16) cuda::grouped_gemm_wgrad_bf16(a, d, counts, grad, stream, add_bf16);
     else cuda::grouped_gemm_wgrad(a, d, counts, grad, stream, accumulate);
   };
 

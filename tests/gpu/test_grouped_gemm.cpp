@@ -217,6 +217,29 @@ TEST(GroupedGemm, WgradBf16IsF32WgradRounded) {
   ASSERT_TRUE(testing::within_bf16_rounding(b, f, 1e-5));
 }
 
+// accumulate: c += A^T D with c read as bf16 (beta = 1), each block the fp32 sum of its old value
+// and the products rounded once; blocks of experts without rows keep their bits. In the grouped call
+// and as single GEMMs.
+TEST(GroupedGemm, WgradBf16AccumulateAddsToC) {
+  if (!testing::require_gpus(1)) return;
+  const std::vector<std::int64_t> counts = {30, 0, 97, 5};
+  const std::int64_t N = 140, K = 96, M = 80, G = 4;
+  const Tensor a = bf16_exact({N, K}, 41), d = bf16_exact({N, M}, 42), c0 = bf16_exact({G, K, M}, 43);
+  const Tensor ref = ref_wgrad(a, d, counts, c0);
+  for (std::int64_t threshold : {std::numeric_limits<std::int64_t>::max(), std::int64_t{0}}) {
+    SCOPED_TRACE("own-GEMM threshold " + std::to_string(threshold));
+    testing::OwnGemmThreshold scope(threshold);
+    Tensor c = testing::to_gpu_bf16(c0);
+    cuda::grouped_gemm_wgrad_bf16(testing::to_gpu_bf16(a), testing::to_gpu_bf16(d), counts, c, nullptr,
+                                  /*accumulate=*/true);
+    const Tensor got = cuda::to_host(c, nullptr);
+    EXPECT_TRUE(testing::within_bf16_rounding(got, ref, 1e-3));
+    const Tensor before = c0.to(DType::bf16);
+    for (std::int64_t i = K * M; i < 2 * K * M; ++i)
+      ASSERT_EQ(got.data<bf16>()[i].bits, before.data<bf16>()[i].bits) << "empty expert 1 changed at " << i;
+  }
+}
+
 TEST(GroupedGemm, ZeroRows) {
   if (!testing::require_gpus(1)) return;
   const Tensor a = Tensor::empty({0, 16}, DType::bf16, Device::cuda(0));

@@ -6,6 +6,7 @@
 //   dgrad:      C [N, K] bf16        C_g  = D_g [n_g, M] * B_g^T          (dh * W_gu^T)
 //   wgrad:      C [G, K, M] f32      C_g += A_g^T * D_g                   (x^T * dh), accumulating
 //   wgrad_bf16: C [G, K, M] bf16     C_g  = A_g^T * D_g                   overwriting, one rounding
+//                                    (or C_g += A_g^T * D_g, one rounding per call)
 //
 // Experts with zero rows run no GEMM: an accumulating wgrad leaves their block exactly as it was, an
 // overwriting one zeroes it. Rows of C past sum(counts) are NOT written by forward/dgrad (callers
@@ -52,9 +53,11 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& d, const std::vec
 // a [N, K] bf16, d [N, M] bf16, c [G, K, M] bf16, overwritten (beta = 0: c is never read, so it may
 // be uninitialised memory); blocks of experts without rows are zeroed. Each block is the fp32 sum
 // rounded once to bf16. For weight gradients in the parameters' dtype: no f32 buffer, no conversion
-// pass, and the small experts share one grouped call.
+// pass, and the small experts share one grouped call. With `accumulate` the products are added to c
+// (beta = 1: c read as bf16, the fp32 sum rounded once; blocks of experts without rows untouched), as
+// autograd adds bf16 gradients: how the chunks of one backward add up (backend.dispatch_chunks).
 void grouped_gemm_wgrad_bf16(const TensorView& a, const TensorView& d, const std::vector<std::int64_t>& counts,
-                             const TensorView& c, cudaStream_t stream);
+                             const TensorView& c, cudaStream_t stream, bool accumulate = false);
 
 // The threshold above (multiply-adds per expert; 0: every expert its own GEMM; INT64_MAX: all grouped).
 // Process-wide; for tuning and tests.

@@ -100,12 +100,14 @@ struct CudaExpertsGrads {
 // Where CudaGroupedExpertsCompute::backward writes the weight gradients; undefined members are not
 // computed. The weight gradients (gate_and_up_projs, down_projs) are bf16 (written by
 // grouped_gemm_wgrad_bf16: fp32 sums, one rounding; experts without rows get exact zeros) or f32
-// (added to when accumulate_weights, else overwritten: no zero fill needed). The bias gradients are
-// f32 and always added to (zero them for a fresh gradient).
+// (added to when accumulate_weights, else overwritten: no zero fill needed). bf16 ones are added to
+// only when add_to_bf16_weights (in bf16, one rounding per call, on cuBLAS: how the chunks of one
+// backward add up). The bias gradients are f32 and always added to (zero them for a fresh gradient).
 struct CudaExpertGradTargets {
   TensorView gate_and_up_projs, down_projs;
   TensorView gate_up_proj_bias, down_proj_bias;
   bool accumulate_weights = true;
+  bool add_to_bf16_weights = false;
 };
 
 // The grouped experts on one GPU as a function of weights given per call (what CudaMoECompute runs;
