@@ -181,8 +181,8 @@ std::string Dispatcher::epochs(const Status& st) const {
     if (st.peer >= 0 && st.peer < R)
       peer += detail::concat(k ? ", " : "", names[k], " ", flags[static_cast<std::size_t>(k * R + st.peer)]);
   }
-  return detail::concat("waited for epoch ", st.value, "; rank ", st.peer, "'s flags here: ", peer,
-                        "; this rank's operations: ", own);
+  return detail::concat("waited for epoch ", st.value, " and saw ", st.limit, " at the deadline; rank ", st.peer,
+                        "'s flags here now: ", peer, "; this rank's operations: ", own);
 }
 
 void Dispatcher::raise_peer_failure(const Status& st, const std::string& op) {

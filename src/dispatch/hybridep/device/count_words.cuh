@@ -61,17 +61,18 @@ __device__ bool ll_wait(Word word, int n, unsigned epoch, const WaitContext& w, 
     for (int i = 0; i < kLlBatch; ++i)
       if (i < n) got[i] = ll_load(word(i));
     int stale = -1;
+    unsigned stale_epoch = 0;  // what the stale word holds (a static index: no local memory)
 #pragma unroll
     for (int i = kLlBatch - 1; i >= 0; --i) {
       if (i >= n) continue;
       value[i] = static_cast<unsigned>(got[i]);
-      if (static_cast<unsigned>(got[i] >> 32) != epoch) stale = i;
+      if (static_cast<unsigned>(got[i] >> 32) != epoch) stale = i, stale_epoch = static_cast<unsigned>(got[i] >> 32);
     }
     if (stale < 0) return true;
     if (first) start = global_timer_ns();
     if (timed_out(w.status)) return false;
     if (global_timer_ns() - start > w.timeout_ns) {
-      report_status(w.status, StatusCode::timeout, w.phase, peer(stale), epoch, 0);
+      report_status(w.status, StatusCode::timeout, w.phase, peer(stale), epoch, stale_epoch);
       return false;
     }
     __nanosleep(64);

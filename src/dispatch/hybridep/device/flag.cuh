@@ -17,17 +17,21 @@
 namespace flexep::hybridep {
 
 // Spins (acquire, system scope) until *flag has reached `epoch`. False when the deadline passed
-// (the status then names `phase` and `peer`) or another wait already timed out. One thread calls
-// it; the caller then synchronises its warp/CTA before anyone reads the payload.
+// (the status then names `phase` and `peer`, the epoch waited for as its value and the flag's value
+// at the deadline as its limit: a flag that holds the epoch later was published late, not lost) or
+// another wait already timed out. One thread calls it; the caller then synchronises its warp/CTA
+// before anyone reads the payload.
 __device__ inline bool wait_flag_at_least(const unsigned* flag, unsigned epoch, const WaitContext& w, int peer) {
-  if (epoch_reached(ld_sys(flag, ::cuda::memory_order_acquire), epoch)) return true;
+  unsigned seen = ld_sys(flag, ::cuda::memory_order_acquire);
+  if (epoch_reached(seen, epoch)) return true;
   const unsigned long long start = global_timer_ns();
   while (true) {
     __nanosleep(64);
-    if (epoch_reached(ld_sys(flag, ::cuda::memory_order_acquire), epoch)) return true;
+    seen = ld_sys(flag, ::cuda::memory_order_acquire);
+    if (epoch_reached(seen, epoch)) return true;
     if (timed_out(w.status)) return false;
     if (global_timer_ns() - start > w.timeout_ns) {
-      report_status(w.status, StatusCode::timeout, w.phase, peer, epoch, 0);
+      report_status(w.status, StatusCode::timeout, w.phase, peer, epoch, seen);
       return false;
     }
   }

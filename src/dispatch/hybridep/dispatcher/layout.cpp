@@ -227,8 +227,9 @@ std::exception_ptr status_error(const Status& s, int me, double timeout_seconds)
       return std::make_exception_ptr(TimeoutError(
           phase, s.peer,
           detail::concat("rank ", me, " waited ", timeout_seconds, " s on the device for rank ", s.peer,
-                         " (it stopped participating, called a different operation, or its GPU stalled); the "
-                         "dispatcher cannot be used any more: create a new one")));
+                         " (it stopped participating, called a different operation, or its GPU stalled; epoch ",
+                         s.value, " waited for, ", s.limit, " seen at the deadline); the dispatcher cannot be "
+                         "used any more: create a new one")));
     case StatusCode::corrupt:
       return std::make_exception_ptr(
           Error(detail::concat("flexep: hybridep ", phase, ": rank ", me, " received an index ", s.value, " from rank ",
