@@ -21,18 +21,6 @@
 
 namespace flexep {
 
-CudaExpertsSaved::~CudaExpertsSaved() {
-  // Device tensors are freed on the calling thread's current stream: make that the stream of their
-  // last use, so the frees are ordered after the kernels that read them.
-  cuda::StreamGuard guard(stream);
-  x = Tensor();
-  p = Tensor();
-  offsets = Tensor();
-  h = Tensor();
-  ap = Tensor();
-  u = Tensor();
-}
-
 namespace {
 
 // Stream names as in GroupedExperts::init (fixed there too: values must not depend on renames).
@@ -334,7 +322,6 @@ CudaExpertsOutput CudaGroupedExpertsCompute::forward_impl(const ExpertWeights& w
   saved->tokens_per_expert = counts;
   saved->rows = N;
   saved->active = active;
-  saved->stream = stream;
   if (gathered) {
     saved->x = *keep;
     saved->row_ids = *row_ids;
@@ -419,7 +406,6 @@ CudaExpertsGrads CudaGroupedExpertsCompute::backward(const ExpertWeights& weight
   check_cuda_tensor(grad_out, {s.rows, config_.dim}, DType::bf16, device_, "grad_out");
   cuda::DeviceGuard dg(device_);
   cuda::StreamGuard sg(stream);
-  s.stream = stream;  // from now on, release the saved tensors after this call's kernels
   const Device dev = Device::cuda(device_);
   const std::int64_t N = s.rows, A = s.active;
   const std::int64_t dim = config_.dim, up = config_.up_dim(), inter = config_.moe_inter_dim;

@@ -19,15 +19,6 @@
 
 namespace flexep {
 
-// Frees the saved tensors on the forward's stream: device memory is stream-ordered, and every use of
-// these tensors (side-stream ones included, which are joined back) is ordered before that point of
-// the stream.
-struct ReleaseOn {
-  cudaStream_t stream = nullptr;
-  std::optional<cuda::StreamGuard> guard;
-  void activate() { guard.emplace(stream); }
-};
-
 // One chunk of the routed path (backend.dispatch_chunks): rows [begin, end) of the batch, through
 // the chunk's own dispatcher.
 struct CudaMoEChunk {
@@ -36,9 +27,9 @@ struct CudaMoEChunk {
   CudaExpertsOutput experts;
 };
 
+// The forward's state for backward. Each device tensor is freed on the stream it was made on (or
+// the one cuda::free_on moved it to), whichever thread drops it: cuda/runtime.h.
 struct CudaMoESaved {
-  ReleaseOn release;  // first member: destroyed last, so it is active while the tensors are freed
-  ~CudaMoESaved() { release.activate(); }
   const CudaMoECompute* owner = nullptr;
   bool routing_override = false;
   std::int64_t tokens = 0;
@@ -277,7 +268,6 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   cuda::DeviceGuard guard(device_);
   cuda::StreamGuard sg(stream);
   auto s = std::make_shared<CudaMoESaved>();
-  s->release.stream = stream;
   s->owner = this;
   s->routing_override = override;
   Events& ev = *events_;
@@ -328,11 +318,8 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
     // Without noise the fake routing is a fixed pattern of the token index (fake_balanced_gate.cpp):
     // computed and uploaded once per T, then reused, with no readback of x and no host sync.
     if (fixed_fake_.tokens != T || fixed_fake_.stream != stream) {
-      {
-        cuda::StreamGuard last_use(fixed_fake_.stream);  // freed after the work that read them
-        fixed_fake_.indices = Tensor();
-        fixed_fake_.weights = Tensor();
-      }
+      fixed_fake_.indices = Tensor();
+      fixed_fake_.weights = Tensor();
       const GateOutput g = FakeBalancedGate(config_, 0.0).forward(Tensor::zeros({T, 1}, DType::f32), Tensor());
       fixed_fake_.indices = cuda::to_device(g.indices, device_, stream);
       fixed_fake_.weights = cuda::to_device(g.weights, device_, stream);
@@ -389,7 +376,6 @@ CudaMoEOutput CudaMoECompute::forward(const MoEWeights& w, const TensorView& x, 
   if (shared_) {
     FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
     cuda::add_into(y, s->shared.out, stream);
-    s->shared.saved->stream = stream;  // joined: free on the main stream from now on
     release_after_read(s->shared.out, stream);  // not read by the backward
   }
   if (timing_) {
@@ -464,7 +450,6 @@ Tensor CudaMoECompute::backward_into(const MoEWeights& w, const CudaMoESaved& s,
   if (shared_) {
     FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.shared_done, 0));
     cuda::add_into(grad_x, grad_x_shared, stream);
-    s.shared.saved->stream = stream;
   }
   if (timing_) {
     FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[5], stream));
@@ -599,10 +584,7 @@ Tensor CudaMoECompute::forward_routed(const MoEWeights& w, const TensorView& hid
       dispatch(c + 1);
       experts(c + 1);
     }
-    if (C > 1) {
-      FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.computed[static_cast<std::size_t>(c)], 0));
-      ch.experts.saved->stream = stream;  // joined: freed on the caller's stream from now on
-    }
+    if (C > 1) FLEXEP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.computed[static_cast<std::size_t>(c)], 0));
     if (timing_ && c == C - 1) FLEXEP_CUDA_CHECK(cudaEventRecord(ev.mark[3], stream));
     const Tensor yc = chunk_dispatchers_[static_cast<std::size_t>(c)]->combine(ch.dispatched.handle, ch.experts.out);
     put_rows(y, T, ch.begin, ch.end, yc, stream);

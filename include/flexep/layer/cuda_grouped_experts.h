@@ -9,9 +9,11 @@
 // Blocking mode: tokens_per_expert is on the host. Rows past sum(tokens_per_expert) produce zero
 // output and zero gradients. Built only with CUDA.
 //
-// Streams: forward/backward are asynchronous on the given stream; the saved state is released on the
-// stream of the last call that used it (backward's, once run). Backward must be ordered after its
-// forward (same stream, or joined). Parameters are allocated at construction on the legacy default
+// Streams: forward/backward are asynchronous on the given stream; each saved tensor is freed on the
+// stream it was made on (cuda/runtime.h), so a backward on another stream must be joined back to the
+// forward's before the saved state is dropped (several calls may read one tensor, the layer's x: only
+// the stream that made it is ordered after all of them). Backward must be ordered after its forward
+// (same stream, or joined). Parameters are allocated at construction on the legacy default
 // stream (construction synchronises it); release the module only when its work is done.
 #pragma once
 
@@ -80,11 +82,9 @@ struct CudaExpertsSaved {
   Tensor h;                 // [active, up] bf16, x W_gu before the bias
   Tensor ap;                // [active, inter] bf16, act(h + b) * p (after-down: act(h + b))
   Tensor u;                 // [active, dim] bf16, after-down only: the expert rows before the prob
-  mutable cudaStream_t stream = nullptr;  // where the tensors above are freed
   CudaExpertsSaved() = default;
   CudaExpertsSaved(const CudaExpertsSaved&) = delete;
   CudaExpertsSaved& operator=(const CudaExpertsSaved&) = delete;
-  ~CudaExpertsSaved();
 };
 
 struct CudaExpertsOutput {
