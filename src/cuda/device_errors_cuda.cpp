@@ -32,6 +32,9 @@ DeviceErrors::~DeviceErrors() {
 
 void DeviceErrors::check(cudaStream_t stream, const std::string& context) {
   DeviceErrorRecord h{};
+  // The stream first, then the copy into pageable memory: a pageable copy may hold this thread
+  // inside the driver while the stream waits for a peer rank's launch (runtime_cuda.cpp, to_host).
+  FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
   FLEXEP_CUDA_CHECK(cudaMemcpyAsync(&h, rec_, sizeof(h), cudaMemcpyDeviceToHost, stream));
   FLEXEP_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (h.arg == 0) return;

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "flexep/dispatch/deepep.h"
@@ -121,52 +122,80 @@ std::size_t used_outside_pool() {
   return total - free - static_cast<std::size_t>(reserved);
 }
 
+// Checks that both ranks' two sequences are the host backend's.
+void expect_host_results(const std::string& what, const std::vector<std::vector<Outputs>>& got) {
+  const std::vector<Outputs> want = run_host(call_config(), kRanks);
+  for (int i = 0; i < 2; ++i) {
+    std::vector<Outputs> ranks = {got[0][static_cast<std::size_t>(i)], got[1][static_cast<std::size_t>(i)]};
+    expect_equal(want, ranks, what + (i == 0 ? ", first call" : ", after release"));
+  }
+}
+
+// The collectives of a fault-free life cycle as the faulty rank made them: `marks[s]` is where step
+// s starts in `phases`. The run's results are checked against the host backend; it also warms the
+// pool, so that the memory measured after it is a baseline.
+struct TracedLifeCycle {
+  std::vector<std::size_t> marks;
+  std::vector<std::string> phases;
+  bool ok = false;
+};
+
+template <class Options>
+TracedLifeCycle trace_life_cycle(const std::string& backend) {
+  TracedLifeCycle t;
+  std::vector<std::vector<Outputs>> got(kRanks);
+  const auto errors = run_gpu_ranks(
+      kRanks,
+      [&](GpuRank& g) {
+        g.comm->simulated_world()->trace(true);
+        life_cycle<Options>(g, std::nullopt, g.rank == kFaulty ? &t.marks : nullptr,
+                            &got[static_cast<std::size_t>(g.rank)]);
+        if (g.rank == kFaulty) t.phases = g.comm->simulated_world()->traced(kFaulty);
+      },
+      deadline_options());
+  EXPECT_TRUE(all_ok(errors)) << backend << ", no fault";
+  if (!all_ok(errors)) return t;
+  expect_host_results(backend, got);
+  EXPECT_EQ(t.marks.size(), 6u);
+  t.ok = t.marks.size() == 6u;
+  return t;
+}
+
+// Each collective of the given steps, at its first occurrence in the step (a fault fires the next
+// time its phase is reached), with the step it belongs to.
+std::vector<std::pair<Step, std::string>> collectives_of(const TracedLifeCycle& t, std::initializer_list<Step> steps) {
+  std::vector<std::pair<Step, std::string>> out;
+  for (Step s : steps) {
+    const auto i = static_cast<std::size_t>(s);
+    std::vector<std::string> seen;
+    for (std::size_t j = t.marks[i]; j < t.marks[i + 1]; ++j) {
+      const std::string& phase = t.phases[j];
+      if (std::find(seen.begin(), seen.end(), phase) != seen.end()) continue;
+      seen.push_back(phase);
+      out.emplace_back(s, phase);
+    }
+  }
+  return out;
+}
+
 template <class Options>
 void every_collective_of_the_life_cycle(const std::string& backend) {
   const Simulate sim(kRanks);
   if (!require_gpus(1)) return;
-  // A fault-free run, traced: which collectives each step makes. It also warms the pool, so that
-  // the memory measured after it is the baseline.
-  std::vector<std::size_t> marks;
-  std::vector<std::vector<std::string>> traced;
-  std::vector<std::vector<Outputs>> got(kRanks);
-  {
-    const auto errors = run_gpu_ranks(
-        kRanks,
-        [&](GpuRank& g) {
-          g.comm->simulated_world()->trace(true);
-          life_cycle<Options>(g, std::nullopt, g.rank == kFaulty ? &marks : nullptr,
-                              &got[static_cast<std::size_t>(g.rank)]);
-          if (g.rank == kFaulty) traced.push_back(g.comm->simulated_world()->traced(kFaulty));
-        },
-        deadline_options());
-    ASSERT_TRUE(all_ok(errors)) << backend << ", no fault";
-  }
-  const std::vector<Outputs> want = run_host(call_config(), kRanks);
-  for (int i = 0; i < 2; ++i) {
-    std::vector<Outputs> ranks = {got[0][static_cast<std::size_t>(i)], got[1][static_cast<std::size_t>(i)]};
-    expect_equal(want, ranks, backend + (i == 0 ? ", first call" : ", after release"));
-  }
-  ASSERT_EQ(traced.size(), 1u);
-  ASSERT_EQ(marks.size(), 6u);
+  const TracedLifeCycle traced = trace_life_cycle<Options>(backend);
+  ASSERT_TRUE(traced.ok);
   const std::size_t baseline_used = used_outside_pool();
   const std::uint64_t baseline_pool = cuda::pool_used_bytes(0);
 
-  // Each step's collectives, first occurrences (a fault fires the next time its phase is reached).
   // The per-call collectives (step "call") have their own tests; here they count only in "remake",
   // whose dispatch makes the buffers again.
   std::vector<Planted> plants;
   for (Step s : {Step::create, Step::resize, Step::release, Step::remake}) {
-    const auto i = static_cast<std::size_t>(s);
-    std::vector<std::string> seen;
-    for (std::size_t j = marks[i]; j < marks[i + 1]; ++j) {
-      const std::string& phase = traced[0][j];
-      if (std::find(seen.begin(), seen.end(), phase) != seen.end()) continue;
-      seen.push_back(phase);
-      for (const bool dies : {true, false}) plants.push_back({s, {kFaulty, phase, dies ? -1.0 : 1.5 * kDeadline}});
-    }
+    const auto of_step = collectives_of(traced, {s});
     // Every step but a fault-free release reaches the other rank through the host world.
-    EXPECT_FALSE(seen.empty()) << backend << ": step " << kStepNames[i] << " makes no collective";
+    EXPECT_FALSE(of_step.empty()) << backend << ": step " << kStepNames[static_cast<int>(s)] << " makes no collective";
+    for (const auto& [step, phase] : of_step)
+      for (const bool dies : {true, false}) plants.push_back({step, {kFaulty, phase, dies ? -1.0 : 1.5 * kDeadline}});
   }
 
   for (const Planted& p : plants) {
@@ -214,6 +243,47 @@ void every_collective_of_the_life_cycle(const std::string& backend) {
                                                 << " MB after " << waited << " s)";
     EXPECT_LE(cuda::pool_used_bytes(0), baseline_pool) << "pool tensors left behind";
   }
+}
+
+// A rank that passes a collective of the life cycle and is then slow, but within every deadline
+// (its thread sleeps kSlow), holds up nobody: the other rank has gone on and launched its next call,
+// whose kernels wait on the device for this rank's, and every call still meets and gives the host
+// backend's results. On one GPU a device-wide wait (cudaDeviceSynchronize) made by the slow rank
+// after a collective would wait for those kernels, which wait for a launch its thread has not made:
+// both ranks would stall until the device deadline. deepep's buffers once synchronised the device
+// after the window's barrier (the budget buffers' zeroing), so an out-of-step budget dispatch right
+// after a create could time out (seen once in DeepEpMultiGpu.BudgetModeMatchesHost).
+constexpr double kSlow = 0.5, kSlowDeadline = 2.0;  // the slow rank's sleep; the host world's deadline
+
+template <class Options>
+void slow_after_every_collective(const std::string& backend) {
+  const Simulate sim(kRanks);
+  if (!require_gpus(1)) return;
+  const TracedLifeCycle traced = trace_life_cycle<Options>(backend);
+  ASSERT_TRUE(traced.ok);
+  CommunicatorOptions co;
+  co.timeout_seconds = kSlowDeadline;
+  for (const auto& [step, phase] : collectives_of(traced, {Step::create, Step::call, Step::resize, Step::release,
+                                                           Step::remake})) {
+    const std::string what = backend + ", slow after " + phase + " (" + kStepNames[static_cast<int>(step)] + ")";
+    SCOPED_TRACE(what);
+    const Planted plant{step, {kFaulty, phase, kSlow, /*after=*/true}};
+    std::vector<std::vector<Outputs>> got(kRanks);
+    const auto errors = run_gpu_ranks(
+        kRanks, [&](GpuRank& g) { life_cycle<Options>(g, plant, nullptr, &got[static_cast<std::size_t>(g.rank)]); },
+        co);
+    // A stall would end in the other rank's TimeoutError at the device deadline (3 s).
+    ASSERT_TRUE(all_ok(errors));
+    expect_host_results(what, got);
+  }
+}
+
+TEST(SimulatedRanksInitFaults, DeepEpRankSlowAfterAnyCollectiveHoldsUpNoPeer) {
+  slow_after_every_collective<DeepEpOptions>("deepep");
+}
+
+TEST(SimulatedRanksInitFaults, HybridEpRankSlowAfterAnyCollectiveHoldsUpNoPeer) {
+  slow_after_every_collective<HybridEpOptions>("hybridep");
 }
 
 TEST(SimulatedRanksInitFaults, DeepEpRankThatDiesOrStallsInTheBuffersLifeCycleTimesOutTheOther) {

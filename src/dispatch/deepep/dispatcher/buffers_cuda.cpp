@@ -158,20 +158,28 @@ void Dispatcher::allocate() {
   const int R = comm_->size();
   win_ = window_layout(options_, R, experts_);
   cuda::DeviceGuard guard(comm_->device());
-  // The operation state starts at epoch 0 like the flags; zeroed (and the device synchronised)
-  // before the window's barrier, so that no peer's kernel can wait on this rank's zeroing.
+  // Everything this rank's kernels start from is made and zeroed, and the device synchronised,
+  // before the window's barrier: the operation state at epoch 0 like the flags, the budget and
+  // low-latency buffers. After the barrier a peer may launch a call whose kernels wait for this
+  // rank's; on one GPU (simulated ranks) a device-wide wait here would then wait for them, while
+  // they wait for a launch this thread has not made: both stall until the device deadline.
   const std::size_t local_bytes = state_bytes(R, experts_);
   void* state = nullptr;
   FLEXEP_CUDA_CHECK(cudaMalloc(&state, local_bytes));
   FLEXEP_CUDA_CHECK(cudaMemset(state, 0, local_bytes));
-  FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
   SymmetricBufferSpec spec;
   spec.window_bytes = win_.bytes;
   spec.flag_bytes = flag_buffer_bytes(R);
   spec.lsa_barriers = 1;
   try {
+    allocate_budget_buffers();
+    allocate_low_latency_buffers();
+    FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());
     sym_.init(spec);
   } catch (...) {
+    budget_buffers_ = {};
+    dropped_ = Tensor();
+    ll_ = LowLatencyBuffers{};
     cudaFree(state);
     throw;
   }
@@ -179,9 +187,6 @@ void Dispatcher::allocate() {
   ops_ = reinterpret_cast<OpControl*>(local_);
   status_ = reinterpret_cast<Status*>(local_ + sizeof(OpControl) * kKinds);
   snapshot_ = reinterpret_cast<long long*>(local_ + sizeof(OpControl) * kKinds + sizeof(Status));
-  allocate_budget_buffers();
-  allocate_low_latency_buffers();
-  FLEXEP_CUDA_CHECK(cudaDeviceSynchronize());  // their zeroing, before any call's stream uses them
   ++generation_;
 }
 
