@@ -2,8 +2,8 @@
 // R simulated ranks, for the same inputs: dispatch (tokens, probs, tokens_per_expert, dropped),
 // combine, combine_backward and dispatch_backward are all compared bit for bit. Also: budget mode
 // (exact size, drop, overflow error), the multihot form, the separate communication stream, errors
-// raised on every rank (configuration mismatch, bad ids, bad arguments) and a missing peer turning
-// into a TimeoutError that names the phase.
+// raised on every rank (configuration mismatch, bad ids, bad arguments in dispatch, combine and the
+// backwards) and a missing peer turning into a TimeoutError that names the phase.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -277,6 +277,62 @@ TEST(AlltoallMultiGpu, BadIdsAndBadArgumentsRaiseOnEveryRank) {
   }
 }
 
+// combine and the backwards: one rank's bad argument is raised on every rank (the verdicts go round
+// before any row moves); the dispatcher stays usable and its next combine gives the same bits.
+TEST(AlltoallMultiGpu, ErrorsInCombineAndBackwardsReachEveryRank) {
+  if (!require_gpus(2)) return;
+  const int R = gpu_ranks(), E = 2 * R;
+  const std::int64_t T = 6, H = 8;
+  std::vector<std::exception_ptr> combine(static_cast<std::size_t>(R)), grads(combine), rows(combine), handle(combine);
+  const auto errors = run_gpu_ranks(
+      R,
+      [&](GpuRank& g) {
+        auto d = make_alltoall_dispatcher(g.comm, E);
+        const std::size_t r = static_cast<std::size_t>(g.rank);
+        const DispatchResult res = d->dispatch(device_inputs(g, E, T, H, 2).view(), {});
+        const std::int64_t N = res.tokens.size(0);
+        const Device dev = Device::cuda(g.device);
+        const Tensor before = cuda::to_host(d->combine(res.handle, res.tokens), g.stream);
+        const int last = g.size - 1;
+        attempt(combine[r], [&] {  // the last rank's expert_out has one row too many
+          const Tensor bad = Tensor::zeros({N + 1, H}, DType::bf16, dev);
+          d->combine(res.handle, g.rank == last ? TensorView(bad) : TensorView(res.tokens));
+        });
+        attempt(grads[r], [&] {  // rank 0's prob gradients have a row too many
+          const Tensor bad = Tensor::zeros({N + 1}, DType::f32, dev);
+          d->dispatch_backward(res.handle, res.tokens, g.rank == 0 ? TensorView(bad) : TensorView(res.token_probs));
+        });
+        attempt(rows[r], [&] {  // the last rank's grad_out is of the wrong width
+          const Tensor go = Tensor::zeros({T, g.rank == last ? H + 8 : H}, DType::bf16, dev);
+          d->combine_backward(res.handle, go);
+        });
+        attempt(handle[r], [&] { d->combine(g.rank == 0 ? Handle() : res.handle, res.tokens); });
+        const Tensor after = cuda::to_host(d->combine(res.handle, res.tokens), g.stream);  // still usable
+        EXPECT_TRUE(same_bytes(before, after)) << "rank " << g.rank;
+      },
+      test_comm_options());
+  ASSERT_TRUE(all_ok(errors));
+  const int last = R - 1;
+  auto names = [](const char* arg) { return argument_is(arg, [](const std::string&) { return true; }); };
+  EXPECT_TRUE(all_threw<ArgumentError>(combine, names("expert_out")));
+  EXPECT_TRUE(all_threw<ArgumentError>(grads, names("grad_token_probs")));
+  EXPECT_TRUE(all_threw<ArgumentError>(rows, names("grad_out")));
+  EXPECT_TRUE(all_threw<ArgumentError>(handle, names("handle")));
+  for (int r = 0; r < R; ++r) {
+    const auto at = static_cast<std::size_t>(r);
+    if (r != last) {
+      EXPECT_TRUE(contains(what_of(combine[at]), "rank " + std::to_string(last) + " failed its checks in combine"))
+          << what_of(combine[at]);
+      EXPECT_TRUE(contains(what_of(rows[at]), "rank " + std::to_string(last) + " failed its checks in combine_backward"))
+          << what_of(rows[at]);
+    }
+    if (r != 0) {
+      EXPECT_TRUE(contains(what_of(grads[at]), "rank 0 failed its checks in dispatch_backward")) << what_of(grads[at]);
+      EXPECT_TRUE(contains(what_of(handle[at]), "rank 0 failed its checks in combine")) << what_of(handle[at]);
+    }
+  }
+}
+
 // ---- a rank that stops participating --------------------------------------------------------------------
 
 // Rank 1 skips `phase_call` (0: the second dispatch, 1: a combine); the others must fail with a
@@ -344,7 +400,7 @@ TEST(AlltoallMultiGpu, MissingPeerInDispatchTimesOutNamingThePhase) {
 
 TEST(AlltoallMultiGpu, MissingPeerInCombineTimesOutNamingThePhase) {
   if (!require_gpus(2)) return;
-  check_missing_peer(1, "combine:partials");
+  check_missing_peer(1, "combine:checks");  // the verdicts go round before the partials
 }
 
 }  // namespace

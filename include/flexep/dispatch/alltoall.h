@@ -17,17 +17,18 @@
 //
 // Host synchronisation: every call waits for its NCCL work on the host, through
 // Communicator::wait, so that a rank that stops participating becomes a TimeoutError naming the
-// phase ("dispatch:count-exchange", "dispatch:tokens", "combine:partials", ...) within the
+// phase ("dispatch:count-exchange", "dispatch:tokens", "combine:checks", "combine:partials", ...) within the
 // communicator's timeout instead of a hang. dispatch also needs the counts on the host to size the
 // NCCL messages, in budget mode too (budget mode fixes the output size and keeps tokens_per_expert
 // on the device, but is not sync-free here: only the hybridep backend is).
 //
 // Errors: argument errors found on one rank (host checks, or bad expert ids found by the count
 // kernel) travel with the count exchange and are raised on every rank, as are configuration
-// mismatches (E, routing form, H, k, mode, pad_multiple, budget) and budget overflow. Arguments of
-// combine and the backwards are checked locally only (those calls exchange no metadata): a rank
-// that rejects its arguments raises at once, and the others then fail with a TimeoutError. All
-// ranks must pass the handle of the same dispatch call, since the message sizes come from it.
+// mismatches (E, routing form, H, k, mode, pad_multiple, budget) and budget overflow. combine and
+// the backwards exchange no counts, so each first gathers every rank's verdict on its own arguments
+// (one word per rank, phase "<call>:checks"; a host synchronisation) and raises one rank's
+// ArgumentError on every rank, naming that rank and the argument. All ranks must pass the handle of
+// the same dispatch call, since the message sizes come from it.
 #pragma once
 
 #include <cuda_runtime.h>

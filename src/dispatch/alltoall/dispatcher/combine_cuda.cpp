@@ -1,12 +1,17 @@
 // combine and the two backwards of the alltoall dispatcher. None exchanges counts or plans: the
-// message sizes and positions all come from the handle.
+// message sizes and positions all come from the handle; each first tells every rank whether its
+// arguments passed their checks (checked_on_every_rank).
 //   combine:           partial sums on the owner -> back to the source -> sum over owners;
 //   dispatch_backward: the same with grad_tokens, the return messages also carrying each entry's
 //                      prob grad, gathered back to the slots on the source;
 //   combine_backward:  grad_out packed like the dispatch's rows -> scattered to the same rows.
+#include <exception>
+#include <vector>
+
 #include "dispatch/alltoall/dispatcher/dispatcher.h"
-#include "dispatch/alltoall/kernels/kernels.h"
 #include "dispatch/alltoall/dispatcher/transfer.h"
+#include "dispatch/alltoall/kernels/kernels.h"
+#include "dispatch/common/failed_arg.h"
 #include "flexep/core/checks.h"
 #include "flexep/cuda/runtime.h"
 
@@ -21,6 +26,24 @@ const AlltoallHandle& AlltoallDispatcher::own_handle(const Handle& handle) const
 
 void AlltoallDispatcher::check_device(const TensorView& t, const std::string& arg) const {
   check::device(t, Device::cuda(comm_->device()), arg);
+}
+
+template <class Checks>
+const AlltoallHandle& AlltoallDispatcher::checked_on_every_rank(const std::string& call, Checks&& checks) {
+  const AlltoallHandle* h = nullptr;
+  std::exception_ptr failed;
+  try {
+    h = &checks();
+  } catch (const Error&) {
+    failed = std::current_exception();
+  }
+  const long long mine = static_cast<long long>(failed ? failed_arg_of(failed) : FailedArg::none);
+  const std::vector<long long> all = comm_->all_gather_i64({mine}, call + ":checks");
+  if (failed) std::rethrow_exception(failed);
+  for (int r = 0; r < world_size(); ++r)
+    if (const long long word = all[static_cast<std::size_t>(r)]; word != 0)
+      raise_peer_failure(r, call, static_cast<FailedArg>(word), comm_->rank(), "alltoall " + call);
+  return *h;
 }
 
 Tensor AlltoallDispatcher::reduce(const AlltoallHandle& h, const TensorView& rows, const TensorView& grad_probs,
@@ -73,9 +96,12 @@ Tensor AlltoallDispatcher::combine(const Handle& handle, const TensorView& exper
   cuda::init();
   cuda::DeviceGuard device_guard(comm_->device());
   cuda::StreamGuard stream_guard(stream());
-  const AlltoallHandle& h = own_handle(handle);
-  check_handle_tensor(expert_out, h.rows, h.hidden, h.hidden_dtype, "expert_out");
-  check_device(expert_out, "expert_out");
+  const AlltoallHandle& h = checked_on_every_rank("combine", [&]() -> const AlltoallHandle& {
+    const AlltoallHandle& own = own_handle(handle);
+    check_handle_tensor(expert_out, own.rows, own.hidden, own.hidden_dtype, "expert_out");
+    check_device(expert_out, "expert_out");
+    return own;
+  });
   return reduce(h, expert_out, TensorView(), nullptr, "combine:partials");
 }
 
@@ -84,11 +110,14 @@ DispatchGrads AlltoallDispatcher::dispatch_backward(const Handle& handle, const 
   cuda::init();
   cuda::DeviceGuard device_guard(comm_->device());
   cuda::StreamGuard stream_guard(stream());
-  const AlltoallHandle& h = own_handle(handle);
-  check_handle_tensor(grad_tokens, h.rows, h.hidden, h.hidden_dtype, "grad_tokens");
-  check_device(grad_tokens, "grad_tokens");
-  check_handle_tensor(grad_token_probs, h.rows, -1, h.prob_dtype, "grad_token_probs");
-  check_device(grad_token_probs, "grad_token_probs");
+  const AlltoallHandle& h = checked_on_every_rank("dispatch_backward", [&]() -> const AlltoallHandle& {
+    const AlltoallHandle& own = own_handle(handle);
+    check_handle_tensor(grad_tokens, own.rows, own.hidden, own.hidden_dtype, "grad_tokens");
+    check_device(grad_tokens, "grad_tokens");
+    check_handle_tensor(grad_token_probs, own.rows, -1, own.prob_dtype, "grad_token_probs");
+    check_device(grad_token_probs, "grad_token_probs");
+    return own;
+  });
   DispatchGrads g;
   g.hidden = reduce(h, grad_tokens, grad_token_probs, &g.weights, "dispatch_backward:partials");
   return g;
@@ -99,9 +128,12 @@ Tensor AlltoallDispatcher::combine_backward(const Handle& handle, const TensorVi
   cuda::DeviceGuard device_guard(comm_->device());
   const cudaStream_t s = stream();
   cuda::StreamGuard stream_guard(s);
-  const AlltoallHandle& h = own_handle(handle);
-  check_handle_tensor(grad_out, h.tokens, h.hidden, h.hidden_dtype, "grad_out");
-  check_device(grad_out, "grad_out");
+  const AlltoallHandle& h = checked_on_every_rank("combine_backward", [&]() -> const AlltoallHandle& {
+    const AlltoallHandle& own = own_handle(handle);
+    check_handle_tensor(grad_out, own.tokens, own.hidden, own.hidden_dtype, "grad_out");
+    check_device(grad_out, "grad_out");
+    return own;
+  });
   const Device dev = Device::cuda(comm_->device());
   const std::int64_t H = h.hidden;
 

@@ -61,6 +61,12 @@ class AlltoallDispatcher final : public TokenDispatcher {
   // First call only: all ranks agree on E before any message sized by E is exchanged.
   void handshake();
   const AlltoallHandle& own_handle(const Handle& handle) const;
+  // combine and the backwards exchange no counts: every rank's verdict on its arguments goes round
+  // first (one word per rank, phase "<call>:checks"), so that one rank's ArgumentError is raised on
+  // every rank instead of leaving the others to wait out their deadline for its rows. Returns the
+  // handle `checks` found valid; the failing rank raises its own error, the others one naming it.
+  template <class Checks>
+  const AlltoallHandle& checked_on_every_rank(const std::string& call, Checks&& checks);
   void check_device(const TensorView& t, const std::string& arg) const;
   // combine and dispatch_backward: the two-level sum of `rows` along the handle; with grad_probs,
   // also the prob grads of every slot (weight_grads [T, slots or E]).
